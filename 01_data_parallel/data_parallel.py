@@ -1,0 +1,126 @@
+"""Data parallelism by hand: every rank holds the whole model and a slice of the batch.
+
+After backward each rank holds the gradient of *its* slice's share of the loss. Summing those over
+the data-parallel group (an all-reduce) gives every rank the gradient of the whole batch, so every
+rank takes the same optimizer step and the replicas stay identical.
+
+Two versions of the same idea:
+- `allreduce_gradients` (naive): wait until backward is completely finished, then all-reduce every
+  gradient, one collective per tensor. Simple, but the network idles during backward and the
+  compute idles during communication, and many small messages each pay the latency cost.
+- `BucketedDataParallel`: gradient hooks notice each gradient as soon as backward produces it;
+  gradients are packed into buckets of ~`bucket_mb` MB, and a full bucket's all-reduce starts
+  asynchronously while backward is still computing the earlier layers. Overlap + fewer messages.
+  This is what torch.nn.parallel.DistributedDataParallel does (in C++).
+
+The loss is the *sum* over tokens divided by the global token count, so the all-reduce sums
+(it does not average) the gradients.
+"""
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from common import comm
+
+
+def allreduce_gradients(model: nn.Module, group) -> None:
+    """Naive DP: one blocking all-reduce per gradient tensor, after backward. Bytes: 2(N-1)/N·M."""
+    for p in model.parameters():
+        if p.grad is not None:
+            comm.all_reduce(p.grad, group=group, name="dp")
+
+
+def broadcast_parameters(model: nn.Module, group, src: int = 0) -> None:
+    """Make every replica start from rank `src`'s weights (they already agree here, as every rank
+    builds the model from the same seed, but a real job must not rely on that)."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            comm.broadcast(t.data, src=src, group=group, name="dp")
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)   # (numel,)
+        self.ready = 0          # gradients of this bucket produced so far in this backward
+        self.work = None        # the in-flight async all-reduce
+
+
+class BucketedDataParallel(nn.Module):
+    """Overlap the gradient all-reduce with backward, bucket by bucket."""
+
+    def __init__(self, module: nn.Module, group, bucket_mb: float = 25.0):
+        super().__init__()
+        self.module, self.group = module, group
+        self.sync = True               # False inside no_sync(): accumulate locally, communicate nothing
+        self.launch_log: list[tuple[int, int]] = []   # (bucket index, hooks fired so far), for tests
+        self._hooks_fired = 0
+        broadcast_parameters(module, group)
+
+        # Backward produces gradients roughly in reverse order of the forward, so buckets are filled
+        # from the last parameters to the first: the first bucket is ready (and sent) earliest.
+        params = [p for p in module.parameters() if p.requires_grad]
+        limit = bucket_mb * 1024 * 1024
+        self.buckets, current, size = [], [], 0
+        for p in reversed(params):
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= limit:
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+        if current:
+            self.buckets.append(_Bucket(current))
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        for p in params:
+            # Runs right after p.grad has been accumulated for this backward pass.
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backward passes inside only add into .grad, no communication."""
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        self._hooks_fired += 1
+        if not self.sync:
+            return
+        bucket = self.bucket_of[p]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):      # the bucket is full: send it now, asynchronously
+            offset = 0
+            for q in bucket.params:
+                bucket.buffer[offset:offset + q.numel()].copy_(q.grad.flatten())
+                offset += q.numel()
+            bucket.work = comm.all_reduce(bucket.buffer, group=self.group, name="dp", async_op=True)
+            self.launch_log.append((self.buckets.index(bucket), self._hooks_fired))
+
+    def finish_gradient_sync(self) -> None:
+        """Wait for every bucket's all-reduce and copy the summed gradients back into .grad."""
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            offset = 0
+            for q in bucket.params:
+                q.grad.copy_(bucket.buffer[offset:offset + q.numel()].view_as(q.grad))
+                offset += q.numel()
+            bucket.ready, bucket.work = 0, None
+        self._hooks_fired = 0
+
+
+def counted_allreduce_hook(group, bucket):
+    """A DDP communication hook: sum (DDP's default averages) and count the bytes like ours."""
+    work = comm.all_reduce(bucket.buffer(), group=group, name="dp", async_op=True)
+    if work is None:                       # world size 1: nothing to wait for
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+    return work.get_future().then(lambda fut: fut.value()[0])

@@ -1,0 +1,126 @@
+"""Chapter 01 — data parallelism. Every rank trains the whole model on its slice of the batch.
+
+    python 01_data_parallel/train_dp.py                              # world size 1: the reference
+    torchrun --nproc_per_node=4 01_data_parallel/train_dp.py         # 4 data-parallel ranks
+    torchrun --nproc_per_node=4 01_data_parallel/train_dp.py --impl naive|bucketed|torch
+
+The DP degree is the world size. The same flags give the same losses in every case.
+"""
+import sys
+from contextlib import nullcontext
+from importlib import import_module
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common` and the chapters
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from common import checkpoint, comm
+from common.cli import base_parser, check_common
+from common.data import TextData, shard_rows
+from common.distributed import env_world_size, init_distributed, shutdown
+from common.errors import require, run_main
+from common.mesh import Mesh
+from common.metrics import RunLog, format_bytes
+from common.model import PRESETS, build_model, count_parameters, loss_sum
+from common.optim import build_adamw, clip_by_global_norm, lr_at, set_lr
+from common.training import (StepTimer, global_sum, load_optim_state_by_name, optim_state_by_name,
+                             resume_state, run_identity, should_save)
+
+dp_lib = import_module("01_data_parallel.data_parallel")
+
+
+def parse_args(argv=None):
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--impl", default="bucketed", choices=["naive", "bucketed", "torch"],
+                   help="naive: all-reduce after backward; bucketed: overlapped buckets; torch: DDP")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size for bucketed and torch DDP")
+    args = p.parse_args(argv)
+    check_common(args, dp=env_world_size())
+    require(args.bucket_mb > 0, "--bucket-mb must be positive")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    rt = init_distributed(args.device, args.timeout)
+    mesh = Mesh(rt.rank, rt.world_size, dp=rt.world_size)
+    dp_group, dp_rank, dp = mesh.group("dp"), mesh.coord("dp"), mesh.size("dp")
+    data = TextData(args.data, args.seq_len, args.seed)
+    cfg = PRESETS[args.model]
+    resume = resume_state(args)
+
+    # --- the model: a full replica on every rank -------------------------------------------------
+    model = build_model(cfg, args.seed, rt.device)
+    named = list(model.named_parameters())
+    optimizer = build_adamw(named, args.lr, args.weight_decay)
+    start = 0
+    if resume:
+        model.load_state_dict(resume["model"], strict=True)
+        load_optim_state_by_name(optimizer, named, resume["optim"])
+        start = resume["step"]
+    if args.impl == "bucketed":
+        wrapped = dp_lib.BucketedDataParallel(model, dp_group, args.bucket_mb)
+    elif args.impl == "torch":
+        wrapped = DistributedDataParallel(model, process_group=dp_group, bucket_cap_mb=args.bucket_mb)
+        wrapped.register_comm_hook(dp_group, dp_lib.counted_allreduce_hook)
+    else:
+        dp_lib.broadcast_parameters(model, dp_group)
+        wrapped = model
+
+    log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    M = sum(p.numel() * p.element_size() for p in model.parameters())
+    log.config_table(f"data parallel — {args.impl}", {
+        "world size (= DP degree)": rt.world_size, "device / backend": f"{rt.device} / {rt.backend}",
+        "model": f"{args.model}: {count_parameters(cfg):,} parameters ({format_bytes(M)} fp32)",
+        "global batch": f"{args.global_batch} seq × {args.seq_len} tokens = {args.global_batch * args.seq_len:,} tokens",
+        "per rank": f"{args.global_batch // dp} seq in {args.microbatches} micro-batch(es)",
+        "all-reduce volume per rank": f"2(N-1)/N·M = {format_bytes(2 * (dp - 1) / dp * M)} sent (and as much received)",
+        "resumed from step": start or "-"})
+    if rt.world_size == 1:
+        log.print("world size 1: the single-device reference. More ranks: "
+                  "torchrun --nproc_per_node=4 01_data_parallel/train_dp.py")
+
+    tokens_per_step = args.global_batch * args.seq_len
+    log.start(start + 1)
+    for step in range(start + 1, args.steps + 1):
+        comm.COUNTER.reset()
+        lr = lr_at(step, args.lr, args.warmup, args.steps)
+        set_lr(optimizer, lr)
+        with StepTimer(rt.device) as timer:
+            x, y = data.global_batch(step, args.global_batch)                 # (global_batch, S)
+            x, y = shard_rows(x, dp_rank, dp), shard_rows(y, dp_rank, dp)     # (global_batch/dp, S)
+            x, y = x.to(rt.device), y.to(rt.device)
+            local_loss = torch.zeros((), device=rt.device)
+            for mb in range(args.microbatches):
+                last = mb == args.microbatches - 1
+                xm, ym = shard_rows(x, mb, args.microbatches), shard_rows(y, mb, args.microbatches)
+                # Gradient accumulation: only the last micro-batch's backward communicates.
+                no_sync = wrapped.no_sync() if (not last and args.impl != "naive") else nullcontext()
+                with no_sync, torch.autocast(rt.device.type, torch.bfloat16, enabled=args.dtype == "bf16"):
+                    loss = loss_sum(wrapped(xm), ym) / tokens_per_step    # this micro-batch's share of the mean
+                    loss.backward()
+                local_loss += loss.detach()
+            if args.impl == "naive":
+                dp_lib.allreduce_gradients(model, dp_group)                # after backward, one by one
+            elif args.impl == "bucketed":
+                wrapped.finish_gradient_sync()                             # wait for the buckets
+            # Every replica now holds the full gradient: its norm is already global.
+            grad_norm = clip_by_global_norm([p.grad for p in model.parameters()], args.clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        loss_value = global_sum(local_loss, dp_group)
+        log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
+                     comm_bytes=comm.COUNTER.total(), comm_bytes_sent=sum(comm.COUNTER.sent.values()))
+        if should_save(args, step) and rt.is_main:
+            path = checkpoint.save(args.checkpoint_dir, step, model.state_dict(),
+                                   optim_state_by_name(optimizer, named), run_identity(args))
+            log.note(f"checkpoint saved: {path}")
+    log.finish()
+    shutdown(rt)
+    return log.history
+
+
+if __name__ == "__main__":
+    run_main(main)

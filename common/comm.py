@@ -1,0 +1,110 @@
+"""Collectives that count their bytes: the project's communication accounting.
+
+Every collective a chapter runs goes through these wrappers, which add to a per-group counter the
+bytes this rank sends and receives *under the standard ring algorithms*, for a tensor of n bytes in
+a group of N ranks:
+
+    all-reduce      sends 2(N-1)/N·n and receives 2(N-1)/N·n   (reduce-scatter, then all-gather)
+    all-gather      sends (N-1)/N·n, receives (N-1)/N·n        (n = the gathered output)
+    reduce-scatter  sends (N-1)/N·n, receives (N-1)/N·n        (n = the full input)
+    broadcast       the root sends n, every other rank receives n
+    send / recv     exactly the tensor's bytes
+    all-to-all      exactly the bytes that leave (and arrive at) this rank
+
+These are the volumes the textbook formulas talk about; the backend may move bytes differently
+(NCCL picks trees or rings, gloo has its own algorithms), so this counts the algorithmic volume, not
+what a packet sniffer would see. The scalar bookkeeping (the loss and gradient norm for printing,
+a few bytes per step) is not counted.
+"""
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+
+class CommCounter:
+    """Bytes sent + received, per named group, since the last `reset()`."""
+
+    def __init__(self):
+        self.sent = defaultdict(int)
+        self.received = defaultdict(int)
+
+    def add(self, name: str, sent: float, received: float):
+        self.sent[name] += int(sent)
+        self.received[name] += int(received)
+
+    def reset(self):
+        self.sent.clear()
+        self.received.clear()
+
+    def total(self, name: str | None = None) -> int:
+        names = [name] if name else set(self.sent) | set(self.received)
+        return sum(self.sent[n] + self.received[n] for n in names)
+
+    def by_group(self) -> dict:
+        return {n: self.sent[n] + self.received[n] for n in sorted(set(self.sent) | set(self.received))}
+
+
+COUNTER = CommCounter()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(t, group=None, name="dp", async_op=False, op=dist.ReduceOp.SUM):
+    n, N = _nbytes(t), dist.get_world_size(group)
+    COUNTER.add(name, 2 * (N - 1) / N * n, 2 * (N - 1) / N * n)
+    if N == 1:
+        return None
+    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into(output, shard, group=None, name="dp", async_op=False):
+    """Gather every rank's `shard` (equal sizes) into `output` = concatenation along dim 0."""
+    n, N = _nbytes(output), dist.get_world_size(group)
+    COUNTER.add(name, (N - 1) / N * n, (N - 1) / N * n)
+    if N == 1:
+        output.copy_(shard.reshape(output.shape))
+        return None
+    return dist.all_gather_single(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(output, full, group=None, name="dp", async_op=False, op=dist.ReduceOp.SUM):
+    """Sum `full` over the group; rank i keeps the i-th equal chunk (along dim 0) in `output`."""
+    n, N = _nbytes(full), dist.get_world_size(group)
+    COUNTER.add(name, (N - 1) / N * n, (N - 1) / N * n)
+    if N == 1:
+        output.copy_(full.reshape(output.shape))
+        return None
+    return dist.reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
+
+
+def broadcast(t, src: int, group=None, name="dp"):
+    """`src` is a global rank, as in torch.distributed."""
+    N = dist.get_world_size(group)
+    if N == 1:
+        return
+    me = dist.get_rank()
+    COUNTER.add(name, _nbytes(t) if me == src else 0, 0 if me == src else _nbytes(t))
+    dist.broadcast(t, src=src, group=group)
+
+
+def send(t, dst: int, group=None, name="pp"):
+    COUNTER.add(name, _nbytes(t), 0)
+    return dist.isend(t.contiguous(), dst=dst, group=group)
+
+
+def recv(t, src: int, group=None, name="pp"):
+    COUNTER.add(name, 0, _nbytes(t))
+    return dist.irecv(t, src=src, group=group)
+
+
+def all_to_all_single(output, inp, output_splits, input_splits, group=None, name="ep"):
+    """Rows of `inp` go to ranks by `input_splits`; rows arrive by `output_splits`."""
+    me = dist.get_rank(group)
+    row_in = _nbytes(inp) // max(1, inp.shape[0]) if inp.shape[0] else 0
+    row_out = _nbytes(output) // max(1, output.shape[0]) if output.shape[0] else 0
+    COUNTER.add(name, row_in * (sum(input_splits) - input_splits[me]),
+                row_out * (sum(output_splits) - output_splits[me]))
+    dist.all_to_all_single(output, inp, output_splits, input_splits, group=group)

@@ -1,0 +1,45 @@
+"""One clear message and a non-zero exit on every rank: the project's way of failing.
+
+Configuration checks raise `ConfigError`. They run on every rank on the same inputs, so every rank
+reaches the same verdict without talking to the others, and nobody is left waiting in a collective.
+`run_main` turns the exception into one line on the console (printed by rank 0) and exit code 2 on
+every rank. A peer that died shows up here as a RuntimeError from the communication backend; it is
+reported on each surviving rank in one line, with exit code 1.
+"""
+import os
+import sys
+
+
+class ConfigError(Exception):
+    """An invalid configuration: the message says what is wrong and how to fix it."""
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def run_main(main) -> None:
+    """Run `main()` as a script entry point with the project's failure rules."""
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        main()
+    except ConfigError as err:
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        os._exit(2)  # skip interpreter teardown: a half-initialised process group must not block exit
+    except KeyboardInterrupt:
+        os._exit(130)
+    except RuntimeError as err:
+        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if _looks_like_peer_failure(text):
+            print(f"error [rank {rank}]: lost contact with another rank ({text}); "
+                  "it probably crashed or was killed; see its own output above", file=sys.stderr, flush=True)
+            os._exit(1)
+        raise
+
+
+def _looks_like_peer_failure(text: str) -> bool:
+    keys = ("Connection closed", "Connection reset", "connection", "Broken pipe", "timed out", "Timeout",
+            "NCCL", "Gloo", "gloo", "recv", "peer")
+    return any(k in text for k in keys)

@@ -1,0 +1,66 @@
+"""The device mesh by hand: the rank grid as one tensor, and a process group per line of it.
+
+With dp × pp × tp = world ranks, the grid is `torch.arange(world).view(dp, pp, tp)`. TP is the last
+(fastest-varying) dimension, so the ranks of one TP group are consecutive numbers: on a node of 8 GPUs
+they sit inside the node, where the links are fastest, because TP communicates in every layer.
+
+A rank's coordinates are where its number sits in the grid. Its group along a dimension is the line
+of the grid through it along that dimension, e.g. its TP group is grid[d, p, :].
+"""
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from common.errors import require
+
+
+class Mesh:
+    """Process groups for named dimensions, ordered outermost first (default: dp, pp, tp)."""
+
+    def __init__(self, rank: int, world_size: int, **sizes: int):
+        dims = tuple(sizes)
+        shape = tuple(sizes.values())
+        require(all(s >= 1 for s in shape), f"every degree must be ≥ 1, got {sizes}")
+        product = 1
+        for s in shape:
+            product *= s
+        require(product == world_size,
+                f"the degrees {' × '.join(f'{d}={s}' for d, s in sizes.items())} = {product} must multiply to "
+                f"the world size {world_size}; change the degrees or launch with --nproc_per_node={product}")
+        self.dims, self.shape, self.rank = dims, shape, rank
+        self.grid = torch.arange(world_size).view(*shape)                      # (dp, pp, tp)
+        here = (self.grid == rank).nonzero()[0].tolist()
+        self.coords = dict(zip(dims, here))                                    # e.g. {"dp": 1, "pp": 0, "tp": 1}
+        self.groups, self.group_ranks = {}, {}
+        for i, dim in enumerate(dims):
+            # Every rank must call new_group for every group, in the same order, even for groups it
+            # is not part of: that is the rule of torch.distributed.new_group.
+            for line in self.lines(i):
+                group = dist.new_group(line) if world_size > 1 else dist.group.WORLD
+                if rank in line:
+                    self.groups[dim], self.group_ranks[dim] = group, line
+
+    def lines(self, i: int) -> list[list[int]]:
+        """All lines of the grid along dimension i, as lists of ranks."""
+        moved = self.grid.movedim(i, -1).reshape(-1, self.shape[i])          # (others, size_i)
+        return [row.tolist() for row in moved]
+
+    def size(self, dim: str) -> int:
+        return self.shape[self.dims.index(dim)]
+
+    def coord(self, dim: str) -> int:
+        return self.coords[dim]
+
+    def group(self, dim: str):
+        return self.groups[dim]
+
+    def describe(self) -> str:
+        """The grid as text: one row per (outer coordinates), one cell per rank."""
+        rows = []
+        outer = self.dims[:-1]
+        for idx in itertools.product(*(range(s) for s in self.shape[:-1])):
+            label = " ".join(f"{d}={c}" for d, c in zip(outer, idx))
+            cells = "  ".join(f"rank {r:>2}" for r in self.grid[idx].tolist())
+            rows.append(f"{label:<14} | {self.dims[-1]} 0..{self.shape[-1] - 1}: {cells}")
+        return "\n".join(rows)

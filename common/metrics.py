@@ -1,0 +1,97 @@
+"""What a run reports: the JSON Lines metrics file and the rich console, both from global rank 0.
+
+One object per optimizer step, at least: step (1 for the first), loss (mean cross-entropy over every
+token of the step's global batch, before the update), lr, tokens, step_time_s, tokens_per_s.
+Chapters add their own keys through `log_step(**extra)`.
+"""
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+class RunLog:
+    def __init__(self, rank: int, total_steps: int, metrics_path: str | None, quiet: bool):
+        self.is_main, self.total = rank == 0, total_steps
+        self.show = self.is_main and not quiet
+        self.console = Console(stderr=False, highlight=False)
+        self.history: list[dict] = []
+        self.file = None
+        if self.is_main and metrics_path:
+            Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(metrics_path, "w")
+        self.progress = None
+        self.t0 = time.perf_counter()
+
+    def print(self, *args, **kwargs):
+        if self.show:
+            self.console.print(*args, **kwargs)
+
+    def config_table(self, title: str, rows: dict):
+        if not self.show:
+            return
+        table = Table(title=title, show_header=False, title_justify="left")
+        for k, v in rows.items():
+            table.add_row(str(k), str(v))
+        self.console.print(table)
+
+    def start(self, first_step: int = 1):
+        if self.show:
+            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+                                     TimeElapsedColumn(), console=self.console, transient=False)
+            self.task = self.progress.add_task("train", total=self.total, completed=first_step - 1, loss=float("nan"),
+                                               tps=0.0)
+            self.progress.start()
+
+    def log_step(self, step: int, loss: float, lr: float, tokens: int, step_time_s: float, **extra) -> dict:
+        row = {"step": step, "loss": loss, "lr": lr, "tokens": tokens, "step_time_s": step_time_s,
+               "tokens_per_s": tokens / step_time_s if step_time_s > 0 else 0.0, **extra}
+        self.history.append(row)
+        if self.file:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        if self.progress:
+            self.progress.update(self.task, completed=step, loss=loss, tps=row["tokens_per_s"])
+        return row
+
+    def note(self, text: str):
+        """A line printed above the progress bar (validation loss, checkpoint saved...)."""
+        if self.progress:
+            self.progress.console.print(text)
+        elif self.show:
+            self.console.print(text)
+
+    def finish(self, extra_rows: dict | None = None):
+        if self.progress:
+            self.progress.stop()
+        if self.file:
+            self.file.close()
+        if not self.show or not self.history:
+            return
+        steady = self.history[1:] or self.history          # step 1 includes warm-up costs
+        times = sorted(r["step_time_s"] for r in steady)
+        median = times[len(times) // 2]
+        table = Table(title="summary", show_header=False, title_justify="left")
+        table.add_row("steps", f"{self.history[0]['step']}..{self.history[-1]['step']}")
+        table.add_row("loss first → last", f"{self.history[0]['loss']:.4f} → {self.history[-1]['loss']:.4f}")
+        table.add_row("median step time", f"{median * 1e3:.1f} ms")
+        table.add_row("median tokens/s", f"{self.history[0]['tokens'] / median:,.0f}")
+        table.add_row("wall time", f"{time.perf_counter() - self.t0:.1f} s")
+        for k, v in (extra_rows or {}).items():
+            table.add_row(str(k), str(v))
+        self.console.print(table)
+
+
+def read_metrics(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024

@@ -1,0 +1,206 @@
+"""A Llama-style decoder: the single-device reference every chapter starts from.
+
+Nothing here is parallel. Each chapter takes this model (or its state dict) and transforms it:
+chapter 01 replicates or shards it, chapter 02 splits its matrices, chapter 03 cuts it into stages.
+Because every layout starts from exactly these weights (built from the seed on every rank), every
+layout can reproduce exactly the same losses.
+
+Shapes: B batch, S sequence, D model dim, H query heads, K key/value heads, hd head dim, F MLP
+hidden dim, V vocabulary.
+"""
+import math
+from dataclasses import dataclass, asdict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256      # byte-level tokenizer: one token per byte
+    dim: int = 128
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: int = 4        # grouped-query attention: H/K query heads share one K/V head
+    ffn_hidden: int = 384      # SwiGLU hidden size, ≈ 8/3·D rounded up
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# `tiny` trains in seconds on a laptop CPU, yet has enough heads (8), KV heads (4) and layers (8)
+# for every layout of the course: TP up to 4 (8 splits heads evenly too), PP up to 4 stages × 2
+# virtual stages, vocabulary 256 divisible by any TP degree up to 8.
+PRESETS = {
+    "tiny":   ModelConfig(dim=128, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=384, max_seq_len=256),
+    "small":  ModelConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=704, max_seq_len=512),
+    "medium": ModelConfig(dim=512, n_layers=16, n_heads=16, n_kv_heads=8, ffn_hidden=1408, max_seq_len=1024),
+    "large":  ModelConfig(dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_hidden=2816, max_seq_len=2048),
+    "xl":     ModelConfig(dim=2048, n_layers=24, n_heads=32, n_kv_heads=8, ffn_hidden=5632, max_seq_len=2048),
+}
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Parameter count from the config alone (no weights are built), for printing presets."""
+    D, F_, L, V = cfg.dim, cfg.ffn_hidden, cfg.n_layers, cfg.vocab_size
+    kv = cfg.n_kv_heads * cfg.head_dim
+    attn = D * D + 2 * D * kv + D * D          # wq, wk, wv, wo
+    mlp = 3 * D * F_                           # gate, up, down
+    return 2 * V * D + L * (attn + mlp + 2 * D) + D   # embedding + head + layers (+ 2 norms each) + final norm
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):                                    # (..., D) -> (..., D)
+        rms = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x.float() * rms).type_as(x) * self.weight
+
+
+def rope_tables(cfg: ModelConfig, device=None):
+    """cos and sin tables for rotary position embeddings, each (max_seq_len, hd/2)."""
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim)
+    angles = torch.outer(torch.arange(cfg.max_seq_len, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate each (first half, second half) pair of x by its position's angle. x: (B, h, S, hd)."""
+    S = x.shape[-2]
+    cos, sin = cos[:S].to(x.dtype), sin[:S].to(x.dtype)      # (S, hd/2)
+    x1, x2 = x.chunk(2, dim=-1)                              # (B, h, S, hd/2) each
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def causal_attention(q, k, v, cos, sin):
+    """The attention math, shared by the single-device and the tensor-parallel attention.
+
+    q: (B, h, S, hd), k and v: (B, kv, S, hd) with h a multiple of kv (grouped-query attention).
+    Returns (B, S, h·hd). `h` and `kv` are whatever this rank holds: all heads here, a slice in TP.
+    """
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    B, h, S, hd = out.shape
+    return out.transpose(1, 2).reshape(B, S, h * hd)         # (B, S, h·hd)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin):                          # x: (B, S, D)
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, S, hd)
+        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, S, hd)
+        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, S, hd)
+        return self.wo(causal_attention(q, k, v, cos, sin))                        # (B, S, D)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w_up = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+
+    def forward(self, x):                                    # (B, S, D) -> (B, S, D)
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))   # hidden: (B, S, F)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x, cos, sin):                          # (B, S, D) -> (B, S, D)
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """tokens (B, S) -> logits (B, S, V). Pipeline stages call `embed`, `layers[i]`, `head` apart."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)   # untied from tok_emb
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)         # (max_seq_len, hd/2)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def embed(self, tokens):                                 # (B, S) -> (B, S, D)
+        return self.tok_emb(tokens)
+
+    def head(self, h):                                       # (B, S, D) -> (B, S, V)
+        return self.lm_head(self.norm(h))
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return self.head(h)
+
+
+def init_weights(model: Transformer, seed: int) -> Transformer:
+    """Deterministic initialisation from the seed alone, identical on every rank and in every layout.
+
+    Each parameter draws from its own generator seeded by (seed, parameter name), so the weights do
+    not depend on construction order: a pipeline stage that builds only layers 4-7 gets exactly the
+    same layer-4 weights as the full model. Residual output projections are scaled by 1/sqrt(2L).
+    """
+    n_layers = model.cfg.n_layers
+    for name, p in model.named_parameters():
+        g = torch.Generator().manual_seed(seed * 1_000_003 + _stable_hash(name))
+        if name.endswith("norm.weight"):
+            value = torch.ones(p.shape)
+        else:
+            std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("wo.weight", "w_down.weight")) else 0.02
+            value = torch.randn(p.shape, generator=g) * std
+        with torch.no_grad():
+            p.copy_(value)
+    return model
+
+
+def _stable_hash(name: str) -> int:
+    """A hash of a string that is the same in every process (Python's hash() is salted per process)."""
+    h = 0
+    for ch in name.encode():
+        h = (h * 131 + ch) % 2_147_483_647
+    return h
+
+
+def build_model(cfg: ModelConfig, seed: int, device="cpu") -> Transformer:
+    return init_weights(Transformer(cfg), seed).to(device)
+
+
+def loss_sum(logits, targets):
+    """Summed (not averaged) cross-entropy. (B, S, V), (B, S) -> scalar.
+
+    Every layout divides this sum by the token count of the *global* batch, so that summing the
+    per-rank gradients gives exactly the single-device gradient of the mean loss.
+    """
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")

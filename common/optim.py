@@ -1,0 +1,76 @@
+"""AdamW, the learning-rate schedule, and gradient clipping by the global norm.
+
+AdamW is elementwise: the update of one weight depends only on that weight, its gradient and its
+own two moments. So a rank that holds a slice of a weight (TP, ZeRO) and runs AdamW on the slice
+computes exactly the slice of the single-device update. That is why every chapter can use the plain
+torch.optim.AdamW on whatever it holds. Only two things need the whole model: weight decay must
+know which tensors are matrices (we look at the parameter's name, which sharding keeps), and the
+gradient norm for clipping must be summed over every rank (below).
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def decays(name: str) -> bool:
+    """Weight decay applies to matrices (linear layers, embeddings), not to norm gains."""
+    return not name.endswith("norm.weight")
+
+
+def build_adamw(named_params, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over (name, tensor) pairs; the names pick the weight-decay group."""
+    named_params = list(named_params)
+    groups = [
+        {"params": [p for n, p in named_params if decays(n)], "weight_decay": weight_decay},
+        {"params": [p for n, p in named_params if not decays(n)], "weight_decay": 0.0},
+    ]
+    # foreach=False: the plain per-tensor loop, whose arithmetic is identical whatever the tensor
+    # shapes, so a shard's update matches the corresponding slice of the full update bit for bit.
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95), eps=1e-8,
+                             foreach=False)
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int, floor_ratio: float = 0.1) -> float:
+    """Linear warmup to `peak` over `warmup` steps, then cosine decay to floor_ratio·peak at `total`.
+
+    `step` counts from 1. The schedule depends only on the step number, so resuming needs no state.
+    """
+    if warmup > 0 and step <= warmup:
+        return peak * step / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor_ratio + (1 - floor_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_by_global_norm(owned_grads, max_norm: float, groups=(), all_grads=None) -> float:
+    """Scale gradients so that the norm of the *whole model's* gradient is at most max_norm.
+
+    owned_grads: gradient tensors this rank counts toward the norm; every element of the model's
+                 gradient must be counted by exactly one rank (a replicated tensor, e.g. a norm gain
+                 held by every TP rank, is counted by one of them only).
+    groups:      process groups whose ranks hold *different* parts of the model (TP, PP, ZeRO
+                 shards); the squared norms are summed over them. Data-parallel replicas hold the
+                 same gradients after the all-reduce and are not summed over.
+    all_grads:   every gradient tensor this rank holds, to be scaled (default: owned_grads).
+    Returns the global norm before clipping (the same value on every rank).
+    """
+    owned_grads = [g for g in owned_grads if g is not None]
+    device = owned_grads[0].device if owned_grads else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for g in owned_grads:
+        sq += g.detach().double().pow(2).sum()
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(sq, group=group)
+    norm = sq.sqrt().item()
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in (all_grads if all_grads is not None else owned_grads):
+            if g is not None:
+                g.mul_(scale)
+    return norm

@@ -1,0 +1,80 @@
+"""Small pieces of the training loop that every chapter's script shares.
+
+The loop itself stays in each chapter's train_*.py, in plain sight; what is here is bookkeeping:
+the run's identity for checkpoints, AdamW state by parameter name, and the global loss value.
+"""
+import time
+
+import torch
+import torch.distributed as dist
+
+from common import checkpoint
+from common.model import PRESETS
+
+
+def run_identity(args) -> dict:
+    """What must match for a checkpoint to resume this run exactly (the layout need not match)."""
+    return {"model": args.model, "model_config": PRESETS[args.model].to_dict(), "seed": args.seed,
+            "global_batch": args.global_batch, "seq_len": args.seq_len}
+
+
+def optim_state_by_name(optimizer: torch.optim.Optimizer, named_params, to_full=lambda name, t: t) -> dict:
+    """AdamW's per-parameter state keyed by parameter name; `to_full` turns a local shard into the
+    full tensor (identity when this rank holds whole tensors)."""
+    out = {}
+    for name, p in named_params:
+        st = optimizer.state.get(p, {})
+        if st:
+            out[name] = {"step": st["step"].clone(), "exp_avg": to_full(name, st["exp_avg"]),
+                         "exp_avg_sq": to_full(name, st["exp_avg_sq"])}
+    return out
+
+
+def load_optim_state_by_name(optimizer, named_params, states: dict, to_local=lambda name, t: t) -> None:
+    """The reverse: give each local tensor its slice (`to_local`) of the full saved state."""
+    for name, p in named_params:
+        if name in states:
+            s = states[name]
+            optimizer.state[p] = {"step": s["step"].clone(),
+                                  "exp_avg": to_local(name, s["exp_avg"]).to(p.device, p.dtype).clone(),
+                                  "exp_avg_sq": to_local(name, s["exp_avg_sq"]).to(p.device, p.dtype).clone()}
+
+
+def resume_state(args) -> dict | None:
+    """The checkpoint to resume from (every rank loads it, so every rank can fail alike), or None."""
+    if not args.resume:
+        return None
+    state = checkpoint.load(checkpoint.latest_path(args.checkpoint_dir), run_identity(args))
+    torch.set_rng_state(state["rng"])
+    return state
+
+
+def should_save(args, step: int) -> bool:
+    return bool(args.checkpoint_dir) and (
+        step == args.steps or (args.checkpoint_every > 0 and step % args.checkpoint_every == 0))
+
+
+def global_sum(value: torch.Tensor, group=None) -> float:
+    """Sum a scalar over a group (for the printed loss: each rank holds its tokens' share)."""
+    value = value.detach().double().clone()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(value, group=group)
+    return value.item()
+
+
+class StepTimer:
+    """Wall time of one step, synchronised on CUDA so queued kernels are counted."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self.start

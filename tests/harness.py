@@ -1,0 +1,101 @@
+"""Spawn a group of ranks once and run many checks inside it.
+
+Starting a rank costs about a second, so a test module spawns one group per world size and runs all
+its jobs there, in order, on every rank. A job is ("package.module:function", args...); it runs on
+every rank after the default process group exists, and what it returns (or the error it raised)
+comes back per rank:
+
+    results = run_group(4, [("01_data_parallel.train_dp:main", ["--steps", "3", "--quiet"])])
+    results[job][rank] -> ("ok", value) | ("config_error", message) | ("error", traceback text)
+
+The training scripts' `main(argv)` joins the existing process group instead of creating one, so the
+same function a user runs under torchrun runs here.
+"""
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolve(path: str):
+    module, func = path.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def _worker(rank, world, port, jobs, queue, timeout_s):
+    import torch
+    torch.set_num_threads(1)            # first thing: ranks share 2 cores
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "tests"))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import datetime
+    import torch.distributed as dist
+    from common.errors import ConfigError
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    out = []
+    for path, *args in jobs:
+        try:
+            out.append(("ok", _resolve(path)(*args)))
+        except ConfigError as err:
+            out.append(("config_error", str(err)))
+        except BaseException:
+            out.append(("error", traceback.format_exc()))
+            break       # after an unexpected error the group may be out of step: stop here
+    queue.put((rank, out))
+    dist.destroy_process_group()
+
+
+def run_group(world: int, jobs: list, timeout_s: float = 240.0) -> list[list]:
+    """Run `jobs` on `world` spawned ranks; returns results[job_index][rank]."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, jobs, queue, 60.0)) for r in range(world)]
+    for p in procs:
+        p.start()
+    per_rank = {}
+    try:
+        for _ in range(world):
+            rank, out = queue.get(timeout=timeout_s)
+            per_rank[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    n = max(len(v) for v in per_rank.values())
+    return [[per_rank[r][j] if j < len(per_rank[r]) else ("error", "not run") for r in range(world)]
+            for j in range(n)]
+
+
+def ok(results_for_job: list):
+    """The value of a job that must have succeeded on every rank (rank 0's), or fail with the error."""
+    for rank, (kind, value) in enumerate(results_for_job):
+        assert kind == "ok", f"rank {rank}: {kind}: {value}"
+    return results_for_job[0][1]
+
+
+def losses(history: list[dict]) -> list[float]:
+    return [row["loss"] for row in history]
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def run_single(jobs: list) -> list:
+    """Run jobs in a world of one (spawned, so no state leaks into pytest)."""
+    return [r[0] for r in run_group(1, jobs)]
