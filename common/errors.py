@@ -33,6 +33,7 @@ def run_main(main) -> None:
     except RuntimeError as err:
         text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if _looks_like_peer_failure(text):
+            text = text.split("] ", 1)[-1].split(". This is typically")[0][:160]   # drop the backend's file:line
             print(f"error [rank {rank}]: lost contact with another rank ({text}); "
                   "it probably crashed or was killed; see its own output above", file=sys.stderr, flush=True)
             os._exit(1)
