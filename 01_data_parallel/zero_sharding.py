@@ -1,0 +1,284 @@
+"""ZeRO stages 1 and 2 by hand: shard the optimizer state (1), then the gradients too (2).
+
+Plain data parallelism keeps on every one of N ranks a full copy of the parameters (M bytes), of the
+gradients (M) and of AdamW's two moments (αM, α = 2 in fp32): M(1+1+α) per rank, N times over.
+But after the gradient all-reduce every rank holds the same gradient and takes the same AdamW step:
+the optimizer work and its state are replicated for nothing. ZeRO (Rajbhandari et al., 2020) gives
+each rank 1/N of that work and of that state:
+
+  stage 1  (P_os)      rank i keeps AdamW state only for its shard i and updates only shard i of the
+                       parameters; the full gradient is still all-reduced (every rank needs only its
+                       shard of it, but gets all of it); then the updated shards are all-gathered.
+                       Per rank: 2M + αM/N.  Bytes per step: 2(N-1)/N·M (all-reduce) + (N-1)/N·M.
+  stage 2  (P_os+g)    nobody needs the other ranks' gradient shards, so the all-reduce becomes a
+                       reduce-scatter (half its volume), and each rank frees the full gradient as soon
+                       as its shard has been reduced.  Per rank: M + (1+α)M/N.
+                       Bytes per step: (N-1)/N·M (reduce-scatter) + (N-1)/N·M (all-gather) = plain DP.
+  stage 3  (P_os+g+p)  see zero_stage3.py: the parameters are sharded at rest too.
+
+How a shard is cut. The parameters are grouped into *units* (the embedding, each transformer block,
+the final norm with the head). A unit's tensors are laid end to end in one flat buffer, padded with
+zeros to a multiple of N, and rank i owns the i-th contiguous chunk (`FlatUnit`). One collective per
+unit moves the whole unit, instead of one small message per tensor.
+AdamW decays by parameter *name* (matrices yes, norm gains no), and a chunk can straddle two tensors,
+so the optimizer sees one *piece* per (tensor ∩ chunk), named after its tensor. AdamW is elementwise,
+so updating the pieces gives exactly the slices of the single-device update.
+"""
+import torch
+import torch.nn as nn
+
+from common import comm
+from common.optim import build_adamw, clip_by_global_norm, set_lr
+
+_DTYPE_BYTES = 4   # fp32 everywhere in this chapter (no mixed-precision master copies)
+
+
+class FlatUnit:
+    """The layout of one unit: tensors end to end, padded to a multiple of N; rank i owns chunk i."""
+
+    def __init__(self, name: str, named_params, world: int, rank: int):
+        self.name = name
+        self.names = [n for n, _ in named_params]
+        self.shapes = [p.shape for _, p in named_params]
+        self.numels = [p.numel() for _, p in named_params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
+        self.numel = sum(self.numels)
+        self.chunk = -(-self.numel // world)              # ceil(numel / N): elements each rank owns
+        self.padded = self.chunk * world                  # ≤ numel + N - 1: the padding is < N elements
+        self.lo, self.hi = rank * self.chunk, (rank + 1) * self.chunk
+
+    def pieces(self):
+        """(name, start, end in my chunk, start, end in the tensor) for each tensor my chunk touches."""
+        for name, off, n in zip(self.names, self.offsets, self.numels):
+            a, b = max(off, self.lo), min(off + n, self.hi)
+            if a < b:
+                yield name, a - self.lo, b - self.lo, a - off, b - off
+
+    def flatten(self, tensors) -> torch.Tensor:
+        """The tensors end to end in a new (padded,) buffer; the padding is zero."""
+        flat = torch.zeros(self.padded, dtype=tensors[0].dtype, device=tensors[0].device)
+        for t, off, n in zip(tensors, self.offsets, self.numels):
+            flat[off:off + n].copy_(t.reshape(-1))
+        return flat
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a (padded,) buffer shaped like the unit's tensors (no copy)."""
+        return [flat[off:off + n].view(shape) for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
+
+
+def model_units(model) -> list[tuple[str, list]]:
+    """The units of the Transformer: embedding, each block, final norm + head (forward order)."""
+    units = [("embed", [("tok_emb." + n, p) for n, p in model.tok_emb.named_parameters()])]
+    for i, layer in enumerate(model.layers):
+        units.append((f"layers.{i}", [(f"layers.{i}.{n}", p) for n, p in layer.named_parameters()]))
+    units.append(("head", [("norm.weight", model.norm.weight), ("lm_head.weight", model.lm_head.weight)]))
+    return units
+
+
+def units_by_size(named_params, unit_mb: float = 25.0) -> list[tuple[str, list]]:
+    """Group any (name, param) list into consecutive units of about `unit_mb` MB (for callers that
+    have no natural layers, e.g. a pipeline stage's subset of tensor-parallel shards)."""
+    units, current, size = [], [], 0
+    for name, p in named_params:
+        current.append((name, p))
+        size += p.numel() * p.element_size()
+        if size >= unit_mb * 2**20:
+            units.append((f"unit{len(units)}", current))
+            current, size = [], 0
+    if current:
+        units.append((f"unit{len(units)}", current))
+    return units
+
+
+def shard_pieces(unit: FlatUnit, shard: torch.Tensor, shard_grad: torch.Tensor) -> list:
+    """nn.Parameters that *alias* slices of this rank's shard (AdamW updates the shard in place),
+    each named after its tensor so weight decay is chosen exactly as on one device."""
+    out = []
+    for name, a, b, _, _ in unit.pieces():
+        piece = nn.Parameter(shard[a:b], requires_grad=True)   # shares storage with `shard`
+        piece.grad = shard_grad[a:b]                          # a view as well: no copy
+        out.append((name, piece))
+    return out
+
+
+class ZeroOptimizer:
+    """ZeRO stage 1 or 2 for any list of (name, parameter) on a data-parallel group.
+
+        opt = ZeroOptimizer(named_params, dp_group, lr, weight_decay, stage=1)
+        loss.backward()                 # stage 2: gradients are reduce-scattered during backward
+        opt.reduce_gradients()          # stage 1: all-reduce; stage 2: wait for the reduce-scatters
+        norm = opt.clip_grad_norm(1.0)  # global norm from the shards (+ groups=[tp, pp] if sharded there)
+        opt.step()                      # AdamW on my shard, then all-gather the updated parameters
+        opt.zero_grad()
+
+    The parameters may be anything this rank holds (tensor-parallel shards, a pipeline stage's
+    subset): ZeRO only needs the DP group whose ranks hold the *same* tensors. Each parameter's
+    storage is re-pointed into a flat per-unit buffer (`p.data = view`), as DDP does for gradients.
+    """
+
+    def __init__(self, named_params, group, lr: float, weight_decay: float, stage: int = 1,
+                 units=None, name: str = "dp"):
+        assert stage in (1, 2)
+        self.group, self.stage, self.comm_name = group, stage, name
+        world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        units = units if units is not None else units_by_size(list(named_params))
+        self.units, self.params, self.flat_params, self.flat_grads, self.shard_grads = [], [], [], [], []
+        pieces = []
+        for unit_name, named in units:
+            unit = FlatUnit(unit_name, named, world, rank)
+            params = [p for _, p in named]
+            flat = unit.flatten([p.detach() for p in params])             # (padded,)
+            for p, view in zip(params, unit.split(flat)):
+                p.data = view                                              # the model now reads `flat`
+            if stage == 1:
+                # Stage 1 keeps the full gradient: make every .grad a view of one flat buffer, so
+                # one in-place all-reduce per unit reduces them all and the shard is a slice of it.
+                flat_grad = torch.zeros_like(flat)
+                for p, view in zip(params, unit.split(flat_grad)):
+                    p.grad = view
+                shard_grad = flat_grad[unit.lo:unit.hi]                    # (padded/N,) view
+            else:
+                flat_grad = None
+                shard_grad = torch.zeros(unit.chunk, dtype=flat.dtype, device=flat.device)  # (padded/N,)
+                for p in params:
+                    p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            pieces += shard_pieces(unit, flat[unit.lo:unit.hi], shard_grad)
+            self.units.append(unit)
+            self.params.append(params)
+            self.flat_params.append(flat)
+            self.flat_grads.append(flat_grad)
+            self.shard_grads.append(shard_grad)
+        self.pieces = pieces
+        self.optimizer = build_adamw(pieces, lr, weight_decay)
+        self.unit_of = {p: i for i, ps in enumerate(self.params) for p in ps}
+        self._ready = [0] * len(self.units)
+        self._pending = []       # stage 2: in-flight reduce-scatters (unit, work, output, input)
+
+    # --- gradients ---------------------------------------------------------------------------
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        """Stage 2, during backward: once a unit's gradients all exist, reduce-scatter them and free them."""
+        u = self.unit_of[p]
+        self._ready[u] += 1
+        if self._ready[u] < len(self.params[u]):
+            return
+        self._ready[u] = 0
+        unit = self.units[u]
+        full = unit.flatten([q.grad for q in self.params[u]])             # (padded,) full gradient
+        for q in self.params[u]:
+            q.grad = None                                                  # the full gradient is freed
+        self._drain(keep=0)    # at most one reduce-scatter in flight: bounds the full-gradient memory
+        out = torch.empty(unit.chunk, dtype=full.dtype, device=full.device)  # (padded/N,)
+        work = comm.reduce_scatter_into(out, full, group=self.group, name=self.comm_name, async_op=True)
+        self._pending.append((u, work, out, full))
+
+    def _drain(self, keep: int = 0) -> None:
+        while len(self._pending) > keep:
+            u, work, out, _ = self._pending.pop(0)
+            if work is not None:
+                work.wait()
+            self.shard_grads[u].add_(out)      # micro-batches accumulate into the shard
+
+    def reduce_gradients(self) -> None:
+        """Stage 1: all-reduce every unit's full gradient (2(N-1)/N·M). Stage 2: finish the reduce-scatters."""
+        if self.stage == 2:
+            self._drain()
+            return
+        works = [comm.all_reduce(g, group=self.group, name=self.comm_name, async_op=True) for g in self.flat_grads]
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def clip_grad_norm(self, max_norm: float, groups=(), counts=lambda name: True) -> float:
+        """Clip by the global norm. Each element lives in exactly one rank's shard (the padding is
+        zero), so sum the squares of my shard and add them up over the DP group (and over `groups`
+        whose ranks hold different tensors; `counts(name)` drops tensors replicated over those)."""
+        owned = [p.grad for n, p in self.pieces if counts(n)]
+        return clip_by_global_norm(owned, max_norm, groups=(self.group, *groups),
+                                   all_grads=[p.grad for _, p in self.pieces])
+
+    # --- the update ----------------------------------------------------------------------------
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+
+    def step(self) -> None:
+        """AdamW on my shard only, then all-gather the updated shards: (N-1)/N·M per rank."""
+        self.optimizer.step()
+        works = []
+        for unit, flat in zip(self.units, self.flat_params):
+            mine = flat[unit.lo:unit.hi].clone()   # the gather's input must not alias its output
+            works.append(comm.all_gather_into(flat, mine, group=self.group, name=self.comm_name, async_op=True))
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def zero_grad(self) -> None:
+        for g in self.flat_grads if self.stage == 1 else self.shard_grads:
+            g.zero_()
+
+    # --- accounting and checkpoints --------------------------------------------------------------
+    def memory(self) -> dict:
+        """Bytes held at rest by this rank (padding included)."""
+        padded = sum(u.padded for u in self.units) * _DTYPE_BYTES
+        chunk = sum(u.chunk for u in self.units) * _DTYPE_BYTES
+        return {"param_bytes": padded, "grad_bytes": padded if self.stage == 1 else chunk,
+                "optim_bytes": optim_bytes(self.optimizer), "peak_param_bytes": padded}
+
+    def full_state(self):
+        """(model state, AdamW state by name): the single-device checkpoint, on every rank."""
+        model = {n: t.detach().clone() for u, flat in zip(self.units, self.flat_params)
+                 for n, t in zip(u.names, u.split(flat))}
+        return model, gather_optim_state(self.units, self.pieces, self.optimizer, self.group, self.comm_name)
+
+    def load_full_state(self, model: dict, optim: dict) -> None:
+        with torch.no_grad():
+            for u, flat in zip(self.units, self.flat_params):
+                for n, t in zip(u.names, u.split(flat)):
+                    t.copy_(model[n])
+        load_optim_pieces(self.units, self.pieces, self.optimizer, optim)
+
+
+def optim_bytes(optimizer) -> int:
+    return sum(t.numel() * t.element_size() for st in optimizer.state.values()
+               for k, t in st.items() if k != "step" and torch.is_tensor(t))
+
+
+def gather_optim_state(units, pieces, optimizer, group, name="dp") -> dict:
+    """AdamW's moments of every tensor, in full: each unit's moment shards are all-gathered."""
+    by_name = {n: p for n, p in pieces}
+    out, step = {}, None
+    for unit in units:
+        full = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            shard = torch.zeros(unit.chunk)                               # (padded/N,), padding zero
+            for n, a, b, _, _ in unit.pieces():
+                st = optimizer.state.get(by_name[n], {})
+                if st:
+                    shard[a:b] = st[key].detach().cpu()
+                    step = st["step"]
+            flat = torch.empty(unit.padded)
+            comm.all_gather_into(flat, shard, group=group, name=name)
+            full[key] = unit.split(flat)
+        for i, n in enumerate(unit.names):
+            out[n] = {"exp_avg": full["exp_avg"][i].clone(), "exp_avg_sq": full["exp_avg_sq"][i].clone()}
+    if step is None:
+        return {}                       # no step taken yet
+    for st in out.values():
+        st["step"] = step.clone()
+    return out
+
+
+def load_optim_pieces(units, pieces, optimizer, states: dict) -> None:
+    """Give each piece its slice of the saved full moments."""
+    by_name = {n: p for n, p in pieces}
+    for unit in units:
+        for n, a, b, ta, tb in unit.pieces():
+            if n in states:
+                s, p = states[n], by_name[n]
+                optimizer.state[p] = {"step": s["step"].clone(),
+                                      "exp_avg": s["exp_avg"].reshape(-1)[ta:tb].to(p.device).clone(),
+                                      "exp_avg_sq": s["exp_avg_sq"].reshape(-1)[ta:tb].to(p.device).clone()}
+
+
+def ZeroStage1Optimizer(named_params, dp_group, lr: float, weight_decay: float, units=None):
+    """ZeRO stage 1 as a reusable piece (chapter 04 runs it over the DP group of a DP×TP×PP mesh)."""
+    return ZeroOptimizer(named_params, dp_group, lr, weight_decay, stage=1, units=units)
