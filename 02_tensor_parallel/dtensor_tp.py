@@ -1,0 +1,105 @@
+"""The same tensor parallelism with PyTorch's own tools, to compare side by side (`--impl torch`).
+
+torch.distributed.tensor.parallel.parallelize_module takes a *plan*: for each submodule, a style
+that says how its weight is sharded and how its inputs and outputs are laid out over a DeviceMesh.
+
+    ColwiseParallel   weight Shard(0): our ColumnParallelLinear, f included
+    RowwiseParallel   weight Shard(1): our RowParallelLinear, g (or a reduce-scatter) included
+    SequenceParallel  a norm on sequence shards, Shard(1): what our --sequence-parallel does
+    PrepareModuleInput   redistributes a module's input once (one all-gather for q, k and v together)
+    loss_parallel()   cross-entropy on vocabulary-sharded logits: our vocab-parallel loss
+
+DTensor decides the collectives from the placements, so the code says *what* is sharded and the
+library derives *where* f and g go: the opposite of this chapter's hand-written layers. Its
+collectives bypass common.comm, so this path reports no comm_bytes. Replicated KV heads (K < tp)
+have no ready-made style; this path needs the KV heads to split evenly.
+"""
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
+
+from common import comm
+from common.errors import require
+from common.model import loss_sum
+
+
+def tp_mesh_from_group(tp_group, device) -> DeviceMesh:
+    """A one-dimensional DeviceMesh over an existing TP group (so DP stays on our own groups)."""
+    return DeviceMesh.from_group(tp_group, device_type=device.type)
+
+
+def parallelize_with_dtensor(model, mesh: DeviceMesh, sequence_parallel: bool = False):
+    tp = mesh.size()
+    require(model.cfg.n_kv_heads % tp == 0, f"--impl torch needs the {model.cfg.n_kv_heads} KV heads to split "
+                                            f"over --tp {tp} (no replicated-KV style); use --impl ours")
+    between = Shard(1) if sequence_parallel else Replicate()     # the residual stream's layout
+    for block in model.layers:
+        plan = {
+            "attn": PrepareModuleInput(input_layouts=(between, None, None),
+                                       desired_input_layouts=(Replicate(), None, None)),
+            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=between),
+            "mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+            "mlp.w_gate": ColwiseParallel(), "mlp.w_up": ColwiseParallel(),
+            "mlp.w_down": RowwiseParallel(output_layouts=between),
+        }
+        if sequence_parallel:
+            plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
+        parallelize_module(block, mesh, plan)
+        # The attention reshapes by its head counts: the local counts now (DTensor gives local outputs).
+        block.attn.n_heads //= tp
+        block.attn.n_kv_heads //= tp
+    top = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+           "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)}
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+    return model
+
+
+def dtensor_loss_sum(logits, targets):
+    """Summed cross-entropy on vocabulary-sharded DTensor logits (call inside `loss_parallel()`)."""
+    return loss_sum(logits, targets)
+
+
+def local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def allreduce_dp(model, dp_group) -> None:
+    """Data parallelism over our own group: all-reduce each local gradient shard."""
+    if dist.get_world_size(dp_group) > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                comm.all_reduce(local(p.grad), group=dp_group, name="dp")
+
+
+def owned_local_grads(model, tp_rank):
+    """Local gradient shards this rank counts in the global norm (replicated ones on tp rank 0 only)."""
+    out = []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        sharded = isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
+        if sharded or tp_rank == 0:
+            out.append(local(p.grad))
+    return out
+
+
+def full_tensor(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def like_param(p, full):
+    """A full tensor laid out like parameter p (for AdamW moments on resume)."""
+    if not isinstance(p, DTensor):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(full.to(p.device_mesh.device_type), p.device_mesh, p.placements)
+
+
+__all__ = ["tp_mesh_from_group", "parallelize_with_dtensor", "dtensor_loss_sum", "loss_parallel", "allreduce_dp",
+           "owned_local_grads", "full_tensor", "like_param", "local"]

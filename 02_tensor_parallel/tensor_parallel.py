@@ -1,0 +1,177 @@
+"""Turning a single-device Transformer into its tensor-parallel shard, and back.
+
+API (chapter 04 imports this module with importlib.import_module("02_tensor_parallel.tensor_parallel")):
+
+    check_tp_config(cfg, tp, seq_len=None, sequence_parallel=False)      raises ConfigError, no communication
+    parallelize_model(model, tp_group, sequence_parallel=False) -> model in place
+        Works on a whole common.model.Transformer or a pipeline stage's part of one (only some Blocks
+        in model.layers; tok_emb, or norm and lm_head, may be None). Keeps the methods and the
+        reference parameter names:
+            model.embed(tokens)        (B, S) -> (B, S, D), or (B, S/tp, D) with sequence parallelism
+            model.layers[i](h, cos, sin)   same layout in and out
+            model.head(h)              -> LOCAL logits (B, S, V/tp)
+    tp_loss_sum(local_logits, targets, tp_group) -> summed cross-entropy (like common.model.loss_sum)
+    finish_tp_grad_sync(model, tp_group)      after backward, before clipping / the DP all-reduce:
+        sums the partial gradients of norm weights (SP) and of replicated KV heads over the TP group
+    owned_grads(model, tp_rank) -> gradients this rank counts in the global norm (sum squares over TP)
+    tp_to_full(name, local, tp_group, n_kv_heads=None) -> full tensor (weights and AdamW moments)
+    tp_to_local(name, full, tp_rank, tp_size, n_kv_heads=None) -> this rank's slice
+        n_kv_heads is needed only when KV heads are replicated (n_kv_heads < tp_size).
+    full_state_dict(model, tp_group) -> consolidated single-device state dict (reference names)
+
+Which dimension is split follows from the parameter's name, the same rule in both directions:
+wq wk wv w_gate w_up lm_head tok_emb along dim 0 (output rows / vocabulary), wo w_down along dim 1
+(input columns), norms replicated.
+"""
+import torch
+import torch.distributed as dist
+from importlib import import_module
+
+from common import comm
+from common.errors import require
+from common.model import Attention, SwiGLU
+
+layers = import_module("02_tensor_parallel.tp_layers")
+
+SPLIT_DIM0 = ("wq.weight", "wk.weight", "wv.weight", "w_gate.weight", "w_up.weight", "lm_head.weight",
+              "tok_emb.weight")
+SPLIT_DIM1 = ("wo.weight", "w_down.weight")
+
+
+def split_dim(name: str):
+    """0, 1, or None (replicated) for a reference parameter name."""
+    if name.endswith(SPLIT_DIM0):
+        return 0
+    if name.endswith(SPLIT_DIM1):
+        return 1
+    return None
+
+
+def _kv_replicated(name, tp_size, n_kv_heads):
+    return n_kv_heads is not None and n_kv_heads < tp_size and name.endswith(("wk.weight", "wv.weight"))
+
+
+def check_tp_config(cfg, tp: int, seq_len=None, sequence_parallel=False) -> None:
+    """Every divisibility TP needs, with the fix in the message. Pure: runs before any collective."""
+    require(tp >= 1, f"--tp must be ≥ 1, got {tp}")
+    require(cfg.n_heads % tp == 0, f"the model's {cfg.n_heads} query heads do not split over --tp {tp}; "
+                                   f"use a --tp that divides {cfg.n_heads}")
+    if cfg.n_kv_heads >= tp:
+        require(cfg.n_kv_heads % tp == 0, f"the model's {cfg.n_kv_heads} KV heads do not split over --tp {tp}; "
+                                          f"use a --tp that divides {cfg.n_kv_heads} (or a multiple of it)")
+    else:
+        require(tp % cfg.n_kv_heads == 0, f"--tp {tp} is not a multiple of the model's {cfg.n_kv_heads} KV heads, "
+                                          f"so they cannot be replicated evenly; use a --tp that divides "
+                                          f"{cfg.n_kv_heads} or a multiple of it")
+    require(cfg.vocab_size % tp == 0, f"the vocabulary of {cfg.vocab_size} does not split over --tp {tp}; "
+                                      f"use a --tp that divides {cfg.vocab_size}")
+    require(cfg.ffn_hidden % tp == 0, f"the MLP hidden size {cfg.ffn_hidden} does not split over --tp {tp}; "
+                                      f"use a --tp that divides {cfg.ffn_hidden}")
+    if sequence_parallel and seq_len is not None:
+        require(seq_len % tp == 0, f"--sequence-parallel splits each sequence over --tp {tp} ranks, but "
+                                   f"--seq-len {seq_len} is not a multiple of {tp}; use a --seq-len divisible by {tp}")
+
+
+def parallelize_model(model, tp_group, sequence_parallel: bool = False):
+    """Replace each layer of `model` by its TP shard, in place; returns the model.
+
+    Every rank must hold the same full weights first (build_model from the seed, or a loaded
+    checkpoint): each rank keeps its slice, so the shards are exactly the single-device weights.
+    """
+    tp = dist.get_world_size(tp_group)
+    check_tp_config(model.cfg, tp)
+    # Every Attention and SwiGLU, wherever it sits (whole model, or a stage holding a few Blocks).
+    for name, module in list(model.named_modules()):
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(module, Attention):
+            setattr(parent, attr, layers.ParallelAttention(module, tp_group, sequence_parallel))
+        elif isinstance(module, SwiGLU):
+            setattr(parent, attr, layers.ParallelSwiGLU(module, tp_group, sequence_parallel))
+    if getattr(model, "tok_emb", None) is not None:
+        model.tok_emb = layers.VocabParallelEmbedding(model.tok_emb.weight, tp_group, sequence_parallel)
+    if getattr(model, "lm_head", None) is not None:
+        # Output kept split over the vocabulary: the loss never needs the whole (B, S, V) logits.
+        model.lm_head = layers.ColumnParallelLinear(model.lm_head.weight, tp_group, sequence_parallel)
+    for name, p in model.named_parameters():
+        if not hasattr(p, "tp_replicas"):        # norms: whole on every rank
+            layers._mark(p, None, tp)
+    model.tp_group, model.tp_size, model.sequence_parallel = tp_group, tp, sequence_parallel
+    return model
+
+
+def tp_loss_sum(local_logits, targets, tp_group):
+    """(B, S, V/tp), (B, S) -> summed cross-entropy, the same value on every TP rank."""
+    return layers.vocab_parallel_cross_entropy(local_logits, targets, tp_group)
+
+
+def sync_sequence_parallel_grads(model, tp_group) -> None:
+    """With SP each rank's norm saw only its S/tp tokens, so its weight gradient is a partial sum:
+    all-reduce them (D floats per norm: tiny)."""
+    if getattr(model, "sequence_parallel", False):
+        for name, p in model.named_parameters():
+            if p.grad is not None and p.tp_split_dim is None and p.tp_replicas == model.tp_size:
+                comm.all_reduce(p.grad, group=tp_group, name="tp")
+
+
+def sync_replicated_kv_grads(model, tp_group) -> None:
+    """A KV head held by tp/K ranks got, on each, the gradient from that rank's query heads only.
+    Sum over the ranks sharing it with one all-reduce over the whole TP group of a (K, hd, D) buffer
+    in which each rank fills its head's slot: no sub-groups to create (the TP group may be any
+    part of the world), at the price of K× the bytes of one head (small: wk is K·hd·D)."""
+    for module in model.modules():
+        if isinstance(module, layers.ParallelAttention) and module.kv_replicas > 1:
+            for holder in (module.wk, module.wv):
+                g = holder.weight.grad                                                   # (hd, D) partial
+                buf = torch.zeros((module.total_kv_heads,) + g.shape, dtype=g.dtype, device=g.device)  # (K, hd, D)
+                buf[module.kv_head] = g
+                comm.all_reduce(buf, group=tp_group, name="tp")
+                g.copy_(buf[module.kv_head])
+
+
+def finish_tp_grad_sync(model, tp_group) -> None:
+    """Everything TP leaves to do after backward: SP norm gradients and replicated KV heads."""
+    sync_sequence_parallel_grads(model, tp_group)
+    sync_replicated_kv_grads(model, tp_group)
+
+
+def owned_grads(model, tp_rank: int) -> list:
+    """Gradients this rank counts toward the global norm: every shard it holds, and each replicated
+    tensor on exactly one of the ranks holding it (tp rank 0 for norms, the first holder of a KV head)."""
+    return [p.grad for p in model.parameters()
+            if p.grad is not None and tp_rank % getattr(p, "tp_replicas", 1) == 0]
+
+
+def tp_to_full(name: str, local: torch.Tensor, tp_group, n_kv_heads=None) -> torch.Tensor:
+    """The full single-device tensor from every rank's `local` (a weight or an AdamW moment).
+    A collective: every rank of the TP group calls it, in the same order."""
+    tp = dist.get_world_size(tp_group)
+    dim = split_dim(name)
+    if dim is None or tp == 1:
+        return local.detach().clone()
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(parts, local.detach().contiguous(), group=tp_group)   # checkpointing: not counted
+    if _kv_replicated(name, tp, n_kv_heads):
+        parts = parts[::tp // n_kv_heads]        # one copy of each KV head: its first holder's
+    return torch.cat(parts, dim=dim)
+
+
+def tp_to_local(name: str, full: torch.Tensor, tp_rank: int, tp_size: int, n_kv_heads=None) -> torch.Tensor:
+    """This rank's slice of a full single-device tensor (the inverse of tp_to_full)."""
+    dim = split_dim(name)
+    if dim is None or tp_size == 1:
+        return full
+    if _kv_replicated(name, tp_size, n_kv_heads):
+        return full.chunk(n_kv_heads, dim=0)[tp_rank // (tp_size // n_kv_heads)]
+    return full.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def full_state_dict(model, tp_group) -> dict:
+    """The consolidated single-device state dict (reference names), on every TP rank."""
+    K = model.cfg.n_kv_heads
+    return {name: tp_to_full(name, p.detach(), tp_group, K) for name, p in model.named_parameters()}
+
+
+def describe_shards(model) -> dict:
+    """{name: local shape} for printing which rank holds what."""
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}

@@ -1,0 +1,204 @@
+"""The tensor-parallel layers: each holds a slice of a single-device layer's weight.
+
+Every layer is built from its single-device twin (`from_dense`), keeps the parameter name `weight`
+(so checkpoints and weight decay see the reference names), and takes its TP process group as an
+argument. Local shapes are written in the comments: tp = the TP degree, SP = sequence parallel.
+
+    ColumnParallelLinear   weight (out/tp, in)    rows of W split: each rank computes out/tp outputs
+    RowParallelLinear      weight (out, in/tp)    columns of W split: each rank a partial sum of all outputs
+    ParallelAttention      query heads split; KV heads split, or replicated when K < tp
+    ParallelSwiGLU         gate, up column-parallel; down row-parallel
+    VocabParallelEmbedding rows of the table split by vocabulary range
+    vocab_parallel_cross_entropy   the loss from (N, V/tp) logits, never gathering the vocabulary
+
+Column then row (Megatron-LM §3): a column-parallel layer leaves its output split along the
+feature dimension, which is exactly the input a row-parallel layer wants, and an elementwise
+function in between (SiLU·up, or attention per head) needs no communication. So an MLP or an
+attention block costs one f at the entrance and one g at the exit: two all-reduces per block and
+direction, each of B·S·D activations.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from importlib import import_module
+
+from common import comm
+from common.model import causal_attention
+
+ops = import_module("02_tensor_parallel.tp_operators")
+
+
+def _shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    return full.chunk(size, dim=dim)[rank].detach().clone()
+
+
+def _mark(p: nn.Parameter, split_dim, replicas: int) -> nn.Parameter:
+    """Tag a parameter with how it is laid out over the TP group: `tp_split_dim` (None: whole) and
+    `tp_replicas`, the number of TP ranks holding the same values (for norms and gradient counting)."""
+    p.tp_split_dim, p.tp_replicas = split_dim, replicas
+    return p
+
+
+class _TPInput(nn.Module):
+    """Entering a parallel region: f (copy), or with SP the all-gather along the sequence."""
+
+    def enter(self, x):
+        if self.sequence_parallel:
+            return ops.gather_from_sequence_parallel_region(x, self.group)   # (B, S/tp, D) -> (B, S, D)
+        return ops.copy_to_tp_region(x, self.group)                           # (B, S, D), f
+
+    def leave(self, y):
+        if self.sequence_parallel:
+            return ops.reduce_scatter_to_sequence_parallel_region(y, self.group)  # (B, S, D) -> (B, S/tp, D)
+        return ops.reduce_from_tp_region(y, self.group)                           # (B, S, D), g
+
+
+class ColumnParallelLinear(_TPInput):
+    """y = x Wᵀ with W's output rows split: this rank computes y[..., rank·out/tp : (rank+1)·out/tp]."""
+
+    def __init__(self, weight, group, sequence_parallel=False, gather_output=False):
+        super().__init__()
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
+        self.weight = _mark(nn.Parameter(_shard(weight, 0, rank, size)), 0, 1)   # (out/tp, in)
+
+    def local(self, x):                  # x already entered (whole on this rank): (B, S, in) -> (B, S, out/tp)
+        return F.linear(x, self.weight)
+
+    def forward(self, x):
+        y = self.local(self.enter(x))                                          # (B, S, out/tp)
+        return ops.gather_from_last_dim(y, self.group) if self.gather_output else y   # (B, S, out)
+
+
+class RowParallelLinear(_TPInput):
+    """y = x Wᵀ with W's input columns split: x arrives split (B, S, in/tp), each rank's product is a
+    partial sum of the whole y, and g (or the reduce-scatter with SP) adds the partials."""
+
+    def __init__(self, weight, group, sequence_parallel=False):
+        super().__init__()
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _mark(nn.Parameter(_shard(weight, 1, rank, size)), 1, 1)   # (out, in/tp)
+
+    def forward(self, x):                # (B, S, in/tp) -> (B, S, out), or (B, S/tp, out) with SP
+        return self.leave(F.linear(x, self.weight))
+
+
+class ParallelAttention(_TPInput):
+    """Grouped-query attention with the heads split over the TP group.
+
+    Rank r holds query heads [r·H/tp, (r+1)·H/tp). When K ≥ tp it holds KV heads [r·K/tp, (r+1)·K/tp),
+    which are exactly the ones its query heads read. When K < tp (tp a multiple of K) the tp/K ranks
+    whose query heads share one KV head each hold a copy of it: each copy's gradient only sees that
+    rank's query heads, so the copies' gradients must be summed (`sync_replicated_kv_grads`).
+    """
+
+    def __init__(self, dense, group, sequence_parallel=False):
+        super().__init__()
+        rank, tp = dist.get_rank(group), dist.get_world_size(group)
+        H, K, hd = dense.n_heads, dense.n_kv_heads, dense.head_dim
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.n_heads, self.head_dim, self.total_kv_heads = H // tp, hd, K
+        self.wq = ColumnParallelLinear(dense.wq.weight, group, sequence_parallel)          # (H/tp·hd, D)
+        self.wo = RowParallelLinear(dense.wo.weight, group, sequence_parallel)             # (D, H/tp·hd)
+        if K >= tp:
+            self.n_kv_heads, self.kv_replicas = K // tp, 1
+            self.wk = ColumnParallelLinear(dense.wk.weight, group, sequence_parallel)      # (K/tp·hd, D)
+            self.wv = ColumnParallelLinear(dense.wv.weight, group, sequence_parallel)
+        else:
+            self.n_kv_heads, self.kv_replicas = 1, tp // K
+            self.kv_head = rank // self.kv_replicas          # the one KV head this rank's queries read
+            self.wk, self.wv = nn.Module(), nn.Module()
+            for mine, theirs in ((self.wk, dense.wk), (self.wv, dense.wv)):
+                rows = theirs.weight[self.kv_head * hd:(self.kv_head + 1) * hd].detach().clone()
+                mine.weight = _mark(nn.Parameter(rows), None, self.kv_replicas)             # (hd, D)
+
+    def forward(self, x, cos, sin):      # (B, S, D), or (B, S/tp, D) with SP
+        x = self.enter(x)                # one f (or all-gather) for q, k and v together: (B, S, D)
+        B, S, _ = x.shape
+        q = F.linear(x, self.wq.weight).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H/tp, S, hd)
+        k = F.linear(x, self.wk.weight).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K/tp or 1, S, hd)
+        v = F.linear(x, self.wv.weight).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return self.wo(causal_attention(q, k, v, cos, sin))   # (B, S, H/tp·hd) -> g -> (B, S, D) or (B, S/tp, D)
+
+
+class ParallelSwiGLU(_TPInput):
+    """down(silu(gate(x)) · up(x)): gate and up split by columns, down by rows; F/tp hidden units here."""
+
+    def __init__(self, dense, group, sequence_parallel=False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.w_gate = ColumnParallelLinear(dense.w_gate.weight, group, sequence_parallel)   # (F/tp, D)
+        self.w_up = ColumnParallelLinear(dense.w_up.weight, group, sequence_parallel)       # (F/tp, D)
+        self.w_down = RowParallelLinear(dense.w_down.weight, group, sequence_parallel)      # (D, F/tp)
+
+    def forward(self, x):                # (B, S, D) or (B, S/tp, D)
+        x = self.enter(x)                # one f (or all-gather) shared by gate and up: (B, S, D)
+        hidden = F.silu(self.w_gate.local(x)) * self.w_up.local(x)                       # (B, S, F/tp)
+        return self.w_down(hidden)                                                       # g / reduce-scatter
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [r·V/tp, (r+1)·V/tp) of the table on rank r. A token outside this range looks up a dummy
+    row whose output is zeroed; summing over ranks (g, or a reduce-scatter along the sequence with SP)
+    then gives every token the one row that some rank holds."""
+
+    def __init__(self, weight, group, sequence_parallel=False):
+        super().__init__()
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.vocab_start = rank * weight.shape[0] // size
+        self.weight = _mark(nn.Parameter(_shard(weight, 0, rank, size)), 0, 1)   # (V/tp, D)
+
+    def forward(self, tokens):           # (B, S) ints in [0, V)
+        local = tokens - self.vocab_start
+        inside = (local >= 0) & (local < self.weight.shape[0])                   # (B, S) bool
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)  # (B, S, D)
+        out = out * inside.unsqueeze(-1).to(out.dtype)                            # foreign tokens: zero rows, zero grads
+        if self.sequence_parallel:
+            return ops.reduce_scatter_to_sequence_parallel_region(out, self.group)   # (B, S/tp, D)
+        return ops.reduce_from_tp_region(out, self.group)                            # (B, S, D)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy from vocabulary-split logits, never materialising (N, V) on any rank.
+
+    loss_i = log Σ_v exp(z_iv) − z_i,t  needs, over the whole vocabulary, only three numbers per
+    token: the max (for a stable exp), the sum of exps, and the target's logit (held by one rank).
+    Three all-reduces of N floats each replace an all-gather of N·V logits. The gradient
+    softmax − onehot is local: each rank already holds its columns of the softmax.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group):    # (N, V/tp) floats, (N,) ints
+        logits = logits.float()
+        z_max = logits.max(dim=-1).values                                          # (N,)
+        comm.all_reduce(z_max, group=group, name="tp", op=dist.ReduceOp.MAX)
+        shifted = logits - z_max.unsqueeze(-1)                                     # (N, V/tp), ≤ 0
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)                                                  # (N,)
+        comm.all_reduce(sum_exp, group=group, name="tp")
+        local_t = targets - vocab_start
+        inside = (local_t >= 0) & (local_t < logits.shape[-1])                     # (N,) this rank holds the target
+        local_t = local_t.clamp(0, logits.shape[-1] - 1)
+        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * inside   # (N,) zero elsewhere
+        comm.all_reduce(target_logit, group=group, name="tp")
+        softmax = exp / sum_exp.unsqueeze(-1)                                      # (N, V/tp) this rank's columns
+        ctx.save_for_backward(softmax, local_t, inside)
+        return (sum_exp.log() - target_logit).sum()
+
+    @staticmethod
+    def backward(ctx, grad):             # d(sum loss)/dz = softmax − onehot(target), local columns only
+        softmax, local_t, inside = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows, local_t] -= inside.to(g.dtype)
+        return g * grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits, targets, group):
+    """(B, S, V/tp) logits and (B, S) targets -> the SUMMED loss over all B·S tokens (like loss_sum)."""
+    rank = dist.get_rank(group)
+    V_local = local_logits.shape[-1]
+    return VocabParallelCrossEntropy.apply(local_logits.flatten(0, 1), targets.flatten(), rank * V_local, group)
