@@ -1,0 +1,220 @@
+"""One executor for every schedule: run this rank's list of actions, talking to its neighbours.
+
+The schedule (pipeline_schedules.py) decides the order; this file does the work:
+    F(mb, s): receive the stage input (tokens on stage 0), run the stage, send the output on
+    B(mb, s): receive d loss / d output, backpropagate, send d loss / d input back
+    W(mb, s): (zero-bubble) the parameter gradients that B left out
+
+Point-to-point messages. Every message has a known shape (the activation shape (mb, S, D), or
+(mb, S/tp, D) with sequence parallelism: the caller says), so the receiver allocates the buffer and
+posts `irecv` before it needs the data. Two rules keep gloo (and any backend) from deadlocking:
+  1. Sends never block: `isend`, and we wait for them only at the end of the step.
+  2. Messages between two ranks are matched in order (same tag), so the receiver must post its
+     irecvs in the SENDER's order. The schedule is a pure function, so every rank can compute every
+     other rank's action list and therefore the order of each incoming channel (`incoming_order`).
+     When an action needs a message, all earlier messages of that channel are posted first; and the
+     next action's message is posted one action ahead so the transfer overlaps the compute.
+The unit tests simulate the schedules under exactly these rules (no deadlock, dependencies hold).
+
+Zero-bubble split. B = torch.autograd.grad(output, stage input, retain_graph=True): only the
+input-gradient, which the previous rank is waiting for. W = torch.autograd.grad(output, weights):
+autograd walks the stage's graph a second time for it, so on CPU B + W costs about 1.5 plain
+backwards. (Splitting each linear layer's backward by hand would avoid the repeat; correctness first.)
+"""
+from importlib import import_module
+
+import torch
+import torch.nn as nn
+
+from common import comm
+
+stages_lib = import_module("03_pipeline_parallel.pipeline_stages")
+
+Key = tuple   # ("act" | "grad", micro-batch, destination stage)
+
+
+def produced_messages(actions, n_stages: int, p: int):
+    """(key, destination rank) of each message a rank's action list sends, in order."""
+    out = []
+    for a in actions:
+        if a.kind == "F" and a.stage < n_stages - 1:
+            out.append((("act", a.mb, a.stage + 1), (a.stage + 1) % p))
+        elif a.kind == "B" and a.stage > 0:
+            out.append((("grad", a.mb, a.stage - 1), (a.stage - 1) % p))
+    return out
+
+
+def needed_message(a, n_stages: int, p: int):
+    """(key, source rank) of the message action `a` waits for, or None."""
+    if a.kind == "F" and a.stage > 0:
+        return ("act", a.mb, a.stage), (a.stage - 1) % p
+    if a.kind == "B" and a.stage < n_stages - 1:
+        return ("grad", a.mb, a.stage), (a.stage + 1) % p
+    return None
+
+
+def incoming_order(schedule, me: int, n_stages: int) -> dict[int, list[Key]]:
+    """For each source rank, the keys it sends to `me`, in the order it sends them."""
+    p = len(schedule)
+    return {src: [k for k, dst in produced_messages(schedule[src], n_stages, p) if dst == me]
+            for src in range(p) if src != me}
+
+
+def stage_parameters(model: nn.Module, stage) -> list[nn.Parameter]:
+    mods = ([model.tok_emb] if stage.first else []) + [model.layers[i] for i in stage.layers] + (
+        [model.norm, model.lm_head] if stage.last else [])
+    return [p for m in mods for p in m.parameters() if p.requires_grad]
+
+
+class PipelineExecutor:
+    """Runs schedules for one pipeline rank.
+
+    model      the pruned stage model (prune_to_stages), holding this rank's stages
+    specs      every StageSpec of the pipeline (all ranks, all virtual stages)
+    pp_rank    this rank's position in the pipeline; pp_ranks: the GLOBAL ranks of the pipeline
+               group in stage order (torch.distributed addresses peers by global rank)
+    group      the pipeline process group (not necessarily the world: chapter 04 passes its own)
+    act_shape  shape of one message, e.g. (mb, S, D); dtype of the activations
+    loss_fn    loss_fn(logits, targets) -> SUMMED loss (vocab-parallel in chapter 04)
+    loss_scale the loss is divided by this (the global token count), see common/model.loss_sum
+    """
+
+    def __init__(self, model, specs, pp_rank: int, pp_ranks: list[int], group, act_shape, loss_fn, loss_scale,
+                 dtype=torch.float32, device="cpu", autocast_dtype=None, timeline=None):
+        self.model, self.specs, self.me, self.ranks, self.group = model, specs, pp_rank, pp_ranks, group
+        self.p, self.n = len(pp_ranks), len(specs)
+        self.act_shape, self.dtype, self.device = tuple(act_shape), dtype, torch.device(device)
+        self.loss_fn, self.loss_scale, self.autocast_dtype, self.timeline = loss_fn, loss_scale, autocast_dtype, timeline
+        self.stage_params = {s.index: stage_parameters(model, s) for s in specs if s.index % self.p == pp_rank}
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    # --- messages --------------------------------------------------------------------------------
+    def _post_until(self, key: Key, src: int) -> None:
+        """Post irecvs on channel `src` in the sender's order, up to and including `key`."""
+        queue = self.order[src]
+        while key not in self.posted:
+            k = queue.pop(0)
+            buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)   # (mb, S, D)
+            self.posted[k] = (buf, comm.recv(buf, src=self.ranks[src], group=self.group, name="pp"))
+
+    def _post_ahead(self, a) -> None:
+        need = needed_message(a, self.n, self.p)
+        if need and need[1] != self.me:
+            self._post_until(*need)
+
+    def _receive(self, a):
+        need = needed_message(a, self.n, self.p)
+        if need is None:
+            return None
+        key, src = need
+        if src == self.me:                              # neighbour stage on this same rank (p = 1)
+            return self.local.pop(key)
+        self._post_until(key, src)
+        buf, work = self.posted.pop(key)
+        t = self._now()
+        work.wait()
+        self._span("recv", t, mb=a.mb, stage=a.stage)
+        return buf
+
+    def _send(self, key: Key, dst: int, tensor) -> None:
+        if dst == self.me:
+            self.local[key] = tensor.detach()
+            return
+        t = self._now()
+        self.sends.append((tensor, comm.send(tensor.detach(), dst=self.ranks[dst], group=self.group, name="pp")))
+        self._span("send", t, mb=key[1], stage=key[2])
+
+    # --- timeline ------------------------------------------------------------------------------
+    def _now(self):
+        return self.timeline.now() if self.timeline else 0.0
+
+    def _span(self, kind, start, **args):
+        if self.timeline:
+            self.timeline.add(kind, start, self.timeline.now(), **args)
+
+    # --- the three kinds of work ---------------------------------------------------------------------
+    def _forward(self, a, inp, tokens, targets):
+        stage = self.specs[a.stage]
+        if stage.first:
+            inp = tokens                                                   # (mb, S) token ids
+        else:
+            inp.requires_grad_(True)                                       # we want d loss / d input
+        saved, seen = [0], set(self.param_ptrs)
+
+        def pack(t):                     # count the activations autograd keeps for backward, once each
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                saved[0] += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast(self.device.type, self.autocast_dtype or torch.float32,
+                               enabled=self.autocast_dtype is not None):
+            out = stages_lib.stage_forward(self.model, stage, inp)                 # (mb, S, D) or logits
+            if stage.last:
+                out = self.loss_fn(out, targets) / self.loss_scale         # this micro-batch's share
+        self.state[(a.mb, a.stage)] = {"inp": inp, "out": out, "bytes": saved[0]}
+        self.live += saved[0]
+        self.peak = max(self.peak, self.live)
+        if stage.last:
+            self.loss += out.detach().float()
+        else:
+            self._send(("act", a.mb, a.stage + 1), (a.stage + 1) % self.p, out)
+
+    def _backward(self, a, grad_out, split: bool):
+        st, stage = self.state[(a.mb, a.stage)], self.specs[a.stage]
+        st["grad_out"] = grad_out
+        if not split:                                   # plain backward: input AND weight gradients
+            torch.autograd.backward(st["out"], grad_out)
+            self._release(a)
+            grad_in = None if stage.first else st["inp"].grad
+        elif stage.first:                               # nobody waits for d loss / d tokens: all in W
+            return
+        else:                                           # B of zero-bubble: input gradient only
+            (grad_in,) = torch.autograd.grad(st["out"], st["inp"], grad_out, retain_graph=True)
+        if not stage.first:
+            self._send(("grad", a.mb, a.stage - 1), (a.stage - 1) % self.p, grad_in)   # (mb, S, D)
+
+    def _weights(self, a):
+        st = self.state[(a.mb, a.stage)]
+        params = self.stage_params[a.stage]
+        grads = torch.autograd.grad(st["out"], params, st["grad_out"], allow_unused=True)
+        for p, g in zip(params, grads):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        self._release(a)
+
+    def _release(self, a):
+        st = self.state.pop((a.mb, a.stage))
+        self.live -= st["bytes"]
+
+    # --- the step -------------------------------------------------------------------------------
+    def run(self, schedule, tokens: list, targets: list) -> dict:
+        """Run this rank's actions for one step. tokens/targets: the m micro-batches (mb, S) each
+        (used on the first / last stage only). Gradients accumulate into .grad.
+        Returns {"loss": summed scaled loss of the micro-batches this rank finished (last stage; 0
+        elsewhere), "peak_activation_bytes": the most activation bytes alive at once}."""
+        actions = schedule[self.me]
+        split = any(a.kind == "W" for a in actions)
+        self.order = incoming_order(schedule, self.me, self.n)
+        self.posted, self.local, self.state, self.sends = {}, {}, {}, []
+        self.live, self.peak = 0, 0
+        self.loss = torch.zeros((), device=self.device)
+        for i, a in enumerate(actions):
+            if i + 1 < len(actions):
+                self._post_ahead(actions[i + 1])        # start the next message's transfer now
+            received = self._receive(a)
+            t = self._now()
+            if a.kind == "F":
+                self._forward(a, received, tokens[a.mb], targets[a.mb])
+            elif a.kind == "B":
+                self._backward(a, received, split)
+            else:
+                self._weights(a)
+            self._span(a.kind, t, mb=a.mb, stage=a.stage)
+        for _, work in self.sends:                      # the buffers must outlive their isend
+            work.wait()
+        assert not self.state and not self.posted, "schedule left work unfinished"
+        return {"loss": self.loss, "peak_activation_bytes": self.peak}
+

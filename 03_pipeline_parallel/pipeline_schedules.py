@@ -1,0 +1,221 @@
+"""Pipeline schedules as pure functions: who computes what, in which order.
+
+A schedule answers one question for every pipeline rank: in what order do I run the forward (F)
+and backward (B) passes of my micro-batches? (And, for zero-bubble, the weight-gradient passes W.)
+Each function here returns `schedule[r]` = rank r's ordered list of `Action`s, nothing else: no
+processes, no tensors. So a schedule can be printed (`format_schedule`), checked
+(`simulate` + the unit tests) and drawn (`plot_timeline.py --simulate`) on its own, and ONE
+executor (pipeline_executor.py) runs whichever list it is given.
+
+Vocabulary. p pipeline ranks, m micro-batches per step, v virtual stages (model chunks) per rank.
+The model is cut into p·v stages; stage s lives on rank s % p (rank r holds r, r+p, r+2p, ...).
+    F(mb, s)  forward of micro-batch mb through stage s: needs F(mb, s-1)'s output
+    B(mb, s)  backward of stage s: needs B(mb, s+1)'s input-gradient (and F(mb, s))
+    W(mb, s)  (zero-bubble only) the weight-gradient half of B(mb, s), deferred to fill bubbles
+
+The bubble. With equal costs per stage, the first micro-batch reaches the last rank after p-1
+forward slots, and the last backward leaves the first rank p-1 backward slots after the last rank
+finished: every rank idles p-1 slots of (F+B) per step while doing m of them. Bubble fraction
+    (p-1) / (m + p-1)               GPipe and 1F1B (1F1B only lowers memory, not the bubble)
+    (p-1) / (v·m + p-1)             interleaved: each slot is 1/v as long
+"""
+from collections import namedtuple
+
+from common.errors import require
+
+Action = namedtuple("Action", "kind mb stage")   # kind "F" | "B" | "W"; stage = global (virtual) stage index
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def gpipe(p: int, m: int, v: int = 1) -> list[list[Action]]:
+    """GPipe: all forwards, then all backwards. m micro-batches' activations are alive at the peak."""
+    out = []
+    for r in range(p):
+        # === all forward ===
+        acts = [Action("F", mb, r) for mb in range(m)]
+        # === all backward ===
+        acts += [Action("B", mb, r) for mb in range(m)]
+        out.append(acts)
+    return out
+
+
+def one_f_one_b(p: int, m: int, v: int = 1) -> list[list[Action]]:
+    """1F1B (PipeDream-Flush): start backwards as early as possible; at most p - r micro-batches in flight."""
+    out = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)                 # forwards before the first backward can arrive
+        acts = []
+        # === warmup ===  fill the pipe: the last rank (r = p-1) has no warmup at all
+        acts += [Action("F", mb, r) for mb in range(warmup)]
+        # === steady state ===  one forward, one backward: each B frees the memory of one F
+        for i in range(m - warmup):
+            acts += [Action("F", warmup + i, r), Action("B", i, r)]
+        # === cooldown ===  drain the backwards of the warmup forwards
+        acts += [Action("B", mb, r) for mb in range(m - warmup, m)]
+        out.append(acts)
+    return out
+
+
+def interleaved_1f1b(p: int, m: int, v: int = 2) -> list[list[Action]]:
+    """Interleaved 1F1B (Megatron-LM): v chunks per rank, micro-batches go round in groups of p.
+
+    Rank r's k-th forward is micro-batch (k // (p·v))·p + k % p on its chunk (k // p) % v: it runs p
+    micro-batches through chunk 0, then the same p through chunk 1, ... Backwards run the chunks in
+    reverse. Needs m % p == 0 so that every group of p micro-batches is complete.
+    """
+    require(m % p == 0, f"the interleaved schedule needs --microbatches to be a multiple of --pp ({p}), "
+                        f"got {m}; use --microbatches {max(p, (m // p + 1) * p)}")
+    total = m * v
+
+    def virtual(k: int, forward: bool, r: int) -> tuple[int, int]:
+        chunk = (k // p) % v
+        if not forward:
+            chunk = v - 1 - chunk
+        return (k // (p * v)) * p + k % p, chunk * p + r        # (micro-batch, global stage)
+
+    out = []
+    for r in range(p):
+        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        acts = []
+        # === warmup ===  enough forwards that the first backward of the last chunk can arrive
+        acts += [Action("F", *virtual(k, True, r)) for k in range(warmup)]
+        # === steady state ===  1F1B over virtual micro-batches
+        for i in range(total - warmup):
+            acts += [Action("F", *virtual(warmup + i, True, r)), Action("B", *virtual(i, False, r))]
+        # === cooldown ===
+        acts += [Action("B", *virtual(k, False, r)) for k in range(total - warmup, total)]
+        out.append(acts)
+    return out
+
+
+def zb_h1(p: int, m: int, v: int = 1) -> list[list[Action]]:
+    """ZB-H1 (zero bubble, Qi et al. 2023): 1F1B with each backward split in two.
+
+    B computes only the gradient w.r.t. the stage input: that is all the previous rank waits for.
+    W (the weight gradients) is needed by nobody until the optimizer step, so it can wait. Two gains:
+    the backward wave that travels from the last rank to the first carries only B's (the W's are not
+    on that path), so the ramp-up and drain bubbles are made of (F+B) slots, not (F+B+W); and rank r,
+    which finishes r slots before rank 0 does, keeps r W's in reserve and runs them in that tail.
+    Same forward order as 1F1B; a micro-batch's activations live until its W, so rank r holds at most
+    p of them (1F1B's rank 0 peak). Bubble with F = B = W: (p-1) of 3m + (p-1) slots, vs 3(p-1) for 1F1B.
+    """
+    out = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)
+        deferred = min(r, m)                        # W's held back: rank r's tail gap is r slots
+        acts, pending = [], []
+        # === warmup ===
+        acts += [Action("F", mb, r) for mb in range(warmup)]
+        # === steady state ===  F, B and (once `deferred` W's are waiting) the oldest W
+        for i in range(m - warmup):
+            acts += [Action("F", warmup + i, r), Action("B", i, r)]
+            pending.append(Action("W", i, r))
+            if len(pending) > deferred:
+                acts.append(pending.pop(0))
+        # === cooldown ===  each B followed by one deferred W, where 1F1B would wait
+        for mb in range(m - warmup, m):
+            acts.append(Action("B", mb, r))
+            pending.append(Action("W", mb, r))
+            acts.append(pending.pop(0))
+        # === flush ===  the remaining weight gradients
+        acts += pending
+        out.append(acts)
+    return out
+
+
+def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
+    """The schedule by its command-line name; checks what every schedule needs."""
+    require(name in SCHEDULES, f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    require(m >= 1, "--microbatches must be at least 1")
+    require(v == 1 or name == "interleaved",
+            f"--virtual-stages {v} only works with --schedule interleaved (the {name} schedule holds one "
+            "stage per rank); use --schedule interleaved or --virtual-stages 1")
+    fn = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb-h1": zb_h1}[name]
+    return fn(p, m, v)
+
+
+def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:
+    """The textbook bubble fraction (equal F, B costs per stage; zero-bubble: B = W = F)."""
+    if name == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    if name == "zb-h1":                           # idle (p-1)·(F+B-W) = (p-1)·1 of 3m + (p-1) slots
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (m + p - 1)
+
+
+def stage_rank(stage: int, p: int) -> int:
+    return stage % p
+
+
+def simulate(schedule: list[list[Action]], n_stages: int, cost=None) -> dict:
+    """Run a schedule on paper: each rank executes its list in order, an action waits for its inputs.
+
+    Sends never block (the executor's sends are asynchronous); an action can start when its rank is
+    free and its input exists: F(mb, s) after F(mb, s-1), B(mb, s) after B(mb, s+1) and F(mb, s),
+    W(mb, s) after B(mb, s). Returns {"events": [(rank, action, start, end)], "makespan",
+    "bubble", "in_flight": per-rank peak of micro-batches forwarded but not yet fully backwarded}.
+    Raises ValueError on a deadlock (nobody can move) or a missing/duplicated action.
+    """
+    cost = cost or {"F": 1.0, "B": 2.0, "W": 1.0}
+    split = any(a.kind == "W" for acts in schedule for a in acts)
+    if split and cost.get("B") == 2.0 and "W" in cost:     # default costs: B + W = one whole backward
+        cost = {**cost, "B": 1.0}
+    p = len(schedule)
+    done, pos, free_at = {}, [0] * p, [0.0] * p
+    events, live, peak = [], [set() for _ in range(p)], [0] * p
+    remaining = sum(len(a) for a in schedule)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            if pos[r] == len(schedule[r]):
+                continue
+            a = schedule[r][pos[r]]
+            deps = {"F": [("F", a.mb, a.stage - 1)] if a.stage > 0 else [],
+                    "B": [("F", a.mb, a.stage)] + ([("B", a.mb, a.stage + 1)] if a.stage < n_stages - 1 else []),
+                    "W": [("B", a.mb, a.stage)]}[a.kind]
+            if any(d not in done for d in deps):
+                continue
+            if (a.kind, a.mb, a.stage) in done:
+                raise ValueError(f"rank {r} runs {a} twice")
+            start = max([free_at[r]] + [done[d] for d in deps])
+            end = start + cost[a.kind]
+            done[(a.kind, a.mb, a.stage)] = end
+            free_at[r] = end
+            events.append((r, a, start, end))
+            if a.kind == "F":
+                live[r].add((a.mb, a.stage))
+                peak[r] = max(peak[r], len(live[r]))
+            elif a.kind == ("W" if split else "B"):
+                live[r].discard((a.mb, a.stage))
+            pos[r] += 1
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            stuck = {r: schedule[r][pos[r]] for r in range(p) if pos[r] < len(schedule[r])}
+            raise ValueError(f"deadlock: every rank waits: {stuck}")
+    makespan = max(free_at)
+    busy = sum(e - s for _, _, s, e in events)
+    return {"events": events, "makespan": makespan, "bubble": 1 - busy / (p * makespan), "in_flight": peak}
+
+
+def format_schedule(schedule: list[list[Action]], n_stages: int, cost=None, width: int = 4) -> str:
+    """The schedule as a text table: one row per rank, one column per unit of (simulated) time.
+
+    Each cell shows the action and micro-batch (F3, B3, W3; with virtual stages F3.1 = chunk 1),
+    '.' is idle. Times come from `simulate` with unit costs, so the gaps are the bubble.
+    """
+    sim = simulate(schedule, n_stages, cost)
+    p = len(schedule)
+    unit = min(e - s for _, _, s, e in sim["events"])
+    cols = int(round(sim["makespan"] / unit))
+    grid = [["." * 1] * cols for _ in range(p)]
+    v = n_stages // p
+    for r, a, s, e in sim["events"]:
+        label = f"{a.kind}{a.mb}" + (f".{a.stage // p}" if v > 1 else "")
+        for c in range(int(round(s / unit)), int(round(e / unit))):
+            grid[r][c] = label
+    w = max(width, max(len(c) for row in grid for c in row) + 1)
+    lines = [f"rank {r} | " + "".join(c.ljust(w) for c in row) for r, row in enumerate(grid)]
+    lines.append(f"simulated bubble {sim['bubble']:.3f}   peak micro-batches in flight per rank {sim['in_flight']}")
+    return "\n".join(lines)

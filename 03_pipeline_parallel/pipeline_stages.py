@@ -1,0 +1,133 @@
+"""Cutting the model into pipeline stages, balanced by cost.
+
+A pipeline stage is a contiguous run of decoder layers; the first stage also owns the token
+embedding, the last one the final norm, the LM head and the loss. With v virtual stages per rank
+the model is cut into p·v chunks and rank r holds chunks r, r+p, r+2p, ... (interleaving).
+
+Balancing. The step time of a pipeline is set by its slowest stage, so stages should cost the same.
+Cost here = forward FLOPs per token (2 per weight of a matmul, plus the attention scores
+2·S·D per layer): every decoder layer costs the same, the embedding is a table lookup (~0 FLOPs
+but its V·D parameters live on stage 0), the head is a D×V matmul plus the softmax. `partition`
+chooses the contiguous split that minimises the most expensive stage (a small dynamic program).
+
+A stage keeps the reference parameter NAMES ("layers.5.attn.wq.weight"): the model is built whole
+from the seed (name-seeded init, so every layout gets the same weights), then pruned to the layers
+this rank holds. Weight decay by name, checkpoints by name and resuming into another --pp all work.
+"""
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch.nn as nn
+
+from common.errors import require
+from common.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One (virtual) stage: which layers it runs and whether it holds the embedding / the head."""
+    index: int                 # global stage index in 0 .. p·v-1
+    layers: tuple[int, ...]
+    first: bool                # runs model.embed(tokens)
+    last: bool                 # runs model.head(h) and the loss
+
+
+def layer_costs(cfg: ModelConfig, seq_len: int) -> dict:
+    """Forward FLOPs per token of each piece (the cost model used for balancing)."""
+    D, F, V, kv = cfg.dim, cfg.ffn_hidden, cfg.vocab_size, cfg.n_kv_heads * cfg.head_dim
+    layer = 2 * (D * D + 2 * D * kv + D * D + 3 * D * F) + 2 * seq_len * D   # matmuls + causal attention
+    return {"embed": 0.0, "layer": float(layer), "head": float(2 * D * V + 5 * V)}  # head: matmul + softmax/CE
+
+
+def partition(cfg: ModelConfig, n_stages: int, seq_len: int) -> list[tuple[int, ...]]:
+    """Contiguous split of the layers into n_stages runs (≥ 1 layer each) minimising the max stage cost."""
+    L = cfg.n_layers
+    require(L >= n_stages, f"the model has {L} layers, too few for {n_stages} stages (pp × virtual stages); "
+                           f"use fewer --pp / --virtual-stages (at most {L} stages) or a deeper --model")
+    c = layer_costs(cfg, seq_len)
+
+    def cost(k: int, i: int, j: int) -> float:        # stage k holds layers i..j-1
+        return (j - i) * c["layer"] + (c["embed"] if k == 0 else 0) + (c["head"] if k == n_stages - 1 else 0)
+
+    @lru_cache(maxsize=None)
+    def best(k: int, i: int) -> tuple[float, tuple[int, ...]]:
+        """(max cost, cut points) for stages k.. covering layers i..L-1."""
+        if k == n_stages - 1:
+            return cost(k, i, L), (L,)
+        options = []
+        for j in range(i + 1, L - (n_stages - k - 1) + 1):       # leave ≥ 1 layer for each later stage
+            rest, cuts = best(k + 1, j)
+            # prefer the later cut on ties: the head makes the last stage heavier, give it fewer layers
+            options.append((max(cost(k, i, j), rest), -j, (j,) + cuts))
+        m, _, cuts = min(options)
+        return m, cuts
+
+    _, cuts = best(0, 0)
+    bounds = (0,) + cuts
+    return [tuple(range(bounds[k], bounds[k + 1])) for k in range(n_stages)]
+
+
+def stage_specs(cfg: ModelConfig, pp: int, v: int, seq_len: int) -> list[StageSpec]:
+    """All p·v stages of the pipeline (every rank computes the same list)."""
+    n = pp * v
+    return [StageSpec(k, layers, k == 0, k == n - 1) for k, layers in enumerate(partition(cfg, n, seq_len))]
+
+
+def rank_stages(specs: list[StageSpec], pp: int, pp_rank: int) -> list[StageSpec]:
+    """The stages a rank holds: r, r+p, r+2p, ... (one per virtual stage)."""
+    return [s for s in specs if s.index % pp == pp_rank]
+
+
+def partition_table(cfg: ModelConfig, specs: list[StageSpec], pp: int, seq_len: int) -> list[dict]:
+    """Rows for the console table: stage, rank, layers, parameters, cost share."""
+    c = layer_costs(cfg, seq_len)
+    D, F, V, kv = cfg.dim, cfg.ffn_hidden, cfg.vocab_size, cfg.n_kv_heads * cfg.head_dim
+    layer_params = D * D + 2 * D * kv + D * D + 3 * D * F + 2 * D
+    costs = [len(s.layers) * c["layer"] + (c["head"] if s.last else 0) for s in specs]
+    rows = []
+    for s, cost in zip(specs, costs):
+        params = len(s.layers) * layer_params + (V * D if s.first else 0) + (V * D + D if s.last else 0)
+        parts = (["embed"] if s.first else []) + [f"layers {s.layers[0]}-{s.layers[-1]}"] + (
+            ["norm+head+loss"] if s.last else [])
+        rows.append({"stage": s.index, "rank": s.index % pp, "holds": " + ".join(parts), "params": params,
+                     "cost": cost / sum(costs)})
+    return rows
+
+
+class SparseLayers(nn.ModuleDict):
+    """The layers a stage keeps, still indexed (and named) by their position in the full model:
+    `layers[5]` is layer 5 and its weights are "layers.5.…", as in the single-device model."""
+
+    def __init__(self, layers: dict[int, nn.Module]):
+        super().__init__({str(i): layer for i, layer in layers.items()})
+
+    def __getitem__(self, i):
+        return super().__getitem__(str(i))
+
+
+def prune_to_stages(model: nn.Module, stages: list[StageSpec]) -> nn.Module:
+    """Keep only what `stages` need of a full model (in place); reference parameter names survive.
+
+    Works on any model with the Transformer's attribute layout (tok_emb, layers, norm, lm_head),
+    including one whose layers were already made tensor-parallel.
+    """
+    keep = sorted(i for s in stages for i in s.layers)
+    model.layers = SparseLayers({i: model.layers[i] for i in keep})
+    if not any(s.first for s in stages):
+        model.tok_emb = None
+    if not any(s.last for s in stages):
+        model.norm = None
+        model.lm_head = None
+    return model
+
+
+def stage_forward(model: nn.Module, stage: StageSpec, x):
+    """One stage's forward: tokens (mb, S) or hidden (mb, S, D) in; hidden (mb, S, D) or logits out.
+
+    Only `model.embed`, `model.layers[i]` and `model.head` are used, so a model whose layers were
+    made tensor-parallel (chapter 04) runs here unchanged (its head may return vocab-local logits).
+    """
+    h = model.embed(x) if stage.first else x                          # (mb, S, D)
+    for i in stage.layers:
+        h = model.layers[i](h, model.rope_cos, model.rope_sin)        # (mb, S, D)
+    return model.head(h) if stage.last else h                         # (mb, S, V) on the last stage

@@ -1,0 +1,211 @@
+"""Chapter 03 — pipeline parallelism. The model is cut into stages, micro-batches flow through them.
+
+    python 03_pipeline_parallel/train_pp.py                                   # world size 1: one stage
+    torchrun --nproc_per_node=4 03_pipeline_parallel/train_pp.py --schedule 1f1b --microbatches 8
+    torchrun --nproc_per_node=4 03_pipeline_parallel/train_pp.py --schedule interleaved --virtual-stages 2
+    torchrun --nproc_per_node=4 03_pipeline_parallel/train_pp.py --schedule zb-h1 --timeline runs/zb.json
+    python 03_pipeline_parallel/train_pp.py --pp 4 --microbatches 8 --schedule 1f1b --print-schedule
+
+--pp defaults to the world size; with fewer, the remaining factor is data parallelism
+(Mesh dp × pp, gradients all-reduced over dp with chapter 01's allreduce_gradients).
+"""
+import sys
+from importlib import import_module
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common` and the chapters
+
+import torch
+import torch.distributed as dist
+
+from common import checkpoint, comm
+from common.cli import base_parser, check_common
+from common.data import TextData, shard_rows
+from common.distributed import env_world_size, init_distributed, shutdown
+from common.errors import require, run_main
+from common.mesh import Mesh
+from common.metrics import RunLog, format_bytes
+from common.model import PRESETS, build_model, count_parameters, loss_sum
+from common.optim import build_adamw, clip_by_global_norm, lr_at, set_lr
+from common.timeline import Timeline, write_chrome_trace
+from common.training import (StepTimer, global_sum, load_optim_state_by_name, optim_state_by_name,
+                             resume_state, run_identity, should_save)
+
+dp_lib = import_module("01_data_parallel.data_parallel")
+sched_lib = import_module("03_pipeline_parallel.pipeline_schedules")
+stages_lib = import_module("03_pipeline_parallel.pipeline_stages")
+exec_lib = import_module("03_pipeline_parallel.pipeline_executor")
+
+
+def parse_args(argv=None, schedule=None):
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages (ranks); default: the world size")
+    p.add_argument("--schedule", default=schedule or "1f1b", choices=sched_lib.SCHEDULES)
+    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved only)")
+    p.add_argument("--impl", default="ours", choices=["ours", "torch"],
+                   help="ours: pipeline_executor.py; torch: torch.distributed.pipelining, same stages")
+    p.add_argument("--timeline", default=None, help="write every rank's events as a Chrome trace JSON here")
+    p.add_argument("--print-schedule", action="store_true", help="draw the per-rank schedule as text and exit")
+    args = p.parse_args(argv)
+    world = env_world_size()
+    args.pp = args.pp or (world if not args.print_schedule else 4)
+    require(args.pp >= 1 and (args.print_schedule or world % args.pp == 0),
+            f"--pp {args.pp} does not divide the world size {world}; use a divisor of {world} "
+            f"or launch with --nproc_per_node={args.pp}")
+    require(args.virtual_stages >= 1, "--virtual-stages must be at least 1")
+    dp = 1 if args.print_schedule else world // args.pp
+    check_common(args, dp=dp)
+    # Pure checks, identical on every rank, before any communication: bad layouts fail here.
+    args.plan = sched_lib.build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
+    args.specs = stages_lib.stage_specs(PRESETS[args.model], args.pp, args.virtual_stages, args.seq_len)
+    if args.impl == "torch":
+        require(args.microbatches >= args.pp * args.virtual_stages or args.schedule == "gpipe",
+                f"torch.distributed.pipelining's {args.schedule} needs --microbatches ≥ the number of stages "
+                f"({args.pp * args.virtual_stages}); use --microbatches {args.pp * args.virtual_stages}")
+    return args
+
+
+def consolidated_state(model, optimizer, named, is_writer: bool):
+    """Every stage's weights and AdamW state by reference name, gathered on global rank 0.
+    Only data-parallel replica 0 contributes (the other replicas hold the same numbers)."""
+    mine = ({k: v.cpu() for k, v in model.state_dict().items()},
+            {n: {k: t.cpu() for k, t in s.items()} for n, s in optim_state_by_name(optimizer, named).items()}) \
+        if is_writer else ({}, {})
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    if parts is None:
+        return None, None
+    full_model, full_optim = {}, {}
+    for m, o in parts:
+        full_model.update(m)
+        full_optim.update(o)
+    return full_model, full_optim
+
+
+def main(argv=None, schedule=None) -> list[dict]:
+    args = parse_args(argv, schedule)
+    if args.print_schedule:
+        print(f"{args.schedule}: p={args.pp} m={args.microbatches} v={args.virtual_stages}; "
+              f"theory bubble {sched_lib.theory_bubble(args.schedule, args.pp, args.microbatches, args.virtual_stages):.3f}")
+        print(sched_lib.format_schedule(args.plan, len(args.specs)))
+        return []
+    rt = init_distributed(args.device, args.timeout)
+    mesh = Mesh(rt.rank, rt.world_size, dp=rt.world_size // args.pp, pp=args.pp)
+    dp_group, dp_rank, dp = mesh.group("dp"), mesh.coord("dp"), mesh.size("dp")
+    pp_group, pp_rank, pp = mesh.group("pp"), mesh.coord("pp"), mesh.size("pp")
+    data = TextData(args.data, args.seq_len, args.seed)
+    cfg = PRESETS[args.model]
+    resume = resume_state(args)
+    m, v = args.microbatches, args.virtual_stages
+
+    # --- the stage model: the full model built from the seed, pruned to this rank's layers ---------
+    my_specs = stages_lib.rank_stages(args.specs, pp, pp_rank)
+    model = stages_lib.prune_to_stages(build_model(cfg, args.seed, rt.device), my_specs)
+    named = list(model.named_parameters())
+    optimizer = build_adamw(named, args.lr, args.weight_decay)
+    start = 0
+    if resume:              # the checkpoint holds the whole model: take this stage's names from it
+        own = model.state_dict()
+        model.load_state_dict({k: resume["model"][k] for k in own if k in resume["model"]}, strict=True)
+        load_optim_state_by_name(optimizer, named, resume["optim"])
+        start = resume["step"]
+
+    tokens_per_step = args.global_batch * args.seq_len
+    mb_rows = args.global_batch // dp // m
+    loss_fn = loss_sum
+    timeline = Timeline(rt.rank)
+    if args.impl == "torch":
+        runner = import_module("03_pipeline_parallel.torch_pipelining").TorchPipeline(
+            args.schedule, model, my_specs, len(args.specs), m, pp_group, rt.device,
+            lambda logits, y: loss_fn(logits, y) / tokens_per_step)
+    else:
+        runner = exec_lib.PipelineExecutor(
+            model, args.specs, pp_rank, mesh.group_ranks["pp"], pp_group, act_shape=(mb_rows, args.seq_len, cfg.dim),
+            loss_fn=loss_fn, loss_scale=tokens_per_step, device=rt.device,
+            autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline)
+
+    log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    log.config_table(f"pipeline parallel — {args.schedule} ({args.impl})", {
+        "world size": f"{rt.world_size} = dp {dp} × pp {pp}", "device / backend": f"{rt.device} / {rt.backend}",
+        "model": f"{args.model}: {count_parameters(cfg):,} parameters, {cfg.n_layers} layers",
+        "micro-batches": f"m = {m} of {mb_rows} seq × {args.seq_len} tokens (per data-parallel rank)",
+        "virtual stages": v,
+        "theory bubble": f"{sched_lib.theory_bubble(args.schedule, pp, m, v):.3f}",
+        "resumed from step": start or "-"})
+    if rt.is_main and not args.quiet:
+        from rich.table import Table
+        table = Table(title="stages (balanced by forward FLOPs/token)", title_justify="left")
+        for col in ("stage", "rank", "holds", "params", "cost"):
+            table.add_column(col)
+        for row in stages_lib.partition_table(cfg, args.specs, pp, args.seq_len):
+            table.add_row(str(row["stage"]), str(row["rank"]), row["holds"], f"{row['params']:,}", f"{row['cost']:.1%}")
+        log.print(table)
+    if rt.world_size == 1:
+        log.print("world size 1: a one-stage pipeline (the reference). More stages: "
+                  "torchrun --nproc_per_node=4 03_pipeline_parallel/train_1f1b.py")
+
+    dist.barrier()                                   # a common time origin for the timeline
+    log.start(start + 1)
+    for step in range(start + 1, args.steps + 1):
+        comm.COUNTER.reset()
+        lr = lr_at(step, args.lr, args.warmup, args.steps)
+        set_lr(optimizer, lr)
+        timeline.begin_step(step)
+        with StepTimer(rt.device) as timer:
+            x, y = data.global_batch(step, args.global_batch)                 # (global_batch, S)
+            x, y = shard_rows(x, dp_rank, dp).to(rt.device), shard_rows(y, dp_rank, dp).to(rt.device)
+            if args.impl == "torch":
+                local_loss, peak = runner.run(x, y), 0
+            else:
+                xs = [shard_rows(x, i, m) for i in range(m)]                   # m × (mb, S)
+                ys = [shard_rows(y, i, m) for i in range(m)]
+                out = runner.run(args.plan, xs, ys)                            # the whole schedule
+                local_loss, peak = out["loss"], out["peak_activation_bytes"]
+            if dp > 1:
+                dp_lib.allreduce_gradients(model, dp_group)                    # replicas of this stage
+            # Each stage holds different parameters: the squared norms add up over the pipeline.
+            grad_norm = clip_by_global_norm([p.grad for p in model.parameters()], args.clip, groups=[pp_group])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        loss_value = global_sum(local_loss, dist.group.WORLD)   # only last-stage ranks hold a loss
+        stats = step_stats(timeline, peak, pp_group, pp, rt.device)
+        log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
+                     comm_bytes=comm.COUNTER.total(), comm_bytes_pp=comm.COUNTER.total("pp"), **stats)
+        if should_save(args, step):
+            full_model, full_optim = consolidated_state(model, optimizer, named, dp_rank == 0)
+            if rt.is_main:
+                log.note(f"checkpoint saved: {checkpoint.save(args.checkpoint_dir, step, full_model, full_optim, run_identity(args))}")
+    if args.timeline:
+        events = timeline.gather()
+        if rt.is_main:
+            write_chrome_trace(args.timeline, events, {
+                "schedule": args.schedule, "impl": args.impl, "pp": pp, "dp": dp, "microbatches": m,
+                "virtual_stages": v, "theory_bubble": sched_lib.theory_bubble(args.schedule, pp, m, v)})
+            log.note(f"timeline written: {args.timeline} (open in ui.perfetto.dev or plot_timeline.py)")
+    last = log.history[-1] if log.history else {}
+    log.finish({"bubble fraction (last step)": f"{last.get('bubble_fraction', 0):.3f}",
+                "peak activations per stage": ", ".join(format_bytes(b) for b in last.get("peak_activation_bytes", []))})
+    shutdown(rt)
+    return log.history
+
+
+def step_stats(timeline, peak: int, pp_group, pp: int, device) -> dict:
+    """Measured bubble fraction of this step over the pipeline, and each stage's activation peak."""
+    busy = first = last = 0.0
+    evs = [e for e in timeline.step_events() if e["kind"] in ("F", "B", "W")]
+    if evs:
+        busy = sum(e["end"] - e["start"] for e in evs)
+        first, last = min(e["start"] for e in evs), max(e["end"] for e in evs)
+    mine = torch.tensor([busy, first, last, float(peak)], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(pp)]
+    if pp > 1:
+        dist.all_gather(every, mine, group=pp_group)     # four numbers per rank: bookkeeping, not counted
+    else:
+        every = [mine]
+    span = max(t[2].item() for t in every) - min(t[1].item() for t in every)
+    bubble = 1 - sum(t[0].item() for t in every) / (pp * span) if span > 0 else float("nan")
+    return {"bubble_fraction": bubble, "peak_activation_bytes": [int(t[3].item()) for t in every]}
+
+
+if __name__ == "__main__":
+    run_main(main)
