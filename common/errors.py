@@ -8,6 +8,9 @@ reported on each surviving rank in one line, with exit code 1.
 """
 import os
 import sys
+import time
+
+PEER_GRACE_S = 10.0   # how long ranks other than 0 let rank 0 report a configuration error first
 
 
 class ConfigError(Exception):
@@ -25,8 +28,14 @@ def run_main(main) -> None:
     try:
         main()
     except ConfigError as err:
-        if rank == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+        if rank != 0:
+            # Every rank reaches the same verdict, but the launcher stops all ranks as soon as the first
+            # one exits: if that were rank 1, rank 0 would die before printing. So the others wait a
+            # moment for rank 0 to print and exit (the launcher then stops them, and the user reads the
+            # message once); a rank that waited in vain (rank 0 slow, or the check failed only here)
+            # prints the message itself.
+            time.sleep(PEER_GRACE_S)
+        print(f"error: {err}", file=sys.stderr, flush=True)
         os._exit(2)  # skip interpreter teardown: a half-initialised process group must not block exit
     except KeyboardInterrupt:
         os._exit(130)
