@@ -126,7 +126,8 @@ def main(argv=None) -> list[dict]:
                 with no_sync, torch.autocast(rt.device.type, torch.bfloat16, enabled=args.dtype == "bf16"):
                     logits = forward_stage3(model, zero, xm) if ours and stage == 3 else wrapped(xm)
                     loss = loss_sum(logits, ym) / tokens_per_step
-                    loss.backward()        # stage 2/3: reduce-scatters start here, unit by unit
+                    fsdp_mean = dp if not ours and stage > 1 else 1   # FSDP2 averages: undo it
+                    (loss * fsdp_mean).backward()   # stage 2/3: reduce-scatters start here, unit by unit
                 local_loss += loss.detach()
             if ours:
                 zero.reduce_gradients()    # 1: all-reduce; 2, 3: wait for the reduce-scatters

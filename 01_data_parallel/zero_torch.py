@@ -9,11 +9,12 @@
            steps) FSDP2 still keeps only parameter shards, so its resting memory is stage 3's.
   stage 3  FSDP2 `fully_shard` on every block and on the root (embedding, final norm, head).
 
-FSDP2 averages gradients over ranks by default; our loss is already divided by the global token
-count, so we set the divide factor to 1 (a sum), as ours does.
+FSDP2 averages gradients over ranks (divides the reduce-scatter by N); our loss is already divided
+by the global token count and wants a sum. FSDP2's `set_gradient_divide_factor(1.0)` needs the
+PREMUL_SUM reduction, which gloo lacks, so the training loop multiplies the loss by N instead
+(exact for N a power of two; otherwise a round-off of ~1e-7).
 """
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -32,7 +33,6 @@ def wrap_fsdp2(model, group, device, stage: int):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=not keep)
     fully_shard(model, mesh=mesh, reshard_after_forward=not keep)
-    model.set_gradient_divide_factor(1.0)   # sum the gradients, do not average them
     return build_adamw(model.named_parameters(), 0.0, 0.0)
 
 
@@ -70,7 +70,3 @@ def measured_memory(model, optimizer) -> dict:
             "grad_bytes": sum(t.numel() * t.element_size() for t in grads),
             "optim_bytes": sum(_local(t).numel() * _local(t).element_size()
                                for st in states for k, t in st.items() if k != "step" and torch.is_tensor(t))}
-
-
-def world_of(group) -> int:
-    return dist.get_world_size(group)

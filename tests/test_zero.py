@@ -1,0 +1,125 @@
+"""Chapter 01 part two, ZeRO: every stage reproduces the single-device run, holds the bytes the
+formulas say, resumes exactly, and rejects bad input with one clear message."""
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+
+from harness import ROOT, losses, max_rel_diff, ok, run_group
+
+STEPS = 10
+BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet"]
+ZERO = "01_data_parallel.train_zero:main"
+M = 1_640_576 * 4          # tiny preset: parameters × 4 bytes (fp32)
+
+
+def point_latest_at(directory: str, step: int) -> None:
+    """A job run on every rank: make `latest` name an earlier checkpoint (as if the run had stopped there)."""
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        (Path(directory) / "latest").write_text(f"step_{step:06d}.pt")
+    dist.barrier()
+
+
+def stage3_frees_gathered_weights() -> dict:
+    """A job: after forward, no gathered unit is alive (autograd keeps notes, not weights); after
+    backward, none either; and the backward re-gathered every unit but the embedding."""
+    import torch
+    import torch.distributed as dist
+    from importlib import import_module
+    from common.model import PRESETS, build_model
+    zs, z3 = import_module("01_data_parallel.zero_sharding"), import_module("01_data_parallel.zero_stage3")
+    train = import_module("01_data_parallel.train_zero")
+    model = build_model(PRESETS["tiny"], 1)
+    zero = z3.ZeroStage3(model, zs.model_units(model), dist.group.WORLD, 1e-3, 0.1)
+    refs, issue = [], zero._issue_gather
+
+    def spy(u):
+        new = 0 <= u < len(zero.units) and zero._full[u] is None
+        issue(u)
+        if new:
+            refs.append((u, weakref.ref(zero._full[u])))
+    zero._issue_gather = spy
+    out = train.forward_stage3(model, zero, torch.randint(0, 256, (2, 16)))
+    after_forward = [u for u, r in refs if r() is not None]
+    refs.clear()
+    out.float().pow(2).mean().backward()
+    zero.reduce_gradients()
+    return {"after_forward": after_forward, "after_backward": [u for u, r in refs if r() is not None],
+            "regathered": sorted(u for u, _ in refs), "peak": zero.peak_param_bytes}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    results = run_group(1, [("01_data_parallel.train_dp:main", BASE)] +
+                           [(ZERO, BASE + ["--zero-stage", s]) for s in "123"])
+    ref = losses(ok(results[0]))
+    for res in results[1:]:                       # world size 1: every stage is the reference itself
+        assert max_rel_diff(losses(ok(res)), ref) <= 1e-6
+    return ref
+
+
+def test_two_ranks(reference, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    save = BASE + ["--zero-stage", "3", "--checkpoint-dir", ckpt, "--checkpoint-every", "5"]
+    jobs = [(ZERO, BASE + ["--zero-stage", s]) for s in "123"]                          # 0-2
+    jobs += [(ZERO, BASE + ["--zero-stage", "3", "--impl", "torch"])]                   # 3
+    jobs += [(ZERO, save), ("test_zero:point_latest_at", ckpt, 5), (ZERO, save + ["--resume"])]   # 4-6
+    jobs += [(ZERO, BASE + ["--zero-stage", "1", "--checkpoint-dir", ckpt, "--resume"])]          # 7
+    jobs += [(ZERO, BASE + ["--zero-stage", "4"]),                                      # 8
+             (ZERO, BASE[:-3] + ["--global-batch", "7", "--quiet"]),                    # 9
+             (ZERO, BASE + ["--impl", "torch", "--checkpoint-dir", ckpt]),              # 10
+             ("test_zero:stage3_frees_gathered_weights",)]                              # 11
+    r = run_group(2, jobs)
+    for i, name in enumerate(["stage 1", "stage 2", "stage 3", "FSDP2"]):
+        assert max_rel_diff(losses(ok(r[i])), reference) <= 1e-5, name
+    full, resumed = ok(r[4]), ok(r[6])
+    assert [row["step"] for row in resumed] == list(range(6, STEPS + 1))
+    assert losses(resumed) == losses(full)[5:]                    # exact: same bits after resuming
+    expected = {7: "zero_stage=3 but this run has zero_stage=1", 8: "invalid choice: 4",
+                9: "use a multiple of 2", 10: "--impl ours only"}
+    for i, text in expected.items():
+        assert [kind for kind, _ in r[i]] == ["config_error"] * 2, r[i]
+        assert text in r[i][0][1], r[i][0][1]
+    freed = ok(r[11])
+    assert freed["after_forward"] == [] and freed["after_backward"] == []
+    assert freed["regathered"] == list(range(1, 10))                # every unit but the embedding
+    block = 4 * (2 * 128 + 128 * 128 * 2 + 2 * 128 * 64 + 3 * 128 * 384)
+    assert freed["peak"] == 2 * block                               # one unit + the prefetched next one
+
+
+def test_four_ranks_equivalence_memory_and_bytes(reference):
+    N = 4
+    r = run_group(N, [(ZERO, BASE + ["--zero-stage", s]) for s in "123"] +
+                     [(ZERO, BASE + ["--zero-stage", "1", "--impl", "torch", "--microbatches", "2"])])
+    rows = {}
+    for s, res in zip((1, 2, 3, "torch-1"), r):
+        hist = ok(res)
+        assert max_rel_diff(losses(hist), reference) <= 1e-5, s
+        rows[s] = hist[-1]
+    # Padding: each of the 10 units is padded to a multiple of N, fewer than N elements each.
+    pad = 10 * (N - 1) * 4
+    at_rest = {s: rows[s]["param_bytes"] + rows[s]["grad_bytes"] + rows[s]["optim_bytes"] for s in (1, 2, 3)}
+    assert abs(at_rest[3] - 4 * M / N) <= 0.05 * (4 * M / N)        # a quarter of plain DP's 4M
+    assert 4 * M / N <= at_rest[3] <= 4 * M / N + 4 * pad / N
+    assert 2 * M + 2 * M / N <= at_rest[1] <= 2 * M + 2 * M / N + 3 * pad   # 2M + αM/N
+    assert M + 3 * M / N <= at_rest[2] <= M + 3 * M / N + 2 * pad           # M + (1+α)M/N
+    # Bytes sent per step: all-reduce 2(N-1)/N, all-gather and reduce-scatter (N-1)/N each.
+    Mp = rows[1]["param_bytes"]                                    # M + padding
+    assert rows[1]["comm_bytes_sent"] == pytest.approx(3 * (N - 1) / N * Mp, abs=16)
+    assert rows[2]["comm_bytes_sent"] == pytest.approx(2 * (N - 1) / N * Mp, abs=16)
+    embed = 256 * 128 * 4                                          # not re-gathered for backward
+    assert rows[3]["comm_bytes_sent"] == pytest.approx(3 * (N - 1) / N * Mp - (N - 1) / N * embed, abs=16)
+
+
+def test_torchrun_rejects_bad_stage():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node=2",
+                           "01_data_parallel/train_zero.py", "--zero-stage", "0", "--quiet"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "error: argument --zero-stage: invalid choice: 0" in proc.stderr
+    assert 'train_zero.py", line' not in proc.stderr            # one line, no traceback from our ranks
