@@ -1,0 +1,125 @@
+"""Chapter 03 pipeline parallelism: every schedule reproduces the single-device run, bad input fails fast."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness import ROOT, losses, max_rel_diff, ok, run_group
+
+STEPS = 10
+BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet"]
+PP = "03_pipeline_parallel.train_pp:main"
+
+
+def grad_norms(history):
+    return [row["grad_norm"] for row in history]
+
+
+def final_weights(directory):
+    from common import checkpoint
+    return torch.load(checkpoint.latest_path(directory), weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("ref")
+    (res,) = run_group(1, [(PP, BASE + ["--checkpoint-dir", str(ckpt)])])
+    return ok(res), final_weights(ckpt)
+
+
+def check_same(history, reference, label):
+    ref_hist, _ = reference
+    assert max_rel_diff(losses(history), losses(ref_hist)) <= 1e-5, label
+    assert max_rel_diff(grad_norms(history), grad_norms(ref_hist)) <= 1e-5, f"{label}: gradients differ"
+
+
+def check_weights(directory, reference, label):
+    mine, ref = final_weights(directory), reference[1]
+    assert set(mine) == set(ref), f"{label}: the consolidated checkpoint misses parameters"
+    for name in ref:
+        torch.testing.assert_close(mine[name], ref[name], rtol=1e-4, atol=1e-6, msg=f"{label}: {name}")
+
+
+BAD = [  # (flags, a piece of the expected message)
+    (["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "1"], "multiple of --pp"),
+    (["--schedule", "1f1b", "--virtual-stages", "2", "--microbatches", "4"], "only works with --schedule interleaved"),
+    (["--schedule", "interleaved", "--virtual-stages", "8", "--microbatches", "4"], "too few for"),
+    (["--microbatches", "3"], "does not split"),
+    (["--pp", "3"], "does not divide the world size"),
+]
+
+
+def test_world_2(reference, tmp_path):
+    configs = {  # label -> flags
+        "gpipe m=1": ["--schedule", "gpipe", "--microbatches", "1"],
+        "gpipe m=4": ["--schedule", "gpipe", "--microbatches", "4"],
+        "1f1b m=2": ["--schedule", "1f1b", "--microbatches", "2"],
+        "1f1b m=8": ["--schedule", "1f1b", "--microbatches", "8"],
+        "interleaved v=2 m=2": ["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "2"],
+        "interleaved v=2 m=4": ["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4"],
+        "zb-h1 m=1": ["--schedule", "zb-h1", "--microbatches", "1"],
+        "zb-h1 m=4": ["--schedule", "zb-h1", "--microbatches", "4"],
+        "dp=2 pp=1": ["--pp", "1", "--microbatches", "2"],
+        "torch 1f1b m=2": ["--impl", "torch", "--schedule", "1f1b", "--microbatches", "2"],
+    }
+    ck = {label: tmp_path / label.replace(" ", "_") for label in ("interleaved v=2 m=4", "zb-h1 m=4")}
+    jobs = [(PP, BASE + flags + (["--checkpoint-dir", str(ck[label])] if label in ck else []))
+            for label, flags in configs.items()]
+    # resume: 6 steps with pp=2, then steps 7..10 resumed as dp=2 × pp=1 (another layout)
+    resume_dir = tmp_path / "resume"
+    jobs += [(PP, BASE[:1] + ["6"] + BASE[2:] + ["--microbatches", "2", "--checkpoint-dir", str(resume_dir)]),
+             (PP, BASE + ["--pp", "1", "--microbatches", "2", "--checkpoint-dir", str(resume_dir), "--resume"])]
+    jobs += [(PP, BASE + flags) for flags, _ in BAD]
+    results = run_group(2, jobs)
+    n = len(configs)
+    for label, res in zip(configs, results[:n]):
+        check_same(ok(res), reference, label)
+    for label, directory in ck.items():
+        check_weights(directory, reference, label)
+    first, resumed = ok(results[n]), ok(results[n + 1])
+    assert [r["step"] for r in resumed] == list(range(7, STEPS + 1))
+    assert max_rel_diff(losses(first + resumed), losses(reference[0])) <= 1e-5
+    for (flags, expected), res in zip(BAD, results[n + 2:]):
+        for kind, message in res:                    # the same clear message on every rank
+            assert kind == "config_error" and expected in message, (flags, kind, message)
+
+
+def test_world_4(reference, tmp_path):
+    configs = {
+        "gpipe m=4": ["--schedule", "gpipe", "--microbatches", "4"],
+        "1f1b m=1": ["--schedule", "1f1b", "--microbatches", "1"],
+        "1f1b m=8": ["--schedule", "1f1b", "--microbatches", "8"],
+        "interleaved v=2 m=4": ["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4"],
+        "zb-h1 m=4": ["--schedule", "zb-h1", "--microbatches", "4"],
+        "dp=2 × pp=2 1f1b m=2": ["--pp", "2", "--schedule", "1f1b", "--microbatches", "2"],
+        "torch interleaved": ["--impl", "torch", "--schedule", "interleaved", "--virtual-stages", "2",
+                              "--microbatches", "8"],
+    }
+    trace, ck = tmp_path / "trace.json", tmp_path / "ck"
+    extra = {"1f1b m=8": ["--timeline", str(trace), "--checkpoint-dir", str(ck)]}
+    jobs = [(PP, BASE + flags + extra.get(label, [])) for label, flags in configs.items()]
+    results = run_group(4, jobs)
+    for label, res in zip(configs, results):
+        check_same(ok(res), reference, label)
+    check_weights(ck, reference, "1f1b m=8")
+    from common.timeline import bubble_fraction, load_trace
+    events, meta = load_trace(trace)
+    assert meta["schedule"] == "1f1b" and {e["rank"] for e in events} == {0, 1, 2, 3}
+    last = [e for e in events if e.get("step") == STEPS]
+    assert sum(e["kind"] == "F" for e in last) == 4 * 8 and sum(e["kind"] == "B" for e in last) == 4 * 8
+    assert 0 < bubble_fraction(last) < 1
+    history = ok(results[2])
+    assert len(history[-1]["peak_activation_bytes"]) == 4 and history[-1]["comm_bytes_pp"] > 0
+
+
+def test_torchrun_bad_input_exits_cleanly():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "03_pipeline_parallel/train_1f1b.py",
+           "--virtual-stages", "2", "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "error: --virtual-stages 2 only works with --schedule interleaved" in proc.stderr
+    for script in ("train_1f1b.py", "train_pp.py", "pipeline_schedules.py"):     # no traceback from our ranks
+        assert f'{script}", line' not in proc.stderr

@@ -1,0 +1,177 @@
+"""Chapter 03 schedules, stages and timelines, checked on paper: no processes."""
+from collections import Counter
+from importlib import import_module
+
+import pytest
+
+from common.model import PRESETS
+
+S = import_module("03_pipeline_parallel.pipeline_schedules")
+X = import_module("03_pipeline_parallel.pipeline_executor")
+ST = import_module("03_pipeline_parallel.pipeline_stages")
+TL = import_module("common.timeline")
+from common.errors import ConfigError  # noqa: E402
+
+
+def cases():
+    for p in (1, 2, 3, 4):
+        for m in (1, 2, 3, 4, 5, 8, 12):
+            for name in S.SCHEDULES:
+                for v in ((1, 2, 3) if name == "interleaved" else (1,)):
+                    if name == "interleaved" and m % p:
+                        continue
+                    yield name, p, m, v
+
+
+CASES = list(cases())
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_every_forward_has_its_backward_once(name, p, m, v):
+    sched = S.build_schedule(name, p, m, v)
+    for r, acts in enumerate(sched):
+        counts = Counter(acts)
+        assert all(c == 1 for c in counts.values()), f"rank {r} repeats an action"
+        stages = [r + k * p for k in range(v)]
+        kinds = ("F", "B", "W") if name == "zb-h1" else ("F", "B")
+        assert set(counts) == {S.Action(k, mb, s) for k in kinds for mb in range(m) for s in stages}
+        for a in acts:                               # B after its F, W after its B, on this rank
+            if a.kind != "F":
+                before = S.Action("F" if a.kind == "B" else "B", a.mb, a.stage)
+                assert acts.index(before) < acts.index(a)
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_dependencies_and_in_flight_limit(name, p, m, v):
+    sim = S.simulate(S.build_schedule(name, p, m, v), p * v)   # raises on deadlock / missing input
+    promise = {"gpipe": [m] * p, "1f1b": [min(p - r, m) for r in range(p)], "zb-h1": [min(p, m)] * p,
+               "interleaved": [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) for r in range(p)]}[name]
+    assert all(have <= want for have, want in zip(sim["in_flight"], promise)), (sim["in_flight"], promise)
+
+
+def run_protocol(sched, n: int, blocking_sends: bool) -> None:
+    """Play the executor's protocol step by step: irecvs posted in the sender's order (up to this
+    action's message and the next one's), wait for this action's message, compute, send.
+    blocking_sends=False: a send never blocks (the executor: isend, waited at the end of the step).
+    blocking_sends=True: a send completes only once the receiver posted its irecv (rendezvous)."""
+    p = len(sched)
+    orders = [X.incoming_order(sched, r, n) for r in range(p)]
+    # Round-robin over the ranks; each advances when it can; nobody can -> deadlock.
+    queues = [{src: list(keys) for src, keys in o.items()} for o in orders]
+    posted, sent = [set() for _ in range(p)], set()
+    pc, phase = [0] * p, [0] * p              # phase: 0 post+wait, 1 send
+    while any(pc[r] < len(sched[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            if pc[r] == len(sched[r]):
+                continue
+            a = sched[r][pc[r]]
+            if phase[r] == 0:
+                for b in sched[r][pc[r]:pc[r] + 2]:          # this action's message and the next one's
+                    need = X.needed_message(b, n, p)
+                    if need and need[1] != r:
+                        while need[0] not in posted[r]:
+                            posted[r].add(queues[r][need[1]].pop(0))
+                need = X.needed_message(a, n, p)
+                if need is None or need[0] in sent:
+                    phase[r], moved = 1, True
+            else:
+                out = X.produced_messages([a], n, p)
+                if not blocking_sends or all(dst == r or key in posted[dst] for key, dst in out):
+                    sent.update(key for key, _ in out)
+                    pc[r], phase[r], moved = pc[r] + 1, 0, True
+        if not moved:
+            raise RuntimeError(f"deadlock at {[sched[r][pc[r]] for r in range(p) if pc[r] < len(sched[r])]}")
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_executor_message_plan_matches_and_never_deadlocks(name, p, m, v):
+    sched, n = S.build_schedule(name, p, m, v), p * v
+    orders = [X.incoming_order(sched, r, n) for r in range(p)]
+    for r in range(p):                               # every message sent is consumed exactly once
+        needed = Counter(X.needed_message(a, n, p) for a in sched[r])
+        needed = Counter({k: c for k, c in needed.items() if k is not None and k[1] != r})
+        expected = Counter((k, src) for src, keys in orders[r].items() for k in keys)
+        assert needed == expected
+    run_protocol(sched, n, blocking_sends=False)     # what the executor does
+    if name != "interleaved":                        # these survive even rendezvous sends
+        run_protocol(sched, n, blocking_sends=True)
+
+
+def test_interleaved_needs_asynchronous_sends():
+    """The trap: with sends that block until the peer posts its receive, interleaved 1F1B deadlocks
+    (each rank sends a chunk's activation while its peer sends a gradient back). Hence isend."""
+    with pytest.raises(RuntimeError, match="deadlock"):
+        run_protocol(S.interleaved_1f1b(2, 4, 2), 4, blocking_sends=True)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_bubble_matches_theory(p, m):
+    for name in ("gpipe", "1f1b"):
+        assert S.simulate(S.build_schedule(name, p, m), p)["bubble"] == pytest.approx(S.theory_bubble(name, p, m))
+    if m % p == 0:
+        sim = S.simulate(S.build_schedule("interleaved", p, m, 2), 2 * p)
+        assert sim["bubble"] == pytest.approx(S.theory_bubble("interleaved", p, m, 2))
+    zb = S.simulate(S.build_schedule("zb-h1", p, m), p)["bubble"]
+    assert zb <= S.theory_bubble("1f1b", p, m) + 1e-9
+    if m >= p:
+        assert zb == pytest.approx(S.theory_bubble("zb-h1", p, m))
+
+
+def test_1f1b_warmup_is_min_p_minus_r_minus_1_m():
+    for p, m in [(4, 8), (4, 2)]:
+        sched = S.one_f_one_b(p, m)
+        for r in range(p):
+            first_b = next(i for i, a in enumerate(sched[r]) if a.kind == "B")
+            assert first_b == min(p - r - 1, m) + (1 if m > p - r - 1 else 0)
+
+
+def test_bad_schedules_say_how_to_fix():
+    with pytest.raises(ConfigError, match="multiple of --pp"):
+        S.build_schedule("interleaved", 4, 6, 2)
+    with pytest.raises(ConfigError, match="only works with --schedule interleaved"):
+        S.build_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(ConfigError, match="too few for 16 stages"):
+        ST.stage_specs(PRESETS["tiny"], 4, 4, 32)
+
+
+def test_partition_is_balanced_and_covers_every_layer():
+    cfg = PRESETS["tiny"]
+    for n in (1, 2, 3, 4, 8):
+        parts = ST.partition(cfg, n, 128)
+        assert [i for part in parts for i in part] == list(range(cfg.n_layers))
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert ST.partition(cfg, 3, 128) == [(0, 1, 2), (3, 4, 5), (6, 7)]     # the head weighs on the last stage
+    specs = ST.stage_specs(cfg, 2, 2, 32)
+    assert [s.index for s in ST.rank_stages(specs, 2, 1)] == [1, 3] and specs[0].first and specs[-1].last
+
+
+def test_pruned_stage_keeps_reference_names():
+    from common.model import build_model
+    cfg = PRESETS["tiny"]
+    specs = ST.stage_specs(cfg, 4, 1, 32)
+    full = dict(build_model(cfg, 7).named_parameters())
+    names = set()
+    for r in range(4):
+        model = ST.prune_to_stages(build_model(cfg, 7), ST.rank_stages(specs, 4, r))
+        for n, p in model.named_parameters():
+            assert n in full and (p == full[n]).all()
+            names.add(n)
+    assert names == set(full)                        # the stages together hold the whole model once
+
+
+def test_timeline_roundtrip_and_bubble(tmp_path):
+    sim = S.simulate(S.one_f_one_b(2, 2), 2)
+    events = [{"rank": r, "step": 1, "kind": a.kind, "start": s, "end": e, "mb": a.mb}
+              for r, a, s, e in sim["events"]]
+    assert TL.bubble_fraction(events) == pytest.approx(sim["bubble"])
+    path = TL.write_chrome_trace(tmp_path / "t.json", events, {"schedule": "1f1b"})
+    back, meta = TL.load_trace(path)
+    assert meta["schedule"] == "1f1b" and len(back) == len(events)
+    assert TL.bubble_fraction(back) == pytest.approx(sim["bubble"])
+
+
+def test_print_schedule_table():
+    text = S.format_schedule(S.build_schedule("1f1b", 4, 8), 4)
+    assert sum(line.startswith("rank ") for line in text.splitlines()) == 4 and "F7" in text and "B7" in text and "bubble 0.273" in text
