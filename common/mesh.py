@@ -64,3 +64,15 @@ class Mesh:
             cells = "  ".join(f"rank {r:>2}" for r in self.grid[idx].tolist())
             rows.append(f"{label:<14} | {self.dims[-1]} 0..{self.shape[-1] - 1}: {cells}")
         return "\n".join(rows)
+
+    def rank_rows(self) -> list[dict]:
+        """For every rank: its coordinates and the ranks of each of its groups (for printing)."""
+        rows = []
+        for r in range(self.grid.numel()):
+            where = (self.grid == r).nonzero()[0].tolist()
+            row = {"rank": r, **{d: c for d, c in zip(self.dims, where)}}
+            for i, d in enumerate(self.dims):
+                row[f"{d} group"] = next(line for line in self.lines(i) if r in line)
+            rows.append(row)
+        return rows
+
