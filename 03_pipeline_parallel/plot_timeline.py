@@ -1,0 +1,115 @@
+"""Draw pipeline timelines: per-rank Gantt charts, several schedules stacked, bubble vs theory.
+
+    # real runs (traces written by train_pp.py --timeline), stacked for comparison
+    python 03_pipeline_parallel/plot_timeline.py runs/gpipe.json runs/1f1b.json --out runs/compare.png
+    # on paper: unit costs F=1, B=2 (zero-bubble: B=1, W=1); nothing runs
+    python 03_pipeline_parallel/plot_timeline.py --simulate gpipe:4:8 1f1b:4:8 interleaved:4:8:2 zb-h1:4:8 --out sim.png
+
+Each box is one action with its micro-batch number (F blue, B green, W orange); grey is idle time
+inside the step. The title of each panel gives the bubble measured on that timeline (idle share of
+ranks × step time) next to the theory (p-1)/(m+p-1), or (p-1)/(v·m+p-1) for interleaved.
+"""
+import argparse
+import sys
+from importlib import import_module
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import matplotlib
+
+matplotlib.use("Agg") if __name__ == "__main__" else None
+import matplotlib.pyplot as plt  # noqa: E402
+
+from common.timeline import bubble_fraction, idle_events, load_trace  # noqa: E402
+
+sched_lib = import_module("03_pipeline_parallel.pipeline_schedules")
+COLORS = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452", "idle": "#dddddd"}
+
+
+def simulated_events(name: str, p: int, m: int, v: int = 1) -> tuple[list[dict], dict]:
+    """A schedule's timeline on paper (unit costs), as timeline events + metadata."""
+    sim = sched_lib.simulate(sched_lib.build_schedule(name, p, m, v), p * v)
+    scale = 1 / v                                  # a chunk is 1/v of a stage: same total work for any v
+    events = [{"rank": r, "step": 1, "kind": a.kind, "mb": a.mb, "stage": a.stage,
+               "start": s * scale, "end": e * scale} for r, a, s, e in sim["events"]]
+    return events, {"schedule": name, "pp": p, "microbatches": m, "virtual_stages": v, "impl": "simulated",
+                    "theory_bubble": sched_lib.theory_bubble(name, p, m, v)}
+
+
+def step_of(events: list[dict], step: int | None) -> list[dict]:
+    """The events of one step (default: the last), times shifted to start at 0."""
+    steps = sorted({e["step"] for e in events if e["kind"] in COLORS})
+    step = steps[-1] if step is None else step
+    evs = [e for e in events if e["step"] == step and e["kind"] in ("F", "B", "W")]
+    t0 = min(e["start"] for e in evs)
+    return [{**e, "start": e["start"] - t0, "end": e["end"] - t0} for e in evs]
+
+
+def draw(ax, events: list[dict], meta: dict, unit: str = "ms") -> float:
+    """One panel: a row per rank. Returns the measured bubble fraction."""
+    scale = 1e3 if unit == "ms" else 1.0
+    ranks = sorted({e["rank"] for e in events})
+    for e in idle_events(events):
+        ax.barh(e["rank"], (e["end"] - e["start"]) * scale, left=e["start"] * scale, color=COLORS["idle"],
+                hatch="//", edgecolor="#bbbbbb", linewidth=0)
+    v = meta.get("virtual_stages", 1)
+    p = meta.get("pp", len(ranks))
+    for e in events:
+        width = (e["end"] - e["start"]) * scale
+        ax.barh(e["rank"], width, left=e["start"] * scale, color=COLORS[e["kind"]], edgecolor="white",
+                alpha=1.0 if v == 1 or e.get("stage", 0) // p == 0 else 0.65)
+        ax.text((e["start"] + e["end"]) / 2 * scale, e["rank"], str(e.get("mb", "")), ha="center",
+                va="center", fontsize=7, color="white")
+    bubble = bubble_fraction(events)
+    title = (f"{meta.get('schedule')} ({meta.get('impl', 'ours')}): p={p} m={meta.get('microbatches')}"
+             + (f" v={v}" if v > 1 else "")
+             + f" — bubble measured {bubble:.3f}, theory {meta.get('theory_bubble', float('nan')):.3f}")
+    ax.set_title(title, fontsize=9, loc="left")
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)" if unit == "ms" else "time (units: F = 1)", fontsize=8)
+    return bubble
+
+
+def plot(panels: list[tuple[list[dict], dict]], out, unit: str = "ms", suptitle: str | None = None):
+    """Stack several timelines (each (events, metadata)) in one figure and save it."""
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.0 + 0.45 * sum(
+        len({e["rank"] for e in ev}) + 1.5 for ev, _ in panels)), squeeze=False)
+    for ax, (events, meta) in zip(axes[:, 0], panels):
+        draw(ax, events, meta, unit)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    fig.legend(handles, ["forward F", "backward B (input-grad for zb)", "weight-grad W", "idle"],
+               loc="lower center", ncol=4, fontsize=8)
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=10)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("traces", nargs="*", help="trace JSON files written by train_pp.py --timeline")
+    ap.add_argument("--simulate", nargs="*", default=[], metavar="NAME:P:M[:V]",
+                    help="schedules to draw from unit costs, e.g. 1f1b:4:8 interleaved:4:8:2")
+    ap.add_argument("--step", type=int, default=None, help="which step of the traces (default: the last)")
+    ap.add_argument("--out", default="runs/timeline.png")
+    args = ap.parse_args(argv)
+    panels = []
+    for path in args.traces:
+        events, meta = load_trace(path)
+        panels.append((step_of(events, args.step), meta))
+    for spec in args.simulate:
+        name, *nums = spec.split(":")
+        panels.append(simulated_events(name, *map(int, nums)))
+    if not panels:
+        ap.error("give trace files and/or --simulate schedules")
+    unit = "ms" if args.traces else "units"
+    print(plot(panels, args.out, unit, "simulated, unit costs" if not args.traces else None))
+
+
+if __name__ == "__main__":
+    main()
