@@ -225,7 +225,7 @@ class ZeroOptimizer:
 
     def full_state(self):
         """(model state, AdamW state by name): the single-device checkpoint, on every rank."""
-        model = {n: t.detach().clone() for u, flat in zip(self.units, self.flat_params)
+        model = {n: t.detach().cpu().clone() for u, flat in zip(self.units, self.flat_params)
                  for n, t in zip(u.names, u.split(flat))}
         return model, gather_optim_state(self.units, self.pieces, self.optimizer, self.group, self.comm_name)
 
@@ -245,19 +245,20 @@ def optim_bytes(optimizer) -> int:
 def gather_optim_state(units, pieces, optimizer, group, name="dp") -> dict:
     """AdamW's moments of every tensor, in full: each unit's moment shards are all-gathered."""
     by_name = {n: p for n, p in pieces}
+    device = pieces[0][1].device
     out, step = {}, None
     for unit in units:
         full = {}
         for key in ("exp_avg", "exp_avg_sq"):
-            shard = torch.zeros(unit.chunk)                               # (padded/N,), padding zero
+            shard = torch.zeros(unit.chunk, device=device)                # (padded/N,), padding zero
             for n, a, b, _, _ in unit.pieces():
                 st = optimizer.state.get(by_name[n], {})
                 if st:
-                    shard[a:b] = st[key].detach().cpu()
+                    shard[a:b] = st[key].detach()
                     step = st["step"]
-            flat = torch.empty(unit.padded)
+            flat = torch.empty(unit.padded, device=device)                # (padded,)
             comm.all_gather_into(flat, shard, group=group, name=name)
-            full[key] = unit.split(flat)
+            full[key] = unit.split(flat.cpu())
         for i, n in enumerate(unit.names):
             out[n] = {"exp_avg": full["exp_avg"][i].clone(), "exp_avg_sq": full["exp_avg_sq"][i].clone()}
     if step is None:

@@ -147,7 +147,8 @@ class ZeroStage3:
     def reduce_scatter_grads(self, u: int, grads) -> None:
         """Unit u's weight gradients are complete: reduce-scatter them and free the full ones."""
         unit = self.units[u]
-        full = unit.flatten([g if g is not None else torch.zeros(s) for g, s in zip(grads, unit.shapes)])
+        full = unit.flatten([g if g is not None else torch.zeros(s, device=self.shards[u].device)
+                             for g, s in zip(grads, unit.shapes)])
         self._free(u)                           # its backward is done: no more unpacks of unit u
         self._drain(keep=0)                     # at most one reduce-scatter in flight
         out = torch.empty(unit.chunk, dtype=full.dtype, device=full.device)   # (padded/N,)
@@ -193,9 +194,9 @@ class ZeroStage3:
     def full_state(self):
         model, out = {}, {}
         for u, unit in enumerate(self.units):
-            flat = torch.empty(unit.padded)
+            flat = torch.empty(unit.padded, device=self.shards[u].device)      # (padded,)
             comm.all_gather_into(flat, self.shards[u].detach(), group=self.group, name=self.comm_name)
-            model.update({n: t.clone() for n, t in zip(unit.names, unit.split(flat))})
+            model.update({n: t.clone() for n, t in zip(unit.names, unit.split(flat.cpu()))})
         out = zs.gather_optim_state(self.units, self.pieces, self.optimizer, self.group, self.comm_name)
         return model, out
 
