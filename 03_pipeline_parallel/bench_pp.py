@@ -1,0 +1,160 @@
+"""Chapter 03 benchmark: bubble vs theory, activation memory GPipe vs 1F1B, ours vs torch.distributed.pipelining.
+
+    python 03_pipeline_parallel/bench_pp.py            # launches torchrun at 2 and 4 ranks, ~5 min on 2 cores
+    python 03_pipeline_parallel/bench_pp.py --quick    # fewer configurations (for the notebook)
+
+Writes 03_pipeline_parallel/results/pp_bench.md, bubble.png, timelines_p2.png, timelines_p4.png.
+Each world size is ONE torchrun launch whose ranks run every configuration in turn (train_pp.main
+joins the running process group), so start-up is paid once.
+  - bubble: 1F1B with a FIXED micro-batch (1 sequence × 128 tokens), so that m micro-batches are m
+    units of work, as the theory assumes; global batch = m. Measured on steps 2.. of each run.
+  - memory: peak bytes autograd kept for backward per stage, GPipe vs 1F1B, m = 8.
+  - throughput: each schedule, ours and torch's, m = 8, global batch 16 × 128 tokens, alternated.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from importlib import import_module
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "results"
+SCHEDS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+
+
+def configs(p: int, quick: bool, tmp: Path) -> list[tuple[str, list[str]]]:
+    common = ["--seq-len", "128", "--quiet", "--warmup", "2"]
+    out = []
+    for m in ([1, 2, 4, 8] if quick else [1, 2, 4, 8, 16]):                       # bubble sweep
+        out.append((f"bubble 1f1b m={m}", common + ["--schedule", "1f1b", "--microbatches", str(m),
+                                                     "--global-batch", str(m), "--steps", "4"]))
+    for name in ("gpipe", "1f1b"):                                                 # memory
+        out.append((f"memory {name}", common + ["--schedule", name, "--microbatches", "8", "--global-batch", "8",
+                                                "--steps", "2"]))
+    steps = "4" if quick else "6"
+    for name, v in SCHEDS:                                                         # throughput + timelines
+        for impl in ("ours", "torch"):
+            flags = common + ["--schedule", name, "--virtual-stages", str(v), "--microbatches", "8",
+                              "--global-batch", "16", "--steps", steps, "--impl", impl]
+            if impl == "ours":
+                flags += ["--timeline", str(tmp / f"p{p}_{name}.json")]
+            out.append((f"speed {name} {impl}", flags))
+    return out
+
+
+def worker(p: int, quick: bool, tmp: Path) -> None:
+    """Runs inside torchrun: every configuration in turn, results written by rank 0."""
+    import torch.distributed as dist
+    from common.distributed import init_distributed
+    train_pp = import_module("03_pipeline_parallel.train_pp")
+    init_distributed()
+    results = {}
+    for label, argv in configs(p, quick, tmp):
+        results[label] = train_pp.main(argv)
+    if dist.get_rank() == 0:
+        (tmp / f"p{p}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def median(rows, key, skip=1):
+    return statistics.median(r[key] for r in rows[skip:])
+
+
+def report(all_results: dict, tmp: Path, quick: bool) -> None:
+    sched = import_module("03_pipeline_parallel.pipeline_schedules")
+    plot = import_module("03_pipeline_parallel.plot_timeline")
+    from common.metrics import format_bytes
+    from common.timeline import load_trace
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    OUT.mkdir(exist_ok=True)
+    lines = ["# Chapter 03 — pipeline benchmark", "",
+             "Machine: 2-core CPU, gloo, torch CPU; `tiny` model (8 layers), 128 tokens per sequence. "
+             f"Command: `python 03_pipeline_parallel/bench_pp.py{' --quick' if quick else ''}`. "
+             "With 4 ranks the 2 cores are oversubscribed 2×: see the README for what that does to the bubble.", ""]
+    # --- bubble -----------------------------------------------------------------------------------
+    lines += ["## Bubble fraction, 1F1B, measured vs theory (p-1)/(m+p-1)", "",
+              "| p | m | measured (median of steps 2..) | theory | simulated (unit costs) |", "|---|---|---|---|---|"]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for p, res in sorted(all_results.items()):
+        ms, meas = [], []
+        for label, rows in res.items():
+            if label.startswith("bubble"):
+                m = int(label.split("m=")[1])
+                ms.append(m)
+                meas.append(median(rows, "bubble_fraction"))
+                sim = sched.simulate(sched.build_schedule("1f1b", p, m), p)["bubble"]
+                lines.append(f"| {p} | {m} | {meas[-1]:.3f} | {sched.theory_bubble('1f1b', p, m):.3f} | {sim:.3f} |")
+        ax.plot(ms, meas, "o-", label=f"measured p={p}")
+        ax.plot(ms, [sched.theory_bubble("1f1b", p, m) for m in ms], "--", label=f"theory p={p}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("bubble fraction")
+    ax.set_title("1F1B bubble (2-core CPU, gloo)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "bubble.png", dpi=110)
+    plt.close(fig)
+    lines += ["", "![bubble](bubble.png)", ""]
+    # --- memory -----------------------------------------------------------------------------------
+    lines += ["## Peak activation memory per stage, m = 8 (bytes autograd saved for backward)", "",
+              "| p | schedule | " + " | ".join(f"stage {i}" for i in range(4)) + " |", "|---|---|---|---|---|---|"]
+    for p, res in sorted(all_results.items()):
+        for name in ("gpipe", "1f1b"):
+            peaks = res[f"memory {name}"][-1]["peak_activation_bytes"]
+            cells = [format_bytes(b) for b in peaks] + [""] * (4 - len(peaks))
+            lines.append(f"| {p} | {name} | " + " | ".join(cells) + " |")
+    # --- throughput -------------------------------------------------------------------------------
+    lines += ["", "## Throughput, ours vs torch.distributed.pipelining (m = 8, 16 × 128 tokens per step)", "",
+              "| p | schedule | ours tokens/s | torch tokens/s | ours / torch | ours bubble (measured) | theory |",
+              "|---|---|---|---|---|---|---|"]
+    for p, res in sorted(all_results.items()):
+        for name, v in SCHEDS:
+            ours, theirs = res[f"speed {name} ours"], res[f"speed {name} torch"]
+            a, b = median(ours, "tokens_per_s"), median(theirs, "tokens_per_s")
+            lines.append(f"| {p} | {name}{' v=2' if v > 1 else ''} | {a:,.0f} | {b:,.0f} | {a / b:.2f} | "
+                         f"{median(ours, 'bubble_fraction'):.3f} | {sched.theory_bubble(name, p, 8, v):.3f} |")
+    # --- timelines --------------------------------------------------------------------------------
+    lines += ["", "## Timelines (real runs, last step, m = 8)", ""]
+    for p in sorted(all_results):
+        panels = []
+        for name, _ in SCHEDS:
+            events, meta = load_trace(tmp / f"p{p}_{name}.json")
+            panels.append((plot.step_of(events, None), meta))
+        plot.plot(panels, OUT / f"timelines_p{p}.png", "ms", f"p = {p}, 2-core CPU, gloo")
+        lines.append(f"![timelines p={p}](timelines_p{p}.png)")
+    plot.plot([plot.simulated_events(n, 4, 8, v) for n, v in SCHEDS], OUT / "timelines_simulated.png", "units",
+              "simulated, unit costs (F = 1, B = 2; zero-bubble B = W = 1)")
+    lines += ["", "![simulated](timelines_simulated.png)", ""]
+    (OUT / "pp_bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.worker, args.quick, Path(args.tmp))
+    tmp = Path(tempfile.mkdtemp(prefix="bench_pp_"))
+    results = {}
+    for p in (2, 4):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={p}", str(Path(__file__)),
+               "--worker", str(p), "--tmp", str(tmp)] + (["--quick"] if args.quick else [])
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        results[p] = json.loads((tmp / f"p{p}.json").read_text())
+    report(results, tmp, args.quick)
+
+
+if __name__ == "__main__":
+    main()
