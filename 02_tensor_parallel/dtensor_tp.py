@@ -69,6 +69,16 @@ def local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def settle_grads(model) -> None:
+    """Give each gradient its parameter's layout. DTensor leaves some as they came out of backward:
+    the embedding's as Replicate (the whole V×D table on every rank), SP norms' as Partial (each
+    rank's share of a sum). The optimizer would fix that lazily; the gradient norm needs it now.
+    Replicate -> Shard is a local slice; Partial -> Replicate is an all-reduce (our SP grad sync)."""
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.grad is not None and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
 def allreduce_dp(model, dp_group) -> None:
     """Data parallelism over our own group: all-reduce each local gradient shard."""
     if dist.get_world_size(dp_group) > 1:
@@ -101,5 +111,5 @@ def like_param(p, full):
     return distribute_tensor(full.to(p.device_mesh.device_type), p.device_mesh, p.placements)
 
 
-__all__ = ["tp_mesh_from_group", "parallelize_with_dtensor", "dtensor_loss_sum", "loss_parallel", "allreduce_dp",
+__all__ = ["tp_mesh_from_group", "parallelize_with_dtensor", "dtensor_loss_sum", "loss_parallel", "allreduce_dp", "settle_grads",
            "owned_local_grads", "full_tensor", "like_param", "local"]

@@ -138,6 +138,7 @@ def main(argv=None) -> list[dict]:
                 owned = tp_lib.owned_grads(model, tp_rank)
                 every = [p.grad for p in model.parameters()]
             else:
+                dt_lib.settle_grads(model)                               # DTensor's grad layouts
                 dt_lib.allreduce_dp(model, dp_group)
                 owned = dt_lib.owned_local_grads(model, tp_rank)
                 every = [dt_lib.local(p.grad) for p in model.parameters()]
