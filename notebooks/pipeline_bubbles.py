@@ -49,7 +49,7 @@ plt.show()
 print(sched.format_schedule(sched.build_schedule("1f1b", 4, 8), 4))
 panels = [plot.simulated_events(n, 4, 8, v) for n, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]]
 png = plot.plot(panels, out_dir / "simulated.png", "units")
-plt.imshow(plt.imread(png)); plt.axis("off"); plt.show()
+plt.figure(figsize=(12, 8)); plt.imshow(plt.imread(png)); plt.axis("off"); plt.show()
 
 # %% [markdown]
 # ## 3. The same schedules for real (`torchrun ... --timeline`)
