@@ -1,0 +1,164 @@
+"""Jobs for the chapter 01 data-parallel tests, and the one spawned group per world size that runs them.
+
+test_dp.py and test_dp_cli.py both read the world-2 group's results; `world_results` runs each world's
+group once per pytest session (starting ranks costs seconds on a 2-core machine).
+"""
+import functools
+import tempfile
+from importlib import import_module
+from pathlib import Path
+
+import torch
+
+from harness import run_group
+
+TRAIN = "01_data_parallel.train_dp:main"
+IMPLS = ["naive", "bucketed", "torch"]
+STEPS = 10
+BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet"]
+VARIANTS = {impl: BASE + ["--impl", impl] for impl in IMPLS}
+VARIANTS["bucketed+accumulation"] = BASE + ["--impl", "bucketed", "--microbatches", "2", "--bucket-mb", "0.5"]
+VARIANTS["torch+accumulation"] = BASE + ["--impl", "torch", "--microbatches", "2", "--bucket-mb", "0.5"]
+GRAD_ARGS = ["--seq-len", "32", "--global-batch", "8", "--quiet"]
+GRAD_VARIANTS = {"naive": ["--impl", "naive"], "bucketed": ["--impl", "bucketed", "--bucket-mb", "0.5"],
+                 "torch": ["--impl", "torch", "--bucket-mb", "0.5"],
+                 "bucketed+accumulation": ["--impl", "bucketed", "--bucket-mb", "0.5", "--microbatches", "2"]}
+# The run that test_dp_cli.py kills and resumes under torchrun; here it runs uninterrupted (2 ranks).
+RESUME_ARGS = ["--steps", "10", "--checkpoint-every", "4", "--quiet"]
+
+
+# --- jobs (run on every rank) ------------------------------------------------------------------------
+
+def gradients_after_one_step(argv: list, reference_path: str | None = None):
+    """One forward/backward of step 1 with the chosen DP implementation, then the gradient sync.
+
+    Returns the flattened gradient (world size 1), or, given the reference file, the largest absolute
+    difference from it and the reference's largest magnitude (so the result stays a few bytes).
+    """
+    dp_lib = import_module("01_data_parallel.data_parallel")
+    train_dp = import_module("01_data_parallel.train_dp")
+    from common.data import TextData, shard_rows
+    from common.distributed import init_distributed, shutdown
+    from common.model import PRESETS, build_model, loss_sum
+    from torch.nn.parallel import DistributedDataParallel
+
+    args = train_dp.parse_args(argv)
+    rt = init_distributed("cpu")
+    group, rank, world = torch.distributed.group.WORLD, rt.rank, rt.world_size
+    model = build_model(PRESETS[args.model], args.seed)
+    if args.impl == "bucketed":
+        wrapped = dp_lib.BucketedDataParallel(model, group, args.bucket_mb)
+    elif args.impl == "torch":
+        wrapped = DistributedDataParallel(model, process_group=group, bucket_cap_mb=args.bucket_mb)
+        wrapped.register_comm_hook(group, dp_lib.counted_allreduce_hook)
+    else:
+        wrapped = model
+    x, y = TextData(args.data, args.seq_len, args.seed).global_batch(1, args.global_batch)
+    x, y = shard_rows(x, rank, world), shard_rows(y, rank, world)
+    for mb in range(args.microbatches):
+        last = mb == args.microbatches - 1
+        xm, ym = shard_rows(x, mb, args.microbatches), shard_rows(y, mb, args.microbatches)
+        ctx = wrapped.no_sync() if (not last and args.impl != "naive") else _nothing()
+        with ctx:
+            (loss_sum(wrapped(xm), ym) / (args.global_batch * args.seq_len)).backward()
+    if args.impl == "naive":
+        dp_lib.allreduce_gradients(model, group)
+    elif args.impl == "bucketed":
+        wrapped.finish_gradient_sync()
+    flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+    shutdown(rt)
+    if reference_path is None:
+        return flat.numpy()      # numpy pickles by value; a tensor would be shared through its sender
+    ref = torch.load(reference_path)
+    return {"max_abs_diff": (flat - ref).abs().max().item(), "max_abs_ref": ref.abs().max().item()}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def bucket_launches(bucket_mb: float) -> dict:
+    """One backward with small buckets: when did each bucket's all-reduce start?"""
+    dp_lib = import_module("01_data_parallel.data_parallel")
+    from common.model import PRESETS, build_model, loss_sum
+    model = build_model(PRESETS["tiny"], 1)
+    wrapped = dp_lib.BucketedDataParallel(model, torch.distributed.group.WORLD, bucket_mb)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss_sum(wrapped(tokens), tokens).backward()
+    wrapped.finish_gradient_sync()
+    return {"launch_log": list(wrapped.launch_log), "n_params": len(list(model.parameters())),
+            "n_buckets": len(wrapped.buckets)}
+
+
+# --- inputs for the bad-input jobs -------------------------------------------------------------------
+
+def make_bad_inputs(directory: Path) -> dict:
+    """A tiny-model checkpoint (written here, by one process, before any rank starts) and a corrupt one."""
+    from common import checkpoint
+    from common.model import PRESETS, build_model
+    from common.training import run_identity
+    train_dp = import_module("01_data_parallel.train_dp")
+    args = train_dp.parse_args(["--quiet"])
+    good, corrupt = directory / "tiny_ckpt", directory / "corrupt_ckpt"
+    checkpoint.save(good, 1, build_model(PRESETS["tiny"], args.seed).state_dict(), {}, run_identity(args))
+    corrupt.mkdir()
+    (corrupt / "step_000004.pt").write_bytes(b"\x00not a checkpoint" * 64)
+    (corrupt / "latest").write_text("step_000004.pt")
+    return {
+        "batch": ["--global-batch", "7"],
+        "preset": ["--model", "nosuch"],
+        "data": ["--data", str(directory / "missing.txt")],
+        "corrupt": ["--resume", "--checkpoint-dir", str(corrupt)],
+        "other_model": ["--model", "small", "--resume", "--checkpoint-dir", str(good)],
+        "resume_no_dir": ["--resume"],
+        "empty_dir": ["--resume", "--checkpoint-dir", str(directory / "empty")],
+    }
+
+
+# What each bad input's message must contain (it names the problem and the fix).
+BAD_INPUT_MESSAGES = {
+    "batch": "use a multiple of",
+    "preset": "unknown --model 'nosuch'",
+    "data": "does not exist",
+    "corrupt": "corrupt or unreadable",
+    "other_model": "saved with model='tiny' but this run has model='small'",
+    "resume_no_dir": "--resume needs --checkpoint-dir",
+    "empty_dir": "no checkpoint to resume",
+}
+
+
+# --- one spawned group per world size, shared by the test files --------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def reference() -> dict:
+    """World size 1, spawned once: losses of the base run and step-1 gradients (saved to a file)."""
+    tmp = Path(tempfile.mkdtemp(prefix="dp_ref_"))
+    res = run_group(1, [(TRAIN, BASE), ("dp_jobs:gradients_after_one_step", GRAD_ARGS)])
+    kind, flat = res[1][0]
+    assert kind == "ok", flat
+    torch.save(torch.from_numpy(flat), tmp / "grads.pt")
+    return {"losses": res[0], "grads_path": str(tmp / "grads.pt")}
+
+
+@functools.lru_cache(maxsize=None)
+def world_results(world: int) -> dict:
+    """Every check of chapter 01 DP at this world size, in one spawned group: {check name: per-rank results}."""
+    ref = reference()
+    tmp = Path(tempfile.mkdtemp(prefix=f"dp_w{world}_"))
+    jobs = {f"losses/{name}": (TRAIN, argv) for name, argv in VARIANTS.items()
+            if world == 2 or name != "torch+accumulation"}          # DDP's own no_sync: once is enough
+    jobs.update({f"grads/{name}": ("dp_jobs:gradients_after_one_step", GRAD_ARGS + argv, ref["grads_path"])
+                 for name, argv in GRAD_VARIANTS.items()})
+    if world == 2:
+        jobs["launches"] = ("dp_jobs:bucket_launches", 0.25)
+        jobs.update({f"bad/{k}": (TRAIN, ["--steps", "2", "--quiet"] + argv)
+                     for k, argv in make_bad_inputs(tmp).items()})
+        jobs["uninterrupted"] = (TRAIN, RESUME_ARGS)
+    names = list(jobs)
+    results = run_group(world, [jobs[n] for n in names])
+    results += [[("error", "not run: an earlier job failed")] * world] * (len(names) - len(results))
+    return dict(zip(names, results)) | {"_ref": ref}
