@@ -1,0 +1,222 @@
+"""Single-process tests of common/: data, optimizer and LR schedule, checkpoints, metrics, CLI, errors."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common import checkpoint
+from common.cli import base_parser, check_common
+from common.comm import CommCounter
+from common.data import TextData, decode, encode, shard_rows
+from common.errors import ConfigError
+from common.metrics import RunLog, format_bytes, read_metrics
+from common.optim import build_adamw, clip_by_global_norm, decays, lr_at
+from harness import ROOT
+
+
+# --- data ----------------------------------------------------------------------------------------
+
+def test_batches_are_a_function_of_seed_and_step():
+    data = TextData(None, seq_len=16, seed=1)
+    x1, y1 = data.global_batch(3, 8)
+    x2, y2 = TextData(None, seq_len=16, seed=1).global_batch(3, 8)
+    assert x1.shape == y1.shape == (8, 16) and torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert not torch.equal(x1, data.global_batch(4, 8)[0])
+    assert not torch.equal(x1, TextData(None, seq_len=16, seed=2).global_batch(3, 8)[0])
+    assert torch.equal(x1[:, 1:], y1[:, :-1])                 # targets are the next tokens
+
+
+def test_rank_slices_and_microbatches_tile_the_global_batch():
+    x, _ = TextData(None, seq_len=8, seed=1).global_batch(1, 12)
+    assert torch.equal(torch.cat([shard_rows(x, r, 4) for r in range(4)]), x)
+    rank1 = shard_rows(x, 1, 2)
+    assert torch.equal(torch.cat([shard_rows(rank1, m, 3) for m in range(3)]), x[6:12])
+
+
+def test_validation_split_is_held_out():
+    data = TextData(None, seq_len=16, seed=1)
+    assert len(data.valid) >= 0.04 * (len(data.train) + len(data.valid))
+    assert not torch.equal(data.global_batch(1, 4, "valid")[0], data.global_batch(1, 4)[0])
+
+
+def test_byte_tokenizer_round_trips():
+    text = "naïve → bucketed ✓"
+    assert decode(encode(text)) == text and int(encode(text).max()) < 256
+
+
+def test_bad_data_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        TextData(str(tmp_path / "nope.txt"), 16, 1)
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    with pytest.raises(ConfigError, match="too short"):
+        TextData(str(short), 16, 1)
+
+
+# --- optimizer, LR schedule, clipping --------------------------------------------------------------
+
+def test_lr_schedule_warmup_then_cosine_to_the_floor():
+    peak, warmup, total = 1e-3, 10, 100
+    lrs = [lr_at(s, peak, warmup, total) for s in range(1, total + 1)]
+    assert lrs[0] == pytest.approx(peak / warmup) and lrs[warmup - 1] == pytest.approx(peak)
+    assert all(a >= b for a, b in zip(lrs[warmup - 1:], lrs[warmup:]))     # non-increasing after warmup
+    assert lrs[-1] == pytest.approx(0.1 * peak)
+    assert lr_at(55, peak, warmup, total) == pytest.approx(peak * (0.1 + 0.9 * 0.5))   # halfway: cos = 0
+
+
+def test_weight_decay_is_chosen_by_name():
+    assert decays("layers.0.attn.wq.weight") and decays("tok_emb.weight")
+    assert not decays("layers.3.mlp_norm.weight") and not decays("norm.weight")
+    a, b = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
+    opt = build_adamw([("w.weight", a), ("attn_norm.weight", b)], lr=1e-3, weight_decay=0.1)
+    assert [(g["weight_decay"], len(g["params"])) for g in opt.param_groups] == [(0.1, 1), (0.0, 1)]
+
+
+def test_clip_by_global_norm_matches_torch():
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 3) * 4, torch.randn(7)]
+    theirs = [g.clone().requires_grad_() for g in grads]
+    for t, g in zip(theirs, grads):
+        t.grad = g.clone()
+    want = torch.nn.utils.clip_grad_norm_(theirs, 1.0).item()
+    norm = clip_by_global_norm(grads, 1.0)
+    assert norm == pytest.approx(want, rel=1e-6)
+    for t, g in zip(theirs, grads):
+        torch.testing.assert_close(g, t.grad)
+    assert math.sqrt(sum(g.pow(2).sum().item() for g in grads)) == pytest.approx(1.0, rel=1e-5)
+    small = [torch.full((3,), 0.01)]
+    clip_by_global_norm(small, 1.0)
+    assert torch.equal(small[0], torch.full((3,), 0.01))    # below the limit: untouched
+
+
+# --- checkpoints ------------------------------------------------------------------------------------
+
+META = {"model": "tiny", "seed": 1}
+
+
+def _state(value: float):
+    return {"w": torch.full((4,), value)}, {"w": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(4),
+                                                   "exp_avg_sq": torch.zeros(4)}}
+
+
+def test_checkpoint_round_trip_and_keep_last_two(tmp_path):
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path, step, *_state(step), META)
+    assert sorted(p.name for p in tmp_path.glob("step_*.pt")) == ["step_000002.pt", "step_000003.pt"]
+    state = checkpoint.load(checkpoint.latest_path(tmp_path), META)
+    assert state["step"] == 3 and torch.equal(state["model"]["w"], torch.full((4,), 3.0))
+
+
+def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    checkpoint.save(tmp_path, 1, *_state(1), META)
+
+    def dying_save(obj, f):          # writes half a file, then the disk fills / the process is killed
+        f.write(b"\x80partial checkpoint bytes")
+        raise OSError("No space left on device")
+    monkeypatch.setattr(checkpoint.torch, "save", dying_save)
+    with pytest.raises(OSError):
+        checkpoint.save(tmp_path, 2, *_state(2), META)
+    monkeypatch.undo()
+    assert (tmp_path / "latest").read_text() == "step_000001.pt"
+    assert not (tmp_path / "step_000002.pt").exists()
+    state = checkpoint.load(checkpoint.latest_path(tmp_path), META)
+    assert state["step"] == 1 and torch.equal(state["model"]["w"], torch.ones(4))
+
+
+def test_crash_while_moving_the_pointer_keeps_the_old_pointer(tmp_path, monkeypatch):
+    checkpoint.save(tmp_path, 1, *_state(1), META)
+    real = checkpoint._atomic_write
+
+    def pointer_dies(path, write):
+        if path.name == "latest":
+            raise KeyboardInterrupt
+        real(path, write)
+    monkeypatch.setattr(checkpoint, "_atomic_write", pointer_dies)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path, 2, *_state(2), META)
+    assert (tmp_path / "latest").read_text() == "step_000001.pt"   # the new file exists, but is not named yet
+    assert checkpoint.load(checkpoint.latest_path(tmp_path), META)["step"] == 1
+
+
+def test_bad_checkpoints_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no checkpoint to resume"):
+        checkpoint.latest_path(tmp_path)
+    checkpoint.save(tmp_path, 1, *_state(1), META)
+    with pytest.raises(ConfigError, match="saved with model='tiny' but this run has model='small'"):
+        checkpoint.load(checkpoint.latest_path(tmp_path), {"model": "small"})
+    (tmp_path / "step_000001.pt").write_bytes(b"garbage" * 100)
+    with pytest.raises(ConfigError, match="corrupt or unreadable"):
+        checkpoint.load(checkpoint.latest_path(tmp_path), META)
+    (tmp_path / "latest").write_text("step_000009.pt")
+    with pytest.raises(ConfigError, match="missing"):
+        checkpoint.latest_path(tmp_path)
+
+
+def test_checkpoints_load_without_running_code(tmp_path):
+    """weights_only=True: a pickle that would call a function is refused, as a clear ConfigError."""
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "optim": {}, "step": 1, "meta": {}, "payload": print}, path)
+    with pytest.raises(ConfigError, match="corrupt or unreadable"):
+        checkpoint.load(path, {})
+
+
+# --- metrics, CLI, errors, comm accounting -----------------------------------------------------------
+
+def test_metrics_file_has_one_object_per_step(tmp_path):
+    path = tmp_path / "run" / "m.jsonl"
+    log = RunLog(0, 2, str(path), quiet=True)
+    log.start()
+    log.log_step(1, 5.5, 1e-3, 1024, 0.5, comm_bytes=10)
+    log.log_step(2, 5.0, 2e-3, 1024, 0.25)
+    log.finish()
+    rows = read_metrics(path)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["comm_bytes"] == 10
+    assert {"step", "loss", "lr", "tokens", "step_time_s", "tokens_per_s"} <= set(rows[1])
+    assert rows[1]["tokens_per_s"] == 4096 and json.loads(path.read_text().splitlines()[0])["loss"] == 5.5
+    other = RunLog(1, 2, str(tmp_path / "rank1.jsonl"), quiet=True)   # only global rank 0 writes
+    other.log_step(1, 5.5, 1e-3, 1024, 0.5)
+    other.finish()
+    assert not (tmp_path / "rank1.jsonl").exists()
+
+
+def test_format_bytes():
+    assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB" and format_bytes(3 * 2**20) == "3.0 MiB"
+
+
+def test_cli_defaults_and_errors():
+    p = base_parser("test")
+    args = p.parse_args([])
+    assert (args.steps, args.model, args.global_batch, args.seq_len, args.microbatches) == (50, "tiny", 16, 128, 1)
+    check_common(args, dp=4)
+    with pytest.raises(ConfigError, match="see --help"):
+        p.parse_args(["--dtype", "fp8"])
+    cases = [(["--model", "nosuch"], 1, "unknown --model"), (["--global-batch", "12"], 8, "use a multiple of 8"),
+             (["--global-batch", "16", "--microbatches", "3"], 2, "use a multiple of 6"),
+             (["--seq-len", "4096"], 1, "exceeds the tiny preset"), (["--resume"], 1, "--resume needs --checkpoint-dir"),
+             (["--steps", "0"], 1, "--steps must be at least 1")]
+    for argv, dp, message in cases:
+        with pytest.raises(ConfigError, match=message.replace("-", r"\-")):
+            check_common(p.parse_args(argv), dp=dp)
+
+
+def test_run_main_prints_one_line_and_exits_2():
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "from common.errors import run_main, ConfigError\n"
+            "def main(): raise ConfigError('the batch does not split; use 8')\n"
+            "run_main(main)\n") % str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: the batch does not split; use 8"
+
+
+def test_comm_counter():
+    c = CommCounter()
+    c.add("dp", 100, 60)
+    c.add("tp", 5, 5)
+    c.add("dp", 1, 1)
+    assert c.total() == 172 and c.total("dp") == 162 and c.by_group() == {"dp": 162, "tp": 10}
+    c.reset()
+    assert c.total() == 0
