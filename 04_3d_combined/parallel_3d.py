@@ -1,0 +1,153 @@
+"""Composing the three chapters on one mesh: TP innermost, pipeline stages, DP outermost.
+
+Nothing here is new machinery: the tensor-parallel layers come from chapter 02, the stages, schedules
+and executor from chapter 03, the gradient all-reduce (or ZeRO-1) from chapter 01. This file only
+decides who is who on the grid and wires the pieces together:
+
+    grid = arange(world).view(dp, pp, tp)        TP varies fastest: a TP group is consecutive ranks
+    rank (d, p, t):  builds the full model from the seed (or the checkpoint),
+                     keeps pipeline stage p's layers            (chapter 03: prune_to_stages)
+                     keeps TP shard t of each of those layers   (chapter 02: parallelize_model)
+                     trains on data-parallel slice d of the global batch
+
+Why this order. TP talks in every layer (two all-reduces per block, forward and backward), on the
+critical path: it needs the fastest links, so its ranks are neighbours (one node). The pipeline
+sends one activation per micro-batch per stage boundary: it tolerates slower links. DP talks once
+per step (the gradient all-reduce) and can overlap it: it goes across nodes.
+"""
+from importlib import import_module
+
+import torch
+import torch.distributed as dist
+
+from common.errors import require
+from common.model import build_model
+from common.optim import build_adamw
+
+tp_lib = import_module("02_tensor_parallel.tensor_parallel")
+stages_lib = import_module("03_pipeline_parallel.pipeline_stages")
+sched_lib = import_module("03_pipeline_parallel.pipeline_schedules")
+
+
+def default_degrees(world: int, dp=None, tp=None, pp=None) -> tuple[int, int, int]:
+    """Fill in the degrees not given, in the order tp, pp, dp: TP 2 and PP 2 when the world allows,
+    the last missing one takes whatever is left (8 ranks → dp 2 × tp 2 × pp 2)."""
+    deg = {"tp": tp, "pp": pp, "dp": dp}
+    missing = [k for k, v in deg.items() if v is None]
+    for k in missing:
+        known = 1
+        for v in deg.values():
+            known *= v or 1
+        rest = world // known if world % known == 0 else 1
+        deg[k] = rest if k == missing[-1] else (2 if rest % 2 == 0 else 1)
+    return deg["dp"], deg["tp"], deg["pp"]
+
+
+def check_layout(args, cfg, world: int) -> None:
+    """Every chapter's checks for this layout, on every rank, before any communication."""
+    require(args.dp * args.tp * args.pp == world,
+            f"--dp {args.dp} × --tp {args.tp} × --pp {args.pp} = {args.dp * args.tp * args.pp} must equal the "
+            f"world size {world}; change the degrees or launch with --nproc_per_node={args.dp * args.tp * args.pp}")
+    tp_lib.check_tp_config(cfg, args.tp, args.seq_len, args.sequence_parallel)
+    args.specs = stages_lib.stage_specs(cfg, args.pp, args.virtual_stages, args.seq_len)
+    args.plan = sched_lib.build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
+
+
+def build_local_model(cfg, args, mesh, device, full_state=None):
+    """This rank's piece of the model: the full reference model (from the seed, or a checkpoint's
+    consolidated weights: any layout can resume any other's), pruned to its stages, then TP-sharded."""
+    model = build_model(cfg, args.seed, device)
+    if full_state is not None:
+        model.load_state_dict(full_state, strict=True)
+    my_specs = stages_lib.rank_stages(args.specs, args.pp, mesh.coord("pp"))
+    model = stages_lib.prune_to_stages(model, my_specs)
+    if args.tp > 1:
+        model = tp_lib.parallelize_model(model, mesh.group("tp"), args.sequence_parallel)
+    return model, my_specs
+
+
+def build_optimizer(model, args, mesh, cfg, full_optim=None):
+    named = list(model.named_parameters())
+    optimizer = build_adamw(named, args.lr, args.weight_decay)
+    if full_optim is not None:
+        from common.training import load_optim_state_by_name
+        to_local = (lambda name, t: tp_lib.tp_to_local(name, t, mesh.coord("tp"), args.tp, cfg.n_kv_heads)) \
+            if args.tp > 1 else (lambda name, t: t)
+        load_optim_state_by_name(optimizer, named, full_optim, to_local)
+    return named, optimizer
+
+
+def consolidated_state(model, optimizer, named, mesh, args, cfg):
+    """The single-device state dict and AdamW state, gathered on global rank 0 (None elsewhere).
+
+    1. Inside each TP group, every tensor is gathered back to full size (a collective: all TP ranks).
+    2. Replica dp=0, tp=0 of every stage sends its names to rank 0 (the other replicas hold copies).
+    """
+    from common.training import optim_state_by_name
+    tp_group = mesh.group("tp")
+    to_full = (lambda name, t: tp_lib.tp_to_full(name, t, tp_group, cfg.n_kv_heads)) if args.tp > 1 \
+        else (lambda name, t: t)
+    weights = {name: to_full(name, t.detach()).cpu() for name, t in model.state_dict().items()}
+    moments = optim_state_by_name(optimizer, named, lambda n, t: to_full(n, t).cpu())
+    writer = mesh.coord("dp") == 0 and mesh.coord("tp") == 0
+    mine = (weights, moments) if writer else ({}, {})
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    if parts is None:
+        return None, None
+    full_model, full_optim = {}, {}
+    for w, o in parts:
+        full_model.update(w)
+        full_optim.update(o)
+    return full_model, full_optim
+
+
+def owned_grads(model, mesh, args):
+    """The gradients this rank counts in the global norm: its TP-owned ones (replicated tensors on tp
+    rank 0 only); the squared norms are then summed over the TP and the pipeline groups."""
+    if args.tp > 1:
+        return tp_lib.owned_grads(model, mesh.coord("tp"))
+    return [p.grad for p in model.parameters()]
+
+
+def grid_rows(mesh) -> list[list[str]]:
+    """One row per rank for the console: coordinates, groups, and what it holds."""
+    return [[str(r["rank"]), str(r["dp"]), str(r["pp"]), str(r["tp"]),
+             str(r["dp group"]), str(r["pp group"]), str(r["tp group"])] for r in mesh.rank_rows()]
+
+
+def act_shape(args, cfg, mb_rows: int) -> tuple[int, int, int]:
+    """The shape of one pipeline message: a micro-batch's hidden states, sequence-sharded under SP."""
+    seq = args.seq_len // args.tp if args.sequence_parallel else args.seq_len
+    return (mb_rows, seq, cfg.dim)                                        # (mb, S or S/tp, D)
+
+
+@torch.no_grad()
+def validation_loss_sum(model, args, mesh, my_specs, mb_inputs, mb_targets, loss_fn, shape, device):
+    """Forward only, through the whole pipeline, for the validation batches: the summed loss on the
+    last stage (0 elsewhere). No backward, so no schedule is needed: every rank runs its stages in
+    order, micro-batch after micro-batch (GPipe's forward half). Receives block, sends do not, and
+    both ends of every channel see the messages in the same order, so this cannot deadlock."""
+    from common import comm
+    pp, pp_ranks, group = args.pp, mesh.group_ranks["pp"], mesh.group("pp")
+    total = torch.zeros((), device=device)
+    local, sends = {}, []
+    for stage in my_specs:                                  # increasing stage index
+        for mb, (x, y) in enumerate(zip(mb_inputs, mb_targets)):
+            if stage.first:
+                inp = x                                     # (mb, S) tokens
+            elif (stage.index - 1) % pp == mesh.coord("pp"):
+                inp = local.pop((mb, stage.index))          # previous stage lives on this rank too
+            else:
+                inp = torch.empty(shape, device=device)     # (mb, S or S/tp, D)
+                comm.recv(inp, src=pp_ranks[(stage.index - 1) % pp], group=group, name="pp").wait()
+            out = stages_lib.stage_forward(model, stage, inp)
+            if stage.last:
+                total += loss_fn(out, y)
+            elif (stage.index + 1) % pp == mesh.coord("pp"):
+                local[(mb, stage.index + 1)] = out
+            else:
+                sends.append((out, comm.send(out, dst=pp_ranks[(stage.index + 1) % pp], group=group, name="pp")))
+    for _, work in sends:
+        work.wait()
+    return total

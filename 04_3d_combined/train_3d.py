@@ -1,0 +1,163 @@
+"""Chapter 04 — DP × TP × PP on one mesh: the full pretraining run, built from chapters 01-03.
+
+    torchrun --nproc_per_node=8 04_3d_combined/train_3d.py                 # dp 2 × tp 2 × pp 2 (default)
+    torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --dp 1 --tp 2 --pp 4 --schedule interleaved
+    python 04_3d_combined/train_3d.py                                      # world size 1: the reference
+    python 04_3d_combined/plot_loss.py runs/3d/metrics.jsonl               # the loss curve
+
+The degrees must multiply to the world size; those not given are chosen from it (TP 2, PP 2, DP the rest).
+"""
+import sys
+from importlib import import_module
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common` and the chapters
+
+import torch
+import torch.distributed as dist
+from rich.table import Table
+
+from common import checkpoint, comm
+from common.cli import base_parser, check_common
+from common.data import TextData, shard_rows
+from common.distributed import env_world_size, init_distributed, shutdown
+from common.errors import require, run_main
+from common.generate import sample
+from common.mesh import Mesh
+from common.metrics import RunLog
+from common.model import PRESETS, count_parameters, loss_sum
+from common.optim import clip_by_global_norm, lr_at, set_lr
+from common.timeline import Timeline
+from common.training import StepTimer, global_sum, resume_state, run_identity, should_save
+
+dp_lib = import_module("01_data_parallel.data_parallel")          # chapter 01: the gradient all-reduce
+tp_lib = import_module("02_tensor_parallel.tensor_parallel")        # chapter 02: TP layers and loss
+sched_lib = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: schedules
+exec_lib = import_module("03_pipeline_parallel.pipeline_executor")  # chapter 03: the executor
+lib = import_module("04_3d_combined.parallel_3d")                   # this chapter: the wiring
+
+
+def parse_args(argv=None):
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: what is left)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: 2 if possible)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: 2 if possible)")
+    p.add_argument("--schedule", default="1f1b", choices=sched_lib.SCHEDULES, help="pipeline schedule")
+    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
+    p.add_argument("--sequence-parallel", action="store_true", help="TP with sequence parallelism")
+    p.add_argument("--val-every", type=int, default=25, help="validation loss every N steps (0: only at the end)")
+    p.add_argument("--val-batches", type=int, default=2, help="global batches in one validation")
+    p.add_argument("--sample-tokens", type=int, default=200, help="bytes of text to generate at the end (0: none)")
+    args = p.parse_args(argv)
+    world = env_world_size()
+    args.dp, args.tp, args.pp = lib.default_degrees(world, args.dp, args.tp, args.pp)
+    require(args.virtual_stages >= 1, "--virtual-stages must be at least 1")
+    require(args.val_every >= 0 and args.val_batches >= 1, "--val-every must be ≥ 0 and --val-batches ≥ 1")
+    check_common(args, dp=args.dp)
+    lib.check_layout(args, PRESETS[args.model], world)
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    rt = init_distributed(args.device, args.timeout)
+    mesh = Mesh(rt.rank, rt.world_size, dp=args.dp, pp=args.pp, tp=args.tp)
+    dp_rank, tp_rank, pp_rank = mesh.coord("dp"), mesh.coord("tp"), mesh.coord("pp")
+    dp_group, tp_group, pp_group = mesh.group("dp"), mesh.group("tp"), mesh.group("pp")
+    cfg = PRESETS[args.model]
+    data = TextData(args.data, args.seq_len, args.seed)
+    resume = resume_state(args)
+
+    # --- this rank's piece: the reference model → its pipeline stage(s) → its TP shard --------------
+    model, my_specs = lib.build_local_model(cfg, args, mesh, rt.device, resume and resume["model"])
+    named, optimizer = lib.build_optimizer(model, args, mesh, cfg, resume and resume["optim"])
+    start = resume["step"] if resume else 0
+
+    m, tokens_per_step = args.microbatches, args.global_batch * args.seq_len
+    mb_rows = args.global_batch // args.dp // m
+    # The loss on the last stage: vocab-parallel cross-entropy when the logits are split over TP.
+    loss_fn = (lambda logits, y: tp_lib.tp_loss_sum(logits, y, tp_group)) if args.tp > 1 else loss_sum
+    shape = lib.act_shape(args, cfg, mb_rows)                          # (mb, S or S/tp, D)
+    timeline = Timeline(rt.rank)
+    runner = exec_lib.PipelineExecutor(model, args.specs, pp_rank, mesh.group_ranks["pp"], pp_group, shape,
+                                       loss_fn=loss_fn, loss_scale=tokens_per_step, device=rt.device,
+                                       autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None,
+                                       timeline=timeline)
+
+    log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    log.config_table("3D parallel pretraining", {
+        "world size": f"{rt.world_size} = dp {args.dp} × pp {args.pp} × tp {args.tp}"
+                      + (" (+ sequence parallel)" if args.sequence_parallel else ""),
+        "device / backend": f"{rt.device} / {rt.backend}",
+        "model": f"{args.model}: {count_parameters(cfg):,} parameters, {cfg.n_layers} layers",
+        "pipeline": f"{args.schedule}, {m} micro-batch(es) of {mb_rows} seq, {args.virtual_stages} virtual stage(s), "
+                    f"theory bubble {sched_lib.theory_bubble(args.schedule, args.pp, m, args.virtual_stages):.3f}",
+        "global batch": f"{args.global_batch} seq × {args.seq_len} tokens, warmup {args.warmup} + cosine, clip {args.clip}",
+        "resumed from step": start or "-"})
+    if rt.is_main and not args.quiet:
+        grid = Table(title="the mesh: grid = arange(world).view(dp, pp, tp)", title_justify="left")
+        for col in ("rank", "dp", "pp", "tp", "dp group", "pp group", "tp group"):
+            grid.add_column(col)
+        for row in lib.grid_rows(mesh):
+            grid.add_row(*row)
+        log.print(grid)
+    if rt.world_size == 1:
+        log.print("world size 1: the single-device reference. The 3D run: "
+                  "torchrun --nproc_per_node=8 04_3d_combined/train_3d.py")
+
+    def validate(step: int) -> float:
+        total = torch.zeros((), device=rt.device)
+        for i in range(args.val_batches):
+            x, y = data.global_batch(step * 1000 + i, args.global_batch, split="valid")
+            x, y = shard_rows(x, dp_rank, args.dp).to(rt.device), shard_rows(y, dp_rank, args.dp).to(rt.device)
+            total += lib.validation_loss_sum(model, args, mesh, my_specs, [shard_rows(x, k, m) for k in range(m)],
+                                             [shard_rows(y, k, m) for k in range(m)], loss_fn, shape, rt.device)
+        mine = total if tp_rank == 0 else torch.zeros_like(total)      # TP ranks hold the same value
+        return global_sum(mine, dist.group.WORLD) / (tokens_per_step * args.val_batches)
+
+    dist.barrier()
+    log.start(start + 1)
+    for step in range(start + 1, args.steps + 1):
+        comm.COUNTER.reset()
+        lr = lr_at(step, args.lr, args.warmup, args.steps)
+        set_lr(optimizer, lr)
+        timeline.begin_step(step)
+        with StepTimer(rt.device) as timer:
+            x, y = data.global_batch(step, args.global_batch)                   # (global_batch, S)
+            x, y = shard_rows(x, dp_rank, args.dp).to(rt.device), shard_rows(y, dp_rank, args.dp).to(rt.device)
+            # 1. the pipeline schedule runs forward and backward of every micro-batch (TP inside each layer)
+            out = runner.run(args.plan, [shard_rows(x, k, m) for k in range(m)], [shard_rows(y, k, m) for k in range(m)])
+            # 2. TP: sum the partial gradients of replicated tensors (norms under SP, shared KV heads)
+            if args.tp > 1:
+                tp_lib.finish_tp_grad_sync(model, tp_group)
+            # 3. DP: sum the gradients of this (stage, TP shard) over its replicas
+            if args.dp > 1:
+                dp_lib.allreduce_gradients(model, dp_group)
+            # 4. clip by the norm of the whole model's gradient: TP shards and stages hold different parts
+            grad_norm = clip_by_global_norm(lib.owned_grads(model, mesh, args), args.clip,
+                                            groups=[tp_group, pp_group], all_grads=[p.grad for p in model.parameters()])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        mine = out["loss"] if tp_rank == 0 else torch.zeros_like(out["loss"])   # last stage, one TP rank
+        loss_value = global_sum(mine, dist.group.WORLD)
+        extra = {f"comm_bytes_{g}": comm.COUNTER.total(g) for g in ("dp", "tp", "pp")}
+        if (args.val_every and step % args.val_every == 0) or step == args.steps:
+            extra["val_loss"] = validate(step)
+            log.note(f"step {step}: validation loss {extra['val_loss']:.4f}")
+        log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
+                     comm_bytes=comm.COUNTER.total(), **extra)
+        if should_save(args, step) or (step == args.steps and args.sample_tokens):
+            full_model, full_optim = lib.consolidated_state(model, optimizer, named, mesh, args, cfg)
+            if rt.is_main and should_save(args, step):
+                log.note(f"checkpoint saved: {checkpoint.save(args.checkpoint_dir, step, full_model, full_optim, run_identity(args))}")
+    log.finish()
+    if args.sample_tokens and rt.is_main and log.history and not args.quiet:
+        prompt = "The "
+        text = sample(full_model, cfg, prompt, args.sample_tokens, seed=args.seed)
+        log.print(f"[bold]sample from the trained model[/bold] (prompt {prompt!r}):\n{prompt}{text}")
+    shutdown(rt)
+    return log.history
+
+
+if __name__ == "__main__":
+    run_main(main)
