@@ -1,0 +1,160 @@
+"""Chapter 02 benchmark: what tensor parallelism communicates, what it saves, how fast it runs.
+
+    python 02_tensor_parallel/bench_tp.py            # about 5 minutes on a 2-core CPU
+    python 02_tensor_parallel/bench_tp.py --quick    # fewer repeats
+
+Writes 02_tensor_parallel/results/:
+  comm_per_call.md   every TP collective of one training step, logged call by call, against B·S·D
+  param_bytes.md     parameter bytes on each rank against full/N
+  throughput.md      tokens/s of this chapter's layers and of DTensor (--impl torch) at 1, 2, 4 ranks,
+                     interleaved repeats, medians and ratios
+(a) and (b) come from `bench_tp.py --probe` run under torchrun, which patches common.comm to log
+each call; (c) from train_tp.py's metrics files.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from importlib import import_module
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = Path(__file__).parent / "results"
+MACHINE = f"{os.cpu_count()}-core CPU, gloo backend, fp32, one process per rank"
+
+
+def probe(sp: bool, out: str):
+    """Under torchrun: one forward + backward of the tiny model with every tp collective logged."""
+    import torch
+    import torch.distributed as dist
+    from common import comm
+    from common.data import TextData
+    from common.distributed import init_distributed
+    from common.mesh import Mesh
+    from common.model import PRESETS, build_model, count_parameters
+    tp_lib = import_module("02_tensor_parallel.tensor_parallel")
+    calls = []
+    for fn_name in ("all_reduce", "all_gather_into", "reduce_scatter_into"):
+        original = getattr(comm, fn_name)
+
+        def logged(*args, _orig=original, _name=fn_name, **kw):
+            big = args[1] if _name == "reduce_scatter_into" else args[0]   # the full-size tensor
+            before = comm.COUNTER.total("tp")
+            result = _orig(*args, **kw)
+            if kw.get("name") == "tp":
+                calls.append((_name, tuple(big.shape), comm.COUNTER.total("tp") - before))
+            return result
+        setattr(comm, fn_name, logged)
+    rt = init_distributed("cpu")
+    mesh = Mesh(rt.rank, rt.world_size, tp=rt.world_size)
+    cfg, B, S = PRESETS["tiny"], 4, 64
+    model = tp_lib.parallelize_model(build_model(cfg, 1337), mesh.group("tp"), sp)
+    x, y = TextData(None, S, 1337).global_batch(1, B)
+    h = model.embed(x)
+    for layer in model.layers:
+        h = layer(h, model.rope_cos, model.rope_sin)
+    tp_lib.tp_loss_sum(model.head(h), y, mesh.group("tp")).backward()
+    tp_lib.finish_tp_grad_sync(model, mesh.group("tp"))
+    sizes = [None] * rt.world_size
+    dist.all_gather_object(sizes, sum(p.numel() * 4 for p in model.parameters()))
+    if rt.rank == 0:
+        Path(out).write_text(json.dumps({"N": rt.world_size, "sp": sp, "B": B, "S": S, "D": cfg.dim,
+                                         "L": cfg.n_layers, "calls": calls, "param_bytes": sizes,
+                                         "full_bytes": count_parameters(cfg) * 4}))
+    dist.destroy_process_group()
+
+
+def torchrun(n, args, env_extra=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--standalone"] + args
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def comm_tables(tmp):
+    rows_calls, rows_params = [], []
+    for n in (2, 4):
+        for sp in (False, True):
+            out = Path(tmp) / f"probe_{n}_{sp}.json"
+            torchrun(n, [__file__, "--probe", "--out", str(out)] + (["--sp"] if sp else []))
+            r = json.loads(out.read_text())
+            bsd = r["B"] * r["S"] * r["D"]
+            groups = Counter((kind, tuple(shape), nbytes) for kind, shape, nbytes in r["calls"])
+            for (kind, shape, nbytes), count in sorted(groups.items(), key=lambda kv: -kv[0][2]):
+                numel = 1
+                for s in shape:
+                    numel *= s
+                rows_calls.append(f"| {n} | {'SP' if sp else '-'} | {kind} | {count} | {list(shape)} | "
+                                  f"{numel / bsd:.3g} | {nbytes:,} | {_theory(kind, n, numel * 4):,.0f} |")
+            if not sp:
+                full = r["full_bytes"]
+                for rank, b in enumerate(r["param_bytes"]):
+                    rows_params.append(f"| {n} | {rank} | {b:,} | {full / n:,.0f} | {b / full:.4f} | {1 / n:.4f} |")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "comm_per_call.md").write_text(
+        f"TP collectives of one training step (forward + backward), tiny model, B=4 S=64 D=128 "
+        f"(B·S·D = 32,768 floats), 8 layers. Machine: {MACHINE}.\n"
+        "Command: `python 02_tensor_parallel/bench_tp.py` (probe: `torchrun --nproc_per_node=N "
+        "02_tensor_parallel/bench_tp.py --probe [--sp]`).\n\n"
+        "| N | SP | collective | calls | tensor shape | elements / B·S·D | bytes sent+received per call (counted) "
+        "| ring formula |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows_calls) + "\n\n"
+        "Ring formula: all-reduce 2·2(N-1)/N·n, all-gather and reduce-scatter 2·(N-1)/N·n bytes (sent + received), "
+        "n = 4·elements of the full tensor.\n")
+    (RESULTS / "param_bytes.md").write_text(
+        f"Parameter bytes per rank (fp32), tiny model (1,640,576 parameters). Machine: {MACHINE}.\n"
+        "Command: `python 02_tensor_parallel/bench_tp.py`.\n\n"
+        "| N | rank | bytes on this rank | full / N | fraction of full | 1/N |\n|---|---|---|---|---|---|\n"
+        + "\n".join(rows_params) + "\n\nThe excess over 1/N is the norm gains, replicated on every rank.\n")
+
+
+def _theory(kind, N, n):
+    return 4 * (N - 1) / N * n if kind == "all_reduce" else 2 * (N - 1) / N * n
+
+
+def throughput(repeats, steps):
+    flags = ["--steps", str(steps), "--seq-len", "128", "--global-batch", "8", "--quiet"]
+    samples = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(repeats):                      # interleaved: every configuration once per round
+            for n in (1, 2, 4):
+                for impl in ("ours", "torch"):
+                    path = Path(tmp) / f"{n}_{impl}_{rep}.jsonl"
+                    torchrun(n, [str(ROOT / "02_tensor_parallel" / "train_tp.py"), "--impl", impl,
+                                 "--metrics", str(path)] + flags)
+                    rows = [json.loads(line) for line in path.read_text().splitlines()][1:]   # skip warm-up step
+                    samples.setdefault((n, impl), []).append(statistics.median(r["tokens_per_s"] for r in rows))
+    lines = []
+    for n in (1, 2, 4):
+        ours, torch_ = statistics.median(samples[(n, "ours")]), statistics.median(samples[(n, "torch")])
+        lines.append(f"| {n} | {ours:,.0f} | {torch_:,.0f} | {ours / torch_:.2f} | "
+                     f"{ours / statistics.median(samples[(1, 'ours')]):.2f} |")
+    (RESULTS / "throughput.md").write_text(
+        f"Tokens/s, tiny model, --seq-len 128 --global-batch 8, {steps} steps (first dropped), median over "
+        f"{repeats} interleaved repeats. TP degree = ranks. Machine: {MACHINE}.\n"
+        "Command: `python 02_tensor_parallel/bench_tp.py`.\n\n"
+        "| ranks (TP) | ours tok/s | DTensor tok/s | ours / DTensor | ours vs 1 rank |\n|---|---|---|---|---|\n"
+        + "\n".join(lines) + "\n")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--probe", action="store_true", help="(internal) log every collective of one step")
+    p.add_argument("--sp", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--quick", action="store_true", help="1 repeat, 4 steps")
+    args = p.parse_args()
+    if args.probe:
+        return probe(args.sp, args.out)
+    with tempfile.TemporaryDirectory() as tmp:
+        comm_tables(tmp)
+    throughput(*((1, 4) if args.quick else (3, 6)))
+    for f in ("comm_per_call.md", "param_bytes.md", "throughput.md"):
+        print(f"--- {f}\n{(RESULTS / f).read_text()}")
+
+
+if __name__ == "__main__":
+    main()
