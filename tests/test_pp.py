@@ -56,7 +56,7 @@ def test_world_2(reference, tmp_path):
         "gpipe m=1": ["--schedule", "gpipe", "--microbatches", "1"],
         "gpipe m=4": ["--schedule", "gpipe", "--microbatches", "4"],
         "1f1b m=2": ["--schedule", "1f1b", "--microbatches", "2"],
-        "1f1b m=8": ["--schedule", "1f1b", "--microbatches", "8"],
+        "1f1b m=4": ["--schedule", "1f1b", "--microbatches", "4"],
         "interleaved v=2 m=2": ["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "2"],
         "interleaved v=2 m=4": ["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4"],
         "zb-h1 m=1": ["--schedule", "zb-h1", "--microbatches", "1"],
@@ -94,8 +94,7 @@ def test_world_4(reference, tmp_path):
         "interleaved v=2 m=4": ["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4"],
         "zb-h1 m=4": ["--schedule", "zb-h1", "--microbatches", "4"],
         "dp=2 × pp=2 1f1b m=2": ["--pp", "2", "--schedule", "1f1b", "--microbatches", "2"],
-        "torch interleaved": ["--impl", "torch", "--schedule", "interleaved", "--virtual-stages", "2",
-                              "--microbatches", "8"],
+        "torch zb-h1": ["--impl", "torch", "--schedule", "zb-h1", "--microbatches", "4"],
     }
     trace, ck = tmp_path / "trace.json", tmp_path / "ck"
     extra = {"1f1b m=8": ["--timeline", str(trace), "--checkpoint-dir", str(ck)]}
