@@ -103,7 +103,12 @@ def comm_tables(tmp):
         "| N | SP | collective | calls | tensor shape | elements / B·S·D | bytes sent+received per call (counted) "
         "| ring formula |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows_calls) + "\n\n"
         "Ring formula: all-reduce 2·2(N-1)/N·n, all-gather and reduce-scatter 2·(N-1)/N·n bytes (sent + received), "
-        "n = 4·elements of the full tensor.\n")
+        "n = 4·elements of the full tensor. Shapes are as the collective sees them: sequence-parallel collectives "
+        "move the sequence dimension first, (S, B, D). 34 = 4L + 2: per block a g after attention and after the MLP "
+        "(forward) and an f before each (backward), plus the embedding (forward) and the head (backward). With SP "
+        "each all-reduce becomes a reduce-scatter + an all-gather of half its bytes; the 17 = 2L + 1 small "
+        "all-reduces are the norm gains' partial gradients, the 3 of 256 floats the vocab-parallel loss (max, sum "
+        "of exps, target logit).\n")
     (RESULTS / "param_bytes.md").write_text(
         f"Parameter bytes per rank (fp32), tiny model (1,640,576 parameters). Machine: {MACHINE}.\n"
         "Command: `python 02_tensor_parallel/bench_tp.py`.\n\n"

@@ -15,7 +15,8 @@ STEPS = 10
 BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet"]
 TRAIN = "02_tensor_parallel.train_tp:main"
 PIECES = {2: [("test_tp_ops:check_operators",), ("test_tp_ops:check_layers", False),
-              ("test_tp_ops:check_layers", True), ("test_tp_ops:check_vocab_parallel_loss",)],
+              ("test_tp_ops:check_layers", True), ("test_tp_ops:check_vocab_parallel_loss",),
+              ("test_tp_ops:check_partial_stage", True)],
           4: [("test_tp_ops:check_operators",), ("test_tp_ops:check_layers", False),
               ("test_tp_ops:check_layers", True), ("test_tp_ops:check_vocab_parallel_loss",),
               ("test_tp_ops:check_kv_replicated",)]}
@@ -24,11 +25,9 @@ RUNS = {
     2: {"tp2": (["--tp", "2"], 1e-5),
         "tp2+sp": (["--tp", "2", "--sequence-parallel"], 1e-5),
         "torch tp2": (["--impl", "torch"], 1e-5),
-        "torch tp2+sp": (["--impl", "torch", "--sequence-parallel"], 1e-5),
         "bad tp": (["--tp", "3"], "does not divide the world size 2")},
     4: {"tp4": ([], 1e-5),
         "tp4+sp": (["--sequence-parallel"], 1e-5),
-        "tp2×dp2": (["--tp", "2"], 1e-5),
         "tp2×dp2+sp": (["--tp", "2", "--sequence-parallel"], 1e-5),
         "bad tp": (["--tp", "3"], "does not divide the world size 4"),
         "bad seq": (["--sequence-parallel", "--seq-len", "30"], "--seq-len 30 is not a multiple of 4")},

@@ -201,6 +201,31 @@ def check_vocab_parallel_loss():
     return True
 
 
+def check_partial_stage(sp: bool):
+    """A middle pipeline stage: no embedding, no head, only blocks 2 and 5 (named as in the full model)."""
+    _, _, tp_lib = _libs()
+    from common.model import build_model
+    group, N, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    cfg = PRESETS["tiny"]
+    dense, stage = build_model(cfg, 3), build_model(cfg, 3)
+    stage.tok_emb = stage.norm = stage.lm_head = None
+    stage.layers = torch.nn.ModuleDict({"2": stage.layers[2], "5": stage.layers[5]})
+    tp_lib.parallelize_model(stage, group, sp)
+    assert {n.split(".")[1] for n in dict(stage.named_parameters())} == {"2", "5"}
+    h = _randn(2, 4 * N, cfg.dim, seed=11)
+    want = h
+    for i in (2, 5):
+        want = dense.layers[i](want, dense.rope_cos, dense.rope_sin)
+    got = _mine(h, "seq") if sp else h
+    for i in ("2", "5"):
+        got = stage.layers[i](got, stage.rope_cos, stage.rope_sin)
+    torch.testing.assert_close(got, _mine(want, "seq") if sp else want, rtol=1e-5, atol=1e-5)
+    full = tp_lib.full_state_dict(stage, group)
+    for name, t in full.items():
+        torch.testing.assert_close(t, dense.get_parameter(name))
+    return True
+
+
 # --- without ranks ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cfg, tp, seq, sp, words", [
