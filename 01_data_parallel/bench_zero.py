@@ -76,7 +76,7 @@ def write_memory(runs: dict, M: int, args) -> None:
              f"Command: `python 01_data_parallel/bench_zero.py` (model {args.model}, seq-len {args.seq_len}, "
              f"global batch {args.global_batch}).", "",
              "| N | stage | formula | formula MiB | ours params | ours grads | ours optim | ours total MiB "
-             "| ours / formula | stage-3 peak gathered MiB | comm sent/step MiB (formula) | PyTorch total MiB |",
+             "| ours − formula (B) | stage-3 peak gathered MiB | comm sent/step MiB (formula) | PyTorch total MiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     comm_formula = {1: 3, 2: 2, 3: 3}          # × (N-1)/N·M sent per step
     for N, run in sorted(runs.items()):
@@ -87,9 +87,12 @@ def write_memory(runs: dict, M: int, args) -> None:
             peak = mib(row["peak_param_bytes"]) if s == 3 else "-"
             lines.append(f"| {N} | {s} | {names[s]} | {mib(formula(s, M, N))} | {mib(row['param_bytes'])} | "
                          f"{mib(row['grad_bytes'])} | {mib(row['optim_bytes'])} | {mib(total)} | "
-                         f"{total / formula(s, M, N):.4f} | {peak} | {mib(row['comm_bytes_sent'])} "
+                         f"{total - formula(s, M, N):,.0f} | {peak} | {mib(row['comm_bytes_sent'])} "
                          f"({mib(comm_formula[s] * (N - 1) / N * M)}) | {mib(ttotal)} |")
-    lines += ["", "Notes: stage 3's comm is a little under 3(N-1)/N·M because the embedding's weights are "
+    lines += ["", "ours − formula: the padding of each of the 10 units to a multiple of N (fewer than N "
+              "elements per unit, in params, grads and both moments as the stage keeps them); 0 for `tiny`, whose "
+              "units all hold a multiple of 4 elements.", "",
+              "Notes: stage 3's comm is a little under 3(N-1)/N·M because the embedding's weights are "
               "not needed by its backward, so it is not gathered again. PyTorch's ZeroRedundancyOptimizer "
               "(stage 1) shards by whole tensors, so its shards are uneven; FSDP2 with "
               "reshard_after_forward=False (our stand-in for stage 2) still holds only parameter shards "
@@ -102,11 +105,12 @@ def plot_memory(runs: dict, M: int) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    labels, parts = [], {"params": [], "grads": [], "optimizer": []}
+    labels, parts, formulas = [], {"params": [], "grads": [], "optimizer": []}, []
     for N, run in sorted(runs.items()):
         for s in (1, 2, 3):
             row = run["memory"][f"ours-{s}"]
             labels.append(f"N={N}\nstage {s}")
+            formulas.append(formula(s, M, N) / 2**20)
             for key, k in zip(parts, ("param_bytes", "grad_bytes", "optim_bytes")):
                 parts[key].append(row[k] / 2**20)
     fig, ax = plt.subplots(figsize=(11, 4.5))
@@ -114,6 +118,7 @@ def plot_memory(runs: dict, M: int) -> None:
     for (key, vals), color in zip(parts.items(), ("#4c72b0", "#dd8452", "#55a868")):
         ax.bar(range(len(labels)), vals, bottom=bottom, label=key, color=color)
         bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.scatter(range(len(labels)), formulas, marker="_", s=900, color="k", zorder=3, label="formula")
     ax.axhline(formula(0, M, 1) / 2**20, color="k", ls="--", lw=1, label="plain DP  M(1+1+α)")
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set_ylabel("MiB per rank at rest")
@@ -154,14 +159,21 @@ def main():
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=6, help="steps per throughput run")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every configuration")
+    p.add_argument("--render", action="store_true",
+                   help="only rewrite the tables and plot from results/zero_raw.json (no runs)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
     RESULTS.mkdir(exist_ok=True)
+    raw = RESULTS / "zero_raw.json"
     runs = {}
-    for N in (int(n) for n in args.worlds.split(",")):
+    if args.render:
+        saved = json.loads(raw.read_text())
+        runs = {int(k): v for k, v in saved["runs"].items()}
+        vars(args).update(saved["settings"])
+    for N in ([] if args.render else (int(n) for n in args.worlds.split(","))):
         out = RESULTS / f".zero_bench_{N}.json"
         cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={N}", __file__, "--worker",
                "--out", str(out), "--model", args.model, "--seq-len", str(args.seq_len),
@@ -171,6 +183,9 @@ def main():
         subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         runs[N] = json.loads(out.read_text())
         out.unlink()
+    if not args.render:                                # the measurements behind the tables
+        settings = {k: getattr(args, k) for k in ("model", "seq_len", "global_batch", "steps", "repeats")}
+        raw.write_text(json.dumps({"settings": settings, "runs": runs}, indent=1))
     from common.model import PRESETS, count_parameters
     M = count_parameters(PRESETS[args.model]) * 4
     write_memory(runs, M, args)

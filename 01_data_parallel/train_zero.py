@@ -23,7 +23,7 @@ from common.errors import require, run_main
 from common.mesh import Mesh
 from common.metrics import RunLog, format_bytes
 from common.model import PRESETS, build_model, count_parameters, loss_sum
-from common.optim import lr_at, set_lr
+from common.optim import clip_by_global_norm, lr_at, set_lr
 from common.training import StepTimer, global_sum, run_identity, should_save
 
 zs = import_module("01_data_parallel.zero_sharding")
@@ -111,7 +111,8 @@ def main(argv=None) -> list[dict]:
         lr = lr_at(step, args.lr, args.warmup, args.steps)
         if ours:
             zero.set_lr(lr)
-            zero.peak_param_bytes = getattr(zero, "alive_bytes", zero.memory()["peak_param_bytes"])
+            if stage == 3:
+                zero.peak_param_bytes = zero.alive_bytes     # the peak is per step
         else:
             set_lr(optimizer, lr)
         with StepTimer(rt.device) as timer:
@@ -136,7 +137,7 @@ def main(argv=None) -> list[dict]:
                 zero.zero_grad()
             else:
                 grad_norm = (zt.clip_fsdp2(model, args.clip, dp_group) if stage > 1 else
-                             zt.clip_by_global_norm([p.grad for p in model.parameters()], args.clip))
+                             clip_by_global_norm([p.grad for p in model.parameters()], args.clip))
                 optimizer.step()
                 memory = zt.measured_memory(model, optimizer)        # grads still there: measure now
                 optimizer.zero_grad(set_to_none=stage > 1)
