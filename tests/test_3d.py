@@ -1,0 +1,146 @@
+"""Chapter 04: every DP × TP × PP layout reproduces the single-device run; resume across layouts;
+bad input fails on every rank; a killed rank does not hang the others."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from importlib import import_module
+from pathlib import Path
+
+import pytest
+
+from harness import ROOT, free_port, losses, max_rel_diff, ok, run_group
+
+STEPS = 10
+BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet", "--sample-tokens", "0",
+        "--val-every", "5"]
+MAIN = "04_3d_combined.train_3d:main"
+
+
+def layout(dp, tp, pp, *extra):
+    return BASE + ["--dp", str(dp), "--tp", str(tp), "--pp", str(pp)] + list(extra)
+
+
+LAYOUTS_8 = [(2, 2, 2), (1, 2, 4), (2, 1, 4), (4, 2, 1), (8, 1, 1), (1, 1, 8)]
+LAYOUTS_4 = [((1, 2, 2), ("--schedule", "gpipe")), ((2, 2, 1), ("--sequence-parallel",)),
+             ((1, 1, 4), ("--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4")),
+             ((2, 1, 2), ("--schedule", "zb-h1", "--microbatches", "2")),
+             ((1, 4, 1), ("--sequence-parallel",))]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    (res,) = run_group(1, [(MAIN, BASE)])
+    history = ok(res)
+    return losses(history), [r.get("val_loss") for r in history]
+
+
+def _micro(pp):            # a pipeline of p stages gets p micro-batches (8 rows split evenly)
+    return ["--microbatches", str(min(8 // 1, max(1, pp)))]
+
+
+def test_eight_rank_layouts(reference):
+    ref_loss, ref_val = reference
+    jobs = [(MAIN, layout(dp, tp, pp, *_micro(pp))) for dp, tp, pp in LAYOUTS_8 if 8 // dp >= pp]
+    results = run_group(8, jobs)
+    for (dp, tp, pp), res in zip(LAYOUTS_8, results):
+        history = ok(res)
+        assert max_rel_diff(losses(history), ref_loss) <= 1e-5, (dp, tp, pp)
+        vals = [r.get("val_loss") for r in history]
+        assert max_rel_diff([v for v in vals if v], [v for v in ref_val if v]) <= 1e-5, (dp, tp, pp)
+
+
+def test_four_rank_layouts_and_resume_in_another_layout(reference, tmp_path):
+    ref_loss, _ = reference
+    ckpt = tmp_path / "ckpt"
+    jobs = [(MAIN, layout(dp, tp, pp, *extra)) for (dp, tp, pp), extra in LAYOUTS_4]
+    # save in dp1×tp2×pp2 at steps 5 and 10; then pretend the run stopped after step 5 ...
+    jobs.append((MAIN, layout(1, 2, 2, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5")))
+    jobs.append(("test_3d:point_latest_at", str(ckpt), "step_000005.pt"))
+    # ... and resume it as dp2×tp1×pp2 and as dp1×tp4×pp1
+    jobs.append((MAIN, layout(2, 1, 2, "--checkpoint-dir", str(ckpt), "--resume")))
+    jobs.append(("test_3d:point_latest_at", str(ckpt), "step_000005.pt"))
+    jobs.append((MAIN, layout(1, 4, 1, "--checkpoint-dir", str(ckpt), "--resume")))
+    results = run_group(4, jobs)
+    for ((dp, tp, pp), extra), res in zip(LAYOUTS_4, results):
+        assert max_rel_diff(losses(ok(res)), ref_loss) <= 1e-5, (dp, tp, pp, extra)
+    assert max_rel_diff(losses(ok(results[len(LAYOUTS_4)])), ref_loss) <= 1e-5
+    for resumed in (results[-3], results[-1]):
+        history = ok(resumed)
+        assert [r["step"] for r in history] == list(range(6, STEPS + 1))
+        assert max_rel_diff(losses(history), ref_loss[5:]) <= 1e-5
+
+
+def point_latest_at(directory, name):
+    """Make `name` the latest checkpoint, as if the run had stopped right after saving it."""
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        (Path(directory) / "latest").write_text(name)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("argv, world, expected", [
+    (["--dp", "2", "--tp", "2", "--pp", "4"], 8, "must equal the world size"),
+    (["--dp", "1", "--tp", "3", "--pp", "1"], 3, "query heads do not split"),
+    (["--tp", "2", "--pp", "2", "--sequence-parallel", "--seq-len", "33"], 4, "--seq-len 33 is not a multiple"),
+    (["--pp", "4", "--tp", "1", "--virtual-stages", "4", "--schedule", "interleaved", "--microbatches", "4"], 4,
+     "too few for 16 stages"),
+    (["--pp", "2", "--tp", "1", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "3",
+      "--global-batch", "6"], 2, "multiple of --pp"),
+    (["--dp", "2", "--tp", "1", "--pp", "1", "--global-batch", "6", "--microbatches", "2"], 2, "does not split"),
+    (["--pp", "2", "--tp", "1", "--virtual-stages", "2"], 2, "virtual"),
+])
+def test_bad_layouts_are_refused_before_any_communication(monkeypatch, argv, world, expected):
+    """The checks are pure functions of the flags and the world size, so every rank reaches the same
+    verdict; here one process stands for all of them."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    from common.errors import ConfigError
+    train_3d = import_module("04_3d_combined.train_3d")
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        train_3d.parse_args(argv + ["--quiet"])
+
+
+def _env(rank, world, port):
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    return env
+
+
+def test_bad_degrees_exit_nonzero_on_every_rank_with_one_message():
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "04_3d_combined/train_3d.py", "--dp", "2", "--tp", "2", "--pp", "2"],
+                              cwd=ROOT, env=_env(r, 2, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 2 for p in procs)
+    errors = [line for _, err in outs for line in err.splitlines() if line.startswith("error:")]
+    assert errors and all("must equal the world size 2" in e for e in errors)
+    assert not any("Traceback" in err for _, err in outs)
+
+
+def test_a_killed_rank_makes_the_others_exit_with_a_clear_error(tmp_path):
+    """Ranks started by hand (no torchrun agent to clean up): rank 3 is killed mid-run; the others
+    must notice through the backend and exit with one line each, well within a minute."""
+    port, metrics = free_port(), tmp_path / "m.jsonl"
+    argv = [sys.executable, "04_3d_combined/train_3d.py", "--dp", "1", "--tp", "2", "--pp", "2", "--steps", "500",
+            "--seq-len", "32", "--global-batch", "4", "--microbatches", "2", "--sample-tokens", "0", "--val-every", "0",
+            "--quiet", "--timeout", "30"]
+    procs = [subprocess.Popen(argv + (["--metrics", str(metrics)] if r == 0 else []), cwd=ROOT, env=_env(r, 4, port),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+            time.sleep(0.2)
+        assert metrics.exists(), "training never started"
+        procs[3].send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        outs = [p.communicate(timeout=60) for p in procs[:3]]
+        assert time.time() - killed_at < 60
+        for p, (_, err) in zip(procs[:3], outs):
+            assert p.returncode not in (0, None)
+            assert "lost contact with another rank" in err, err[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
