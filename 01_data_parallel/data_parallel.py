@@ -106,6 +106,13 @@ class BucketedDataParallel(nn.Module):
     def finish_gradient_sync(self) -> None:
         """Wait for every bucket's all-reduce and copy the summed gradients back into .grad."""
         for bucket in self.buckets:
+            if bucket.ready != len(bucket.params):
+                # Fewer: a parameter got no gradient (unused in forward): the bucket was never sent and
+                # its buffer holds last step's sums. More: backward ran twice outside no_sync(), and
+                # the second pass was never sent. Either way the sums would be wrong: refuse, loudly.
+                raise RuntimeError(f"bucket {self.buckets.index(bucket)} saw {bucket.ready} gradients for its "
+                                   f"{len(bucket.params)} parameters; every parameter must be used in forward, "
+                                   "and all but the last micro-batch's backward must run inside no_sync()")
             if bucket.work is not None:
                 bucket.work.wait()
             offset = 0

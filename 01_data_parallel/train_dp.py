@@ -35,7 +35,9 @@ def parse_args(argv=None):
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--impl", default="bucketed", choices=["naive", "bucketed", "torch"],
                    help="naive: all-reduce after backward; bucketed: overlapped buckets; torch: DDP")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size for bucketed and torch DDP")
+    # DDP's own default is 25 MB: the whole tiny model (6.3 MB) would be one bucket, sent only when
+    # backward is over, with nothing left to overlap. 1 MB gives the tiny model 6 buckets.
+    p.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size for bucketed and torch DDP")
     args = p.parse_args(argv)
     check_common(args, dp=env_world_size())
     require(args.bucket_mb > 0, "--bucket-mb must be positive")
