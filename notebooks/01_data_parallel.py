@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 
 import matplotlib
-if os.environ.get("NOTEBOOK_QUICK") or not os.environ.get("DISPLAY"):
-    matplotlib.use("Agg")
+if os.environ.get("NOTEBOOK_QUICK") or "ipykernel" not in sys.modules:
+    matplotlib.use("Agg")          # run as a plain script: draw into files (Jupyter keeps its inline plots)
 import matplotlib.pyplot as plt
 import torch
 
