@@ -1,0 +1,87 @@
+# %% [markdown]
+# # Chapter 04 — DP × TP × PP on one mesh
+#
+# The full pretraining run composes the three chapters: each rank holds one TP shard of one
+# pipeline stage of one data-parallel replica. This notebook (1) prints the rank grid for 8 ranks,
+# (2) runs the same training in several layouts under `torchrun` and checks that the losses are the
+# single-device losses, and (3) plots the loss curves (training and validation) and the bytes each
+# group moved.
+#
+# `NOTEBOOK_QUICK=1` keeps it short (one 4-rank layout, 3 steps) for the headless tests.
+
+# %%
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import matplotlib
+if os.environ.get("NOTEBOOK_QUICK"):
+    matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import torch
+
+ROOT = Path.cwd() if (Path.cwd() / "common").is_dir() else Path.cwd().parent
+sys.path.insert(0, str(ROOT))
+QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
+STEPS = 3 if QUICK else 30
+out_dir = Path(tempfile.mkdtemp())
+
+# %% [markdown]
+# ## 1. The grid: `arange(world).view(dp, pp, tp)`
+# TP varies fastest, so a TP group is consecutive ranks (one node); DP is the outermost dimension.
+
+# %%
+grid = torch.arange(8).view(2, 2, 2)           # (dp, pp, tp)
+for d in range(2):
+    for p in range(2):
+        print(f"dp={d} pp={p}: tp group {grid[d, p].tolist()}")
+print("pp groups:", [grid[d, :, t].tolist() for d in range(2) for t in range(2)])
+print("dp groups:", [grid[:, p, t].tolist() for p in range(2) for t in range(2)])
+
+# %% [markdown]
+# ## 2. Same losses in every layout
+
+# %%
+def run(nproc, *flags):
+    metrics = out_dir / f"m{nproc}_{'_'.join(flags)}.jsonl"
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
+    cmd = launcher + ["04_3d_combined/train_3d.py", "--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8",
+                      "--val-every", "2", "--sample-tokens", "0", "--quiet", "--metrics", str(metrics), *flags]
+    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+runs = {"1 rank": run(1)}
+layouts = [("--dp", "1", "--tp", "2", "--pp", "2")]
+if not QUICK:
+    layouts += [("--dp", "2", "--tp", "1", "--pp", "2"), ("--dp", "2", "--tp", "2", "--pp", "2"),
+                ("--dp", "1", "--tp", "2", "--pp", "4")]
+for flags in layouts:
+    nproc = int(flags[1]) * int(flags[3]) * int(flags[5])
+    runs[f"dp{flags[1]} tp{flags[3]} pp{flags[5]}"] = run(nproc, *flags)
+ref = [r["loss"] for r in runs["1 rank"]]
+for name, hist in runs.items():
+    diff = max(abs(r["loss"] - x) / x for r, x in zip(hist, ref))
+    print(f"{name:>16}: losses {[round(r['loss'], 4) for r in hist]}  max rel diff {diff:.1e}")
+
+# %% [markdown]
+# ## 3. Loss curves, and who talks how much
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+for name, hist in runs.items():
+    ax1.plot([r["step"] for r in hist], [r["loss"] for r in hist], label=name)
+    val = [r for r in hist if r.get("val_loss")]
+    ax1.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o--", ms=3)
+ax1.set_xlabel("step"); ax1.set_ylabel("loss"); ax1.legend(); ax1.set_title("train (lines), validation (dots)")
+names = [n for n in runs if n != "1 rank"]
+for i, g in enumerate(("dp", "tp", "pp")):
+    ax2.bar([x + 0.25 * i for x in range(len(names))], [runs[n][-1][f"comm_bytes_{g}"] / 2**20 for n in names],
+            width=0.25, label=g)
+ax2.set_xticks(range(len(names)), names); ax2.set_ylabel("MiB per step, rank 0"); ax2.legend()
+ax2.set_title("bytes sent + received by rank 0, by group")
+fig.tight_layout()
+fig.savefig(out_dir / "3d.png") if QUICK else plt.show()
