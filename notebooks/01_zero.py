@@ -67,4 +67,4 @@ plt.show()
 for s in (1, 2, 3):
     total = rows[s]["param_bytes"] + rows[s]["grad_bytes"] + rows[s]["optim_bytes"]
     print(f"stage {s}: measured {total / 2**20:.3f} MiB, formula {formula[s] / 2**20:.3f} MiB "
-          f"(ratio {total / formula[s]:.5f}; the excess is the padding to a multiple of N)")
+          f"(excess {total - formula[s]:.0f} B: padding to a multiple of N, if any)")
