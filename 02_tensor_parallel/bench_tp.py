@@ -2,6 +2,7 @@
 
     python 02_tensor_parallel/bench_tp.py            # about 5 minutes on a 2-core CPU
     python 02_tensor_parallel/bench_tp.py --quick    # fewer repeats
+    python 02_tensor_parallel/bench_tp.py --only comm|throughput
 
 Writes 02_tensor_parallel/results/:
   comm_per_call.md   every TP collective of one training step, logged call by call, against B·S·D
@@ -140,7 +141,7 @@ def throughput(repeats, steps):
     (RESULTS / "throughput.md").write_text(
         f"Tokens/s, tiny model, --seq-len 128 --global-batch 8, {steps} steps (first dropped), median over "
         f"{repeats} interleaved repeats. TP degree = ranks. Machine: {MACHINE}.\n"
-        "Command: `python 02_tensor_parallel/bench_tp.py`.\n\n"
+        f"Command: `python 02_tensor_parallel/bench_tp.py {' '.join(sys.argv[1:])}`.\n\n"
         "| ranks (TP) | ours tok/s | DTensor tok/s | ours / DTensor | ours vs 1 rank |\n|---|---|---|---|---|\n"
         + "\n".join(lines) + "\n")
 
@@ -150,13 +151,16 @@ def main():
     p.add_argument("--probe", action="store_true", help="(internal) log every collective of one step")
     p.add_argument("--sp", action="store_true")
     p.add_argument("--out", default=None)
-    p.add_argument("--quick", action="store_true", help="1 repeat, 4 steps")
+    p.add_argument("--quick", action="store_true", help="2 repeats of 4 steps instead of 3 of 6")
+    p.add_argument("--only", choices=["comm", "throughput"], default=None, help="run one part only")
     args = p.parse_args()
     if args.probe:
         return probe(args.sp, args.out)
-    with tempfile.TemporaryDirectory() as tmp:
-        comm_tables(tmp)
-    throughput(*((1, 4) if args.quick else (3, 6)))
+    if args.only != "throughput":
+        with tempfile.TemporaryDirectory() as tmp:
+            comm_tables(tmp)
+    if args.only != "comm":
+        throughput(*((2, 4) if args.quick else (3, 6)))
     for f in ("comm_per_call.md", "param_bytes.md", "throughput.md"):
         print(f"--- {f}\n{(RESULTS / f).read_text()}")
 
