@@ -14,7 +14,6 @@ library derives *where* f and g go: the opposite of this chapter's hand-written 
 collectives bypass common.comm, so this path reports no comm_bytes. Replicated KV heads (K < tp)
 have no ready-made style; this path needs the KV heads to split evenly.
 """
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard

@@ -28,7 +28,7 @@ from common.metrics import RunLog, format_bytes
 from common.model import PRESETS, build_model, count_parameters, loss_sum
 from common.optim import build_adamw, clip_by_global_norm, lr_at, set_lr
 from common.timeline import Timeline, write_chrome_trace
-from common.training import (StepTimer, global_sum, load_optim_state_by_name, optim_state_by_name,
+from common.training import (StepTimer, consolidate_on_rank0, global_sum, load_optim_state_by_name,
                              resume_state, run_identity, should_save)
 
 dp_lib = import_module("01_data_parallel.data_parallel")
@@ -63,23 +63,6 @@ def parse_args(argv=None, schedule=None):
                 f"torch.distributed.pipelining's {args.schedule} needs --microbatches ≥ the number of stages "
                 f"({args.pp * args.virtual_stages}); use --microbatches {args.pp * args.virtual_stages}")
     return args
-
-
-def consolidated_state(model, optimizer, named, is_writer: bool):
-    """Every stage's weights and AdamW state by reference name, gathered on global rank 0.
-    Only data-parallel replica 0 contributes (the other replicas hold the same numbers)."""
-    mine = ({k: v.cpu() for k, v in model.state_dict().items()},
-            {n: {k: t.cpu() for k, t in s.items()} for n, s in optim_state_by_name(optimizer, named).items()}) \
-        if is_writer else ({}, {})
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0)
-    if parts is None:
-        return None, None
-    full_model, full_optim = {}, {}
-    for m, o in parts:
-        full_model.update(m)
-        full_optim.update(o)
-    return full_model, full_optim
 
 
 def main(argv=None, schedule=None) -> list[dict]:
@@ -172,7 +155,8 @@ def main(argv=None, schedule=None) -> list[dict]:
         log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
                      comm_bytes=comm.COUNTER.total(), comm_bytes_pp=comm.COUNTER.total("pp"), **stats)
         if should_save(args, step):
-            full_model, full_optim = consolidated_state(model, optimizer, named, dp_rank == 0)
+            # every stage's names, one copy (data-parallel replica 0), merged on rank 0
+            full_model, full_optim = consolidate_on_rank0(model, optimizer, named, dp_rank == 0)
             if rt.is_main:
                 log.note(f"checkpoint saved: {checkpoint.save(args.checkpoint_dir, step, full_model, full_optim, run_identity(args))}")
     if args.timeline:

@@ -18,11 +18,11 @@ per step (the gradient all-reduce) and can overlap it: it goes across nodes.
 from importlib import import_module
 
 import torch
-import torch.distributed as dist
 
 from common.errors import require
 from common.model import build_model
 from common.optim import build_adamw
+from common.training import consolidate_on_rank0, load_optim_state_by_name
 
 tp_lib = import_module("02_tensor_parallel.tensor_parallel")
 stages_lib = import_module("03_pipeline_parallel.pipeline_stages")
@@ -70,7 +70,6 @@ def build_optimizer(model, args, mesh, cfg, full_optim=None):
     named = list(model.named_parameters())
     optimizer = build_adamw(named, args.lr, args.weight_decay)
     if full_optim is not None:
-        from common.training import load_optim_state_by_name
         to_local = (lambda name, t: tp_lib.tp_to_local(name, t, mesh.coord("tp"), args.tp, cfg.n_kv_heads)) \
             if args.tp > 1 else (lambda name, t: t)
         load_optim_state_by_name(optimizer, named, full_optim, to_local)
@@ -78,28 +77,13 @@ def build_optimizer(model, args, mesh, cfg, full_optim=None):
 
 
 def consolidated_state(model, optimizer, named, mesh, args, cfg):
-    """The single-device state dict and AdamW state, gathered on global rank 0 (None elsewhere).
-
-    1. Inside each TP group, every tensor is gathered back to full size (a collective: all TP ranks).
-    2. Replica dp=0, tp=0 of every stage sends its names to rank 0 (the other replicas hold copies).
-    """
-    from common.training import optim_state_by_name
+    """The single-device state dict and AdamW state on global rank 0 (None elsewhere): every TP group
+    gathers its shards back to full tensors, then replica dp=0, tp=0 of each stage sends its names."""
     tp_group = mesh.group("tp")
     to_full = (lambda name, t: tp_lib.tp_to_full(name, t, tp_group, cfg.n_kv_heads)) if args.tp > 1 \
         else (lambda name, t: t)
-    weights = {name: to_full(name, t.detach()).cpu() for name, t in model.state_dict().items()}
-    moments = optim_state_by_name(optimizer, named, lambda n, t: to_full(n, t).cpu())
     writer = mesh.coord("dp") == 0 and mesh.coord("tp") == 0
-    mine = (weights, moments) if writer else ({}, {})
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0)
-    if parts is None:
-        return None, None
-    full_model, full_optim = {}, {}
-    for w, o in parts:
-        full_model.update(w)
-        full_optim.update(o)
-    return full_model, full_optim
+    return consolidate_on_rank0(model, optimizer, named, writer, to_full)
 
 
 def owned_grads(model, mesh, args):
