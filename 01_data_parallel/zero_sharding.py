@@ -101,6 +101,29 @@ def shard_pieces(unit: FlatUnit, shard: torch.Tensor, shard_grad: torch.Tensor) 
     return out
 
 
+class GradientReduceScatter:
+    """Stages 2 and 3: as soon as a unit's full gradient exists, reduce-scatter it into this rank's
+    gradient shard. At most one reduce-scatter is in flight, which bounds how many full gradients
+    are alive at once; micro-batches accumulate into the shard."""
+
+    def __init__(self, units, shard_grads, group, name: str):
+        self.units, self.shard_grads, self.group, self.name = units, shard_grads, group, name
+        self.pending = []       # in-flight (unit, work, output, input): the input must outlive the work
+
+    def launch(self, u: int, full: torch.Tensor) -> None:
+        self.drain(keep=0)
+        out = torch.empty(self.units[u].chunk, dtype=full.dtype, device=full.device)   # (padded/N,)
+        work = comm.reduce_scatter_into(out, full, group=self.group, name=self.name, async_op=True)
+        self.pending.append((u, work, out, full))
+
+    def drain(self, keep: int = 0) -> None:
+        while len(self.pending) > keep:
+            u, work, out, _ = self.pending.pop(0)
+            if work is not None:
+                work.wait()
+            self.shard_grads[u].add_(out)
+
+
 class ZeroOptimizer:
     """ZeRO stage 1 or 2 for any list of (name, parameter) on a data-parallel group.
 
@@ -152,7 +175,7 @@ class ZeroOptimizer:
         self.optimizer = build_adamw(pieces, lr, weight_decay)
         self.unit_of = {p: i for i, ps in enumerate(self.params) for p in ps}
         self._ready = [0] * len(self.units)
-        self._pending = []       # stage 2: in-flight reduce-scatters (unit, work, output, input)
+        self.reduce_scatter = GradientReduceScatter(self.units, self.shard_grads, group, name)   # stage 2
 
     # --- gradients ---------------------------------------------------------------------------
     def _on_grad_ready(self, p: nn.Parameter) -> None:
@@ -162,26 +185,15 @@ class ZeroOptimizer:
         if self._ready[u] < len(self.params[u]):
             return
         self._ready[u] = 0
-        unit = self.units[u]
-        full = unit.flatten([q.grad for q in self.params[u]])             # (padded,) full gradient
+        full = self.units[u].flatten([q.grad for q in self.params[u]])    # (padded,) full gradient
         for q in self.params[u]:
             q.grad = None                                                  # the full gradient is freed
-        self._drain(keep=0)    # at most one reduce-scatter in flight: bounds the full-gradient memory
-        out = torch.empty(unit.chunk, dtype=full.dtype, device=full.device)  # (padded/N,)
-        work = comm.reduce_scatter_into(out, full, group=self.group, name=self.comm_name, async_op=True)
-        self._pending.append((u, work, out, full))
-
-    def _drain(self, keep: int = 0) -> None:
-        while len(self._pending) > keep:
-            u, work, out, _ = self._pending.pop(0)
-            if work is not None:
-                work.wait()
-            self.shard_grads[u].add_(out)      # micro-batches accumulate into the shard
+        self.reduce_scatter.launch(u, full)
 
     def reduce_gradients(self) -> None:
         """Stage 1: all-reduce every unit's full gradient (2(N-1)/N·M). Stage 2: finish the reduce-scatters."""
         if self.stage == 2:
-            self._drain()
+            self.reduce_scatter.drain()
             return
         works = [comm.all_reduce(g, group=self.group, name=self.comm_name, async_op=True) for g in self.flat_grads]
         for w in works:

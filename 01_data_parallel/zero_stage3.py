@@ -78,7 +78,7 @@ class ZeroStage3:
         self._work = [None] * n            # in-flight all-gathers
         self._by_ptr = {}                  # storage address of a gathered buffer -> unit
         self._needs_backward = [False] * n  # did autograd save any of its weights?
-        self._pending = []                 # in-flight reduce-scatters
+        self.reduce_scatter = zs.GradientReduceScatter(self.units, self.shard_grads, group, name)
         self.alive_bytes = self.peak_param_bytes = 0
 
     # --- gathering and freeing --------------------------------------------------------------------
@@ -150,20 +150,10 @@ class ZeroStage3:
         full = unit.flatten([g if g is not None else torch.zeros(s, device=self.shards[u].device)
                              for g, s in zip(grads, unit.shapes)])
         self._free(u)                           # its backward is done: no more unpacks of unit u
-        self._drain(keep=0)                     # at most one reduce-scatter in flight
-        out = torch.empty(unit.chunk, dtype=full.dtype, device=full.device)   # (padded/N,)
-        work = comm.reduce_scatter_into(out, full, group=self.group, name=self.comm_name, async_op=True)
-        self._pending.append((u, work, out, full))
-
-    def _drain(self, keep: int = 0) -> None:
-        while len(self._pending) > keep:
-            u, work, out, _ = self._pending.pop(0)
-            if work is not None:
-                work.wait()
-            self.shard_grads[u].add_(out)
+        self.reduce_scatter.launch(u, full)     # (padded,) -> my (padded/N,) shard
 
     def reduce_gradients(self) -> None:
-        self._drain()
+        self.reduce_scatter.drain()
         for u in range(len(self.units)):        # nothing may stay gathered between steps
             if self._work[u] is not None:
                 self._work[u].wait()
