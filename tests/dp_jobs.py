@@ -18,7 +18,6 @@ STEPS = 10
 BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet"]
 VARIANTS = {impl: BASE + ["--impl", impl] for impl in IMPLS}
 VARIANTS["bucketed+accumulation"] = BASE + ["--impl", "bucketed", "--microbatches", "2", "--bucket-mb", "0.5"]
-VARIANTS["torch+accumulation"] = BASE + ["--impl", "torch", "--microbatches", "2", "--bucket-mb", "0.5"]
 GRAD_ARGS = ["--seq-len", "32", "--global-batch", "8", "--quiet"]
 GRAD_VARIANTS = {"naive": ["--impl", "naive"], "bucketed": ["--impl", "bucketed", "--bucket-mb", "0.5"],
                  "torch": ["--impl", "torch", "--bucket-mb", "0.5"],
@@ -149,8 +148,7 @@ def world_results(world: int) -> dict:
     """Every check of chapter 01 DP at this world size, in one spawned group: {check name: per-rank results}."""
     ref = reference()
     tmp = Path(tempfile.mkdtemp(prefix=f"dp_w{world}_"))
-    jobs = {f"losses/{name}": (TRAIN, argv) for name, argv in VARIANTS.items()
-            if world == 2 or name != "torch+accumulation"}          # DDP's own no_sync: once is enough
+    jobs = {f"losses/{name}": (TRAIN, argv) for name, argv in VARIANTS.items()}
     jobs.update({f"grads/{name}": ("dp_jobs:gradients_after_one_step", GRAD_ARGS + argv, ref["grads_path"])
                  for name, argv in GRAD_VARIANTS.items()})
     if world == 2:
