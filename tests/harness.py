@@ -14,8 +14,10 @@ same function a user runs under torchrun runs here.
 import importlib
 import multiprocessing as mp
 import os
+import queue as queue_module
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -66,10 +68,19 @@ def run_group(world: int, jobs: list, timeout_s: float = 240.0) -> list[list]:
     for p in procs:
         p.start()
     per_rank = {}
+    deadline = time.time() + timeout_s
     try:
-        for _ in range(world):
-            rank, out = queue.get(timeout=timeout_s)
-            per_rank[rank] = out
+        while len(per_rank) < world:
+            try:
+                rank, out = queue.get(timeout=1.0)
+                per_rank[rank] = out
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in per_rank]
+                if dead:        # a rank crashed without reporting: the others would wait for their timeout
+                    raise RuntimeError(f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
+                if time.time() > deadline:
+                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(per_rank))} did not finish "
+                                       f"within {timeout_s} s")
     finally:
         for p in procs:
             p.join(timeout=10)
