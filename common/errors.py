@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-PEER_GRACE_S = 10.0   # how long ranks other than 0 let rank 0 report a configuration error first
+PEER_GRACE_S = 5.0   # how long ranks other than 0 let rank 0 report a configuration error first
 
 
 class ConfigError(Exception):
