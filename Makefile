@@ -7,19 +7,28 @@ STAMP   := .venv/.installed
 
 $(STAMP): requirements.txt
 	python3 -m venv .venv
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-# The main job (chapter 01 for now: 4 data-parallel CPU ranks).
+# The main job: the full DP×TP×PP run on 8 ranks (CPU, or one GPU per rank), then its loss curve.
 run: $(STAMP)
-	$(TORCHRUN) --nproc_per_node=4 01_data_parallel/train_dp.py --steps 200
+	$(TORCHRUN) --nproc_per_node=8 04_3d_combined/train_3d.py --metrics runs/3d/metrics.jsonl
+	$(PY) 04_3d_combined/plot_loss.py runs/3d/metrics.jsonl
 
 # The whole test suite (CPU, gloo; under 10 minutes on 2 cores).
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Every chapter's benchmark, one after another (about 30 minutes on 2 cores); each writes the
+# tables (and plots) under its chapter's results/ that the READMEs show.
+bench: $(STAMP)
+	$(PY) 01_data_parallel/bench_dp.py
+	$(PY) 01_data_parallel/bench_zero.py
+	$(PY) 02_tensor_parallel/bench_tp.py
+	$(PY) 03_pipeline_parallel/bench_pp.py
+	$(PY) 04_3d_combined/bench_3d.py
 
 notebooks: $(STAMP)
 	$(PY) -m jupytext --to ipynb notebooks/*.py
