@@ -54,7 +54,8 @@ def main():
                       flush=True)
     ref = [h["loss"] for h in rows[(1, 1, 1)]]
     tokens = rows[(1, 1, 1)][0]["tokens"]
-    lines = [f"Machine: {os.cpu_count()}-core {platform.machine()} CPU, gloo, 1 thread per rank; model tiny, "
+    lines = [f"Machine: {os.cpu_count()}-core {platform.machine()} CPU, gloo, threads per rank = cores ÷ ranks "
+             f"(at least 1: the 1-rank run uses {os.cpu_count()}); model tiny, "
              f"global batch 16 × 128 tokens, micro-batches 2·pp (or as many as rows allow), 1F1B; "
              f"{args.rounds} round(s) × {args.steps} steps, median over steps 2..{args.steps}.",
              f"Command: `python 04_3d_combined/bench_3d.py --rounds {args.rounds} --steps {args.steps}`", "",

@@ -24,6 +24,7 @@ from common.model import build_model
 from common.optim import build_adamw
 from common.training import consolidate_on_rank0, load_optim_state_by_name
 
+zs_lib = import_module("01_data_parallel.zero_sharding")
 tp_lib = import_module("02_tensor_parallel.tensor_parallel")
 stages_lib = import_module("03_pipeline_parallel.pipeline_stages")
 sched_lib = import_module("03_pipeline_parallel.pipeline_schedules")
@@ -67,23 +68,44 @@ def build_local_model(cfg, args, mesh, device, full_state=None):
 
 
 def build_optimizer(model, args, mesh, cfg, full_optim=None):
+    """AdamW on this rank's piece; with --zero-stage 1, chapter 01's ZeRO-1 over the DP group instead
+    (each DP replica keeps 1/dp of the AdamW moments of its piece and updates 1/dp of it)."""
     named = list(model.named_parameters())
+    to_local = (lambda name, t: tp_lib.tp_to_local(name, t, mesh.coord("tp"), args.tp, cfg.n_kv_heads)) \
+        if args.tp > 1 else (lambda name, t: t)
+    local = None if full_optim is None else {
+        n: {"step": s["step"], "exp_avg": to_local(n, s["exp_avg"]), "exp_avg_sq": to_local(n, s["exp_avg_sq"])}
+        for n, s in full_optim.items()}
+    if args.zero_stage == 1:
+        zero = zs_lib.ZeroStage1Optimizer(named, mesh.group("dp"), args.lr, args.weight_decay)
+        if local is not None:
+            zs_lib.load_optim_pieces(zero.units, zero.pieces, zero.optimizer, local)
+        return named, zero
     optimizer = build_adamw(named, args.lr, args.weight_decay)
-    if full_optim is not None:
-        to_local = (lambda name, t: tp_lib.tp_to_local(name, t, mesh.coord("tp"), args.tp, cfg.n_kv_heads)) \
-            if args.tp > 1 else (lambda name, t: t)
-        load_optim_state_by_name(optimizer, named, full_optim, to_local)
+    if local is not None:
+        load_optim_state_by_name(optimizer, named, local)
     return named, optimizer
 
 
 def consolidated_state(model, optimizer, named, mesh, args, cfg):
-    """The single-device state dict and AdamW state on global rank 0 (None elsewhere): every TP group
-    gathers its shards back to full tensors, then replica dp=0, tp=0 of each stage sends its names."""
+    """The single-device state dict and AdamW state on global rank 0 (None elsewhere): ZeRO first
+    gathers its moment shards over DP, every TP group gathers its shards back to full tensors, then
+    replica dp=0, tp=0 of each stage sends its names."""
     tp_group = mesh.group("tp")
     to_full = (lambda name, t: tp_lib.tp_to_full(name, t, tp_group, cfg.n_kv_heads)) if args.tp > 1 \
         else (lambda name, t: t)
+    moments = None
+    if args.zero_stage == 1:
+        moments = zs_lib.gather_optim_state(optimizer.units, optimizer.pieces, optimizer.optimizer, mesh.group("dp"))
     writer = mesh.coord("dp") == 0 and mesh.coord("tp") == 0
-    return consolidate_on_rank0(model, optimizer, named, writer, to_full)
+    return consolidate_on_rank0(model, optimizer, named, writer, to_full, moments)
+
+
+def counted_by_me(model, mesh):
+    """For the global norm: is tensor `name` counted on this rank? (A tensor replicated over the TP
+    group, a norm gain, is counted by one of its holders only.)"""
+    replicas = {n: getattr(p, "tp_replicas", 1) for n, p in model.named_parameters()}
+    return lambda name: mesh.coord("tp") % replicas[name] == 0
 
 
 def owned_grads(model, mesh, args):

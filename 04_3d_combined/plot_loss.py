@@ -20,7 +20,7 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="PNG to write (default: loss.png beside the first file)")
     p.add_argument("--title", default="3D parallel pretraining: loss", help="figure title")
     args = p.parse_args(argv)
-    labels = args.labels or [Path(m).stem for m in args.metrics]
+    labels = args.labels or ([""] if len(args.metrics) == 1 else [str(Path(m).with_suffix("")) for m in args.metrics])
     out = Path(args.out) if args.out else Path(args.metrics[0]).with_name("loss.png")
     note = f"{platform.machine()} CPU, {platform.system()}; from {', '.join(args.metrics)}"
     print(plot_loss_curves(dict(zip(labels, args.metrics)), out, args.title, note))

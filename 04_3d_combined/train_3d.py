@@ -31,6 +31,7 @@ from common.timeline import Timeline
 from common.training import StepTimer, global_sum, resume_state, run_identity, should_save
 
 dp_lib = import_module("01_data_parallel.data_parallel")          # chapter 01: the gradient all-reduce
+optim_bytes = import_module("01_data_parallel.zero_sharding").optim_bytes   # chapter 01: AdamW state bytes
 tp_lib = import_module("02_tensor_parallel.tensor_parallel")        # chapter 02: TP layers and loss
 sched_lib = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: schedules
 exec_lib = import_module("03_pipeline_parallel.pipeline_executor")  # chapter 03: the executor
@@ -45,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--schedule", default="1f1b", choices=sched_lib.SCHEDULES, help="pipeline schedule")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--sequence-parallel", action="store_true", help="TP with sequence parallelism")
+    p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1],
+                   help="1: shard AdamW's state over the DP group (chapter 01's ZeRO-1)")
     p.add_argument("--val-every", type=int, default=25, help="validation loss every N steps (0: only at the end)")
     p.add_argument("--val-batches", type=int, default=2, help="global batches in one validation")
     p.add_argument("--sample-tokens", type=int, default=200, help="bytes of text to generate at the end (0: none)")
@@ -93,6 +96,7 @@ def main(argv=None) -> list[dict]:
                       + (" (+ sequence parallel)" if args.sequence_parallel else ""),
         "device / backend": f"{rt.device} / {rt.backend}",
         "model": f"{args.model}: {count_parameters(cfg):,} parameters, {cfg.n_layers} layers",
+        "optimizer": "ZeRO-1 over the DP group (chapter 01)" if args.zero_stage else "AdamW on each rank's piece",
         "pipeline": f"{args.schedule}, {m} micro-batch(es) of {mb_rows} seq, {args.virtual_stages} virtual stage(s), "
                     f"theory bubble {sched_lib.theory_bubble(args.schedule, args.pp, m, args.virtual_stages):.3f}",
         "global batch": f"{args.global_batch} seq × {args.seq_len} tokens, warmup {args.warmup} + cosine, clip {args.clip}",
@@ -123,7 +127,7 @@ def main(argv=None) -> list[dict]:
     for step in range(start + 1, args.steps + 1):
         comm.COUNTER.reset()
         lr = lr_at(step, args.lr, args.warmup, args.steps)
-        set_lr(optimizer, lr)
+        optimizer.set_lr(lr) if args.zero_stage else set_lr(optimizer, lr)
         timeline.begin_step(step)
         with StepTimer(rt.device) as timer:
             x, y = data.global_batch(step, args.global_batch)                   # (global_batch, S)
@@ -133,22 +137,31 @@ def main(argv=None) -> list[dict]:
             # 2. TP: sum the partial gradients of replicated tensors (norms under SP, shared KV heads)
             if args.tp > 1:
                 tp_lib.finish_tp_grad_sync(model, tp_group)
-            # 3. DP: sum the gradients of this (stage, TP shard) over its replicas
-            if args.dp > 1:
-                dp_lib.allreduce_gradients(model, dp_group)
-            # 4. clip by the norm of the whole model's gradient: TP shards and stages hold different parts
-            grad_norm = clip_by_global_norm(lib.owned_grads(model, mesh, args), args.clip,
-                                            groups=[tp_group, pp_group], all_grads=[p.grad for p in model.parameters()])
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
+            if args.zero_stage == 0:
+                # 3. DP: sum the gradients of this (stage, TP shard) over its replicas
+                if args.dp > 1:
+                    dp_lib.allreduce_gradients(model, dp_group)
+                # 4. clip by the norm of the whole model's gradient: TP shards and stages hold different parts
+                grad_norm = clip_by_global_norm(lib.owned_grads(model, mesh, args), args.clip,
+                                                groups=[tp_group, pp_group], all_grads=[p.grad for p in model.parameters()])
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=False)
+            else:
+                # 3-4 with ZeRO-1: all-reduce, clip from the DP shards (+ TP and PP), update my shard, all-gather
+                optimizer.reduce_gradients()
+                grad_norm = optimizer.clip_grad_norm(args.clip, groups=(tp_group, pp_group),
+                                                     counts=lib.counted_by_me(model, mesh))
+                optimizer.step()
+                optimizer.zero_grad()
         mine = out["loss"] if tp_rank == 0 else torch.zeros_like(out["loss"])   # last stage, one TP rank
         loss_value = global_sum(mine, dist.group.WORLD)
-        extra = {f"comm_bytes_{g}": comm.COUNTER.total(g) for g in ("dp", "tp", "pp")}
+        # the step's traffic, by group (counted before validation adds its forward-only sends)
+        extra = {"comm_bytes": comm.COUNTER.total(), **{f"comm_bytes_{g}": comm.COUNTER.total(g) for g in ("dp", "tp", "pp")}}
+        extra["optim_bytes"] = optim_bytes(optimizer.optimizer if args.zero_stage else optimizer)
         if (args.val_every and step % args.val_every == 0) or step == args.steps:
             extra["val_loss"] = validate(step)
             log.note(f"step {step}: validation loss {extra['val_loss']:.4f}")
-        log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
-                     comm_bytes=comm.COUNTER.total(), **extra)
+        log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm, **extra)
         if should_save(args, step) or (step == args.steps and args.sample_tokens):
             full_model, full_optim = lib.consolidated_state(model, optimizer, named, mesh, args, cfg)
             if rt.is_main and should_save(args, step):

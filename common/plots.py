@@ -15,11 +15,11 @@ def plot_loss_curves(runs: dict, out_path, title: str = "loss", note: str = "") 
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, path in runs.items():
         rows = read_metrics(path)
-        line, = ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=f"{label} train", lw=1.2)
+        line, = ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=f"{label} train".strip(), lw=1.2)
         val = [r for r in rows if r.get("val_loss") is not None]
         if val:
             ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o--", color=line.get_color(),
-                    label=f"{label} validation", ms=4)
+                    label=f"{label} validation".strip(), ms=4)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats / byte)")
     ax.set_title(title)

@@ -30,17 +30,21 @@ def optim_state_by_name(optimizer: torch.optim.Optimizer, named_params, to_full=
     return out
 
 
-def consolidate_on_rank0(model, optimizer, named_params, is_writer: bool, to_full=lambda name, t: t):
+def consolidate_on_rank0(model, optimizer, named_params, is_writer: bool, to_full=lambda name, t: t,
+                         moments: dict | None = None):
     """The single-device state dict and AdamW state by reference name, gathered on global rank 0.
 
     Each rank turns what it holds into full tensors (`to_full`: identity for whole tensors, a TP
     all-gather for shards; every rank of a TP group must call it), then only the *writers* send
     (one copy of each tensor: data-parallel replicas hold the same numbers). A pipeline's stages hold
     different names, so rank 0 merges the writers' dicts. Returns (model, optim), None elsewhere.
+    `moments`: AdamW's state by name when `optimizer` does not hold it whole (ZeRO gathers it first).
     """
     weights = {name: to_full(name, t.detach()).cpu() for name, t in model.state_dict().items()}
-    moments = {n: {k: v.cpu() for k, v in s.items()}
-               for n, s in optim_state_by_name(optimizer, named_params, to_full).items()}
+    if moments is None:
+        moments = optim_state_by_name(optimizer, named_params)
+    moments = {n: {"step": s["step"].cpu(), "exp_avg": to_full(n, s["exp_avg"]).cpu(),
+                   "exp_avg_sq": to_full(n, s["exp_avg_sq"]).cpu()} for n, s in moments.items()}
     mine = (weights, moments) if is_writer else ({}, {})
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)

@@ -26,7 +26,9 @@ LAYOUTS_8 = [(2, 2, 2), (1, 2, 4), (2, 1, 4), (4, 2, 1), (8, 1, 1), (1, 1, 8)]
 LAYOUTS_4 = [((1, 2, 2), ("--schedule", "gpipe")), ((2, 2, 1), ("--sequence-parallel",)),
              ((1, 1, 4), ("--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4")),
              ((2, 1, 2), ("--schedule", "zb-h1", "--microbatches", "2")),
-             ((1, 4, 1), ("--sequence-parallel",))]
+             ((1, 4, 1), ("--sequence-parallel",)),
+             ((2, 2, 1), ("--zero-stage", "1")),
+             ((2, 1, 2), ("--zero-stage", "1", "--microbatches", "2"))]
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +64,22 @@ def test_four_rank_layouts_and_resume_in_another_layout(reference, tmp_path):
     jobs.append((MAIN, layout(2, 1, 2, "--checkpoint-dir", str(ckpt), "--resume")))
     jobs.append(("test_3d:point_latest_at", str(ckpt), "step_000005.pt"))
     jobs.append((MAIN, layout(1, 4, 1, "--checkpoint-dir", str(ckpt), "--resume")))
+    zero_ckpt = tmp_path / "zero"
+    jobs.append((MAIN, layout(2, 2, 1, "--zero-stage", "1", "--checkpoint-dir", str(zero_ckpt), "--checkpoint-every", "5")))
+    jobs.append(("test_3d:point_latest_at", str(zero_ckpt), "step_000005.pt"))
+    jobs.append((MAIN, layout(1, 2, 2, "--checkpoint-dir", str(zero_ckpt), "--resume")))
+    jobs.append(("test_3d:point_latest_at", str(zero_ckpt), "step_000005.pt"))
+    jobs.append((MAIN, layout(2, 1, 2, "--zero-stage", "1", "--checkpoint-dir", str(zero_ckpt), "--resume")))
     results = run_group(4, jobs)
     for ((dp, tp, pp), extra), res in zip(LAYOUTS_4, results):
         assert max_rel_diff(losses(ok(res)), ref_loss) <= 1e-5, (dp, tp, pp, extra)
     assert max_rel_diff(losses(ok(results[len(LAYOUTS_4)])), ref_loss) <= 1e-5
-    for resumed in (results[-3], results[-1]):
+    n = len(LAYOUTS_4)
+    # ZeRO-1 over dp 2 keeps half of the AdamW moments of the same (2,2,1) piece (up to padding)
+    plain, zero = ok(results[1])[-1]["optim_bytes"], ok(results[5])[-1]["optim_bytes"]
+    assert abs(zero - plain / 2) <= 0.01 * plain, (plain, zero)
+    assert max_rel_diff(losses(ok(results[n + 5])), ref_loss) <= 1e-5            # the ZeRO-1 save run
+    for resumed in (results[n + 2], results[n + 4], results[n + 7], results[n + 9]):
         history = ok(resumed)
         assert [r["step"] for r in history] == list(range(6, STEPS + 1))
         assert max_rel_diff(losses(history), ref_loss[5:]) <= 1e-5
