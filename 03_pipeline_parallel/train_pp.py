@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from common import checkpoint, comm
-from common.cli import base_parser, check_common
+from common.cli import base_parser, check_common, default_pipeline_microbatches
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import require, run_main
@@ -46,6 +46,7 @@ def parse_args(argv=None, schedule=None):
                    help="ours: pipeline_executor.py; torch: torch.distributed.pipelining, same stages")
     p.add_argument("--timeline", default=None, help="write every rank's events as a Chrome trace JSON here")
     p.add_argument("--print-schedule", action="store_true", help="draw the per-rank schedule as text and exit")
+    p.set_defaults(microbatches=None)   # default: 2 × pp (see default_pipeline_microbatches)
     args = p.parse_args(argv)
     world = env_world_size()
     args.pp = args.pp or (world if not args.print_schedule else 4)
@@ -54,6 +55,7 @@ def parse_args(argv=None, schedule=None):
             f"or launch with --nproc_per_node={args.pp}")
     require(args.virtual_stages >= 1, "--virtual-stages must be at least 1")
     dp = 1 if args.print_schedule else world // args.pp
+    default_pipeline_microbatches(args, dp, args.pp)
     check_common(args, dp=dp)
     # Pure checks, identical on every rank, before any communication: bad layouts fail here.
     args.plan = sched_lib.build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from rich.table import Table
 
 from common import checkpoint, comm
-from common.cli import base_parser, check_common
+from common.cli import base_parser, check_common, default_pipeline_microbatches
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import require, run_main
@@ -51,12 +51,11 @@ def parse_args(argv=None):
     p.add_argument("--val-every", type=int, default=25, help="validation loss every N steps (0: only at the end)")
     p.add_argument("--val-batches", type=int, default=2, help="global batches in one validation")
     p.add_argument("--sample-tokens", type=int, default=200, help="bytes of text to generate at the end (0: none)")
-    p.set_defaults(microbatches=None)   # here: 2 × pp, so the pipeline has work to overlap (same losses)
+    p.set_defaults(microbatches=None)   # default: 2 × pp (see default_pipeline_microbatches)
     args = p.parse_args(argv)
     world = env_world_size()
     args.dp, args.tp, args.pp = lib.default_degrees(world, args.dp, args.tp, args.pp)
-    if args.microbatches is None:
-        args.microbatches = 2 * args.pp if args.global_batch % (args.dp * 2 * args.pp) == 0 else 1
+    default_pipeline_microbatches(args, args.dp, args.pp)
     require(args.virtual_stages >= 1, "--virtual-stages must be at least 1")
     require(args.val_every >= 0 and args.val_batches >= 1, "--val-every must be ≥ 0 and --val-batches ≥ 1")
     check_common(args, dp=args.dp)

@@ -56,3 +56,12 @@ def check_common(args, dp: int = 1) -> None:
             f"{args.microbatches} micro-batch(es); use a multiple of {dp * args.microbatches}")
     require(args.checkpoint_every >= 0, "--checkpoint-every must be ≥ 0")
     require(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir")
+
+
+def default_pipeline_microbatches(args, dp: int, pp: int) -> None:
+    """Scripts with a pipeline leave --microbatches unset by default and take 2·pp micro-batches, so
+    the schedule has work to overlap (1 when the batch does not split so). The losses do not depend
+    on the micro-batch count: only the bubble and the activation memory do."""
+    if args.microbatches is None:
+        args.microbatches = 2 * pp if args.global_batch % (dp * 2 * pp) == 0 else 1
+
