@@ -21,7 +21,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# Every chapter's benchmark, one after another (about 30 minutes on 2 cores); each writes the
+# Every chapter's benchmark, one after another (about 15 minutes on 2 cores); each writes the
 # tables (and plots) under its chapter's results/ that the READMEs show.
 bench: $(STAMP)
 	$(PY) 01_data_parallel/bench_dp.py
