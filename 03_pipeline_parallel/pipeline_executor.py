@@ -18,7 +18,7 @@ The unit tests simulate the schedules under exactly these rules (no deadlock, de
 
 Zero-bubble split. B = torch.autograd.grad(output, stage input, retain_graph=True): only the
 input-gradient, which the previous rank is waiting for. W = torch.autograd.grad(output, weights):
-autograd walks the stage's graph a second time for it, so on CPU B + W costs about 1.5 plain
+autograd walks the stage's graph a second time for it, so on CPU B + W costs about 1.7 plain
 backwards. (Splitting each linear layer's backward by hand would avoid the repeat; correctness first.)
 """
 from importlib import import_module

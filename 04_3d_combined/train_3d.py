@@ -27,7 +27,7 @@ from common.mesh import Mesh
 from common.metrics import RunLog
 from common.model import PRESETS, count_parameters, loss_sum
 from common.optim import clip_by_global_norm, lr_at, set_lr
-from common.timeline import Timeline
+from common.timeline import Timeline, write_chrome_trace
 from common.training import StepTimer, global_sum, resume_state, run_identity, should_save
 
 dp_lib = import_module("01_data_parallel.data_parallel")          # chapter 01: the gradient all-reduce
@@ -35,6 +35,7 @@ optim_bytes = import_module("01_data_parallel.zero_sharding").optim_bytes   # ch
 tp_lib = import_module("02_tensor_parallel.tensor_parallel")        # chapter 02: TP layers and loss
 sched_lib = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: schedules
 exec_lib = import_module("03_pipeline_parallel.pipeline_executor")  # chapter 03: the executor
+pp_script = import_module("03_pipeline_parallel.train_pp")          # chapter 03: measured bubble per step
 lib = import_module("04_3d_combined.parallel_3d")                   # this chapter: the wiring
 
 
@@ -51,6 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--val-every", type=int, default=25, help="validation loss every N steps (0: only at the end)")
     p.add_argument("--val-batches", type=int, default=2, help="global batches in one validation")
     p.add_argument("--sample-tokens", type=int, default=200, help="bytes of text to generate at the end (0: none)")
+    p.add_argument("--timeline", default=None, help="write every rank's pipeline events as a Chrome trace JSON here")
     p.set_defaults(microbatches=None)   # default: 2 × pp (see default_pipeline_microbatches)
     args = p.parse_args(argv)
     world = env_world_size()
@@ -157,6 +159,7 @@ def main(argv=None) -> list[dict]:
         # the step's traffic, by group (counted before validation adds its forward-only sends)
         extra = {"comm_bytes": comm.COUNTER.total(), **{f"comm_bytes_{g}": comm.COUNTER.total(g) for g in ("dp", "tp", "pp")}}
         extra["optim_bytes"] = optim_bytes(optimizer.optimizer if args.zero_stage else optimizer)
+        extra.update(pp_script.step_stats(timeline, out["peak_activation_bytes"], pp_group, args.pp, rt.device))
         if (args.val_every and step % args.val_every == 0) or step == args.steps:
             extra["val_loss"] = validate(step)
             log.note(f"step {step}: validation loss {extra['val_loss']:.4f}")
@@ -165,6 +168,14 @@ def main(argv=None) -> list[dict]:
             full_model, full_optim = lib.consolidated_state(model, optimizer, named, mesh, args, cfg)
             if rt.is_main and should_save(args, step):
                 log.note(f"checkpoint saved: {checkpoint.save(args.checkpoint_dir, step, full_model, full_optim, run_identity(args))}")
+    if args.timeline:
+        events = timeline.gather()
+        if rt.is_main:
+            write_chrome_trace(args.timeline, events, {
+                "schedule": args.schedule, "dp": args.dp, "tp": args.tp, "pp": args.pp, "microbatches": m,
+                "virtual_stages": args.virtual_stages,
+                "theory_bubble": sched_lib.theory_bubble(args.schedule, args.pp, m, args.virtual_stages)})
+            log.note(f"timeline written: {args.timeline} (plot: python 03_pipeline_parallel/plot_timeline.py)")
     log.finish()
     if args.sample_tokens and rt.is_main and log.history and not args.quiet:
         prompt = "The "

@@ -70,7 +70,16 @@ def test_four_rank_layouts_and_resume_in_another_layout(reference, tmp_path):
     jobs.append((MAIN, layout(1, 2, 2, "--checkpoint-dir", str(zero_ckpt), "--resume")))
     jobs.append(("test_3d:point_latest_at", str(zero_ckpt), "step_000005.pt"))
     jobs.append((MAIN, layout(2, 1, 2, "--zero-stage", "1", "--checkpoint-dir", str(zero_ckpt), "--resume")))
+    trace = tmp_path / "trace.json"
+    jobs.append((MAIN, layout(1, 2, 2, "--timeline", str(trace))))
     results = run_group(4, jobs)
+    timed = ok(results[-1])
+    assert max_rel_diff(losses(timed), ref_loss) <= 1e-5
+    assert all(0 <= r["bubble_fraction"] < 1 for r in timed)
+    from common.timeline import load_trace
+    events, meta = load_trace(trace)
+    assert {e["rank"] for e in events} == {0, 1, 2, 3} and meta["pp"] == 2
+    results = results[:-1]
     for ((dp, tp, pp), extra), res in zip(LAYOUTS_4, results):
         assert max_rel_diff(losses(ok(res)), ref_loss) <= 1e-5, (dp, tp, pp, extra)
     assert max_rel_diff(losses(ok(results[len(LAYOUTS_4)])), ref_loss) <= 1e-5
