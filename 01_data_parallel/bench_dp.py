@@ -74,7 +74,7 @@ def report(results: dict, args) -> str:
         f"({M / 2**20:.2f} MiB of gradients), global batch {args.global_batch} × {args.seq_len} tokens, "
         f"--bucket-mb {args.bucket_mb}; median step time over {args.rounds} interleaved rounds × "
         f"{args.steps - SKIP} timed steps.", "",
-        f"Command: `python 01_data_parallel/bench_dp.py`" + (" " + " ".join(args.argv) if args.argv else ""), "",
+        "Command: `python 01_data_parallel/bench_dp.py`" + (" " + " ".join(args.argv) if args.argv else ""), "",
         "## Throughput (tokens/s, whole job)", "",
         "| ranks | naive | bucketed | torch DDP | naive / DDP | bucketed / DDP |",
         "|---:|---:|---:|---:|---:|---:|"]

@@ -131,3 +131,18 @@ def counted_allreduce_hook(group, bucket):
         fut.set_result(bucket.buffer())
         return fut
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def wrap_model(model: nn.Module, impl: str, group, bucket_mb: float) -> nn.Module:
+    """The model as `--impl` trains it: naive (the model itself, replicas synced by a broadcast),
+    bucketed (ours, overlapped), or torch (DistributedDataParallel with our byte-counting hook)."""
+    if impl == "bucketed":
+        return BucketedDataParallel(model, group, bucket_mb)
+    if impl == "torch":
+        from torch.nn.parallel import DistributedDataParallel
+        ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb)
+        ddp.register_comm_hook(group, counted_allreduce_hook)
+        return ddp
+    broadcast_parameters(model, group)
+    return model
+

@@ -14,7 +14,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common` and the chapters
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from common import checkpoint, comm
 from common.cli import base_parser, check_common
@@ -63,14 +62,7 @@ def main(argv=None) -> list[dict]:
         model.load_state_dict(resume["model"], strict=True)
         load_optim_state_by_name(optimizer, named, resume["optim"])
         start = resume["step"]
-    if args.impl == "bucketed":
-        wrapped = dp_lib.BucketedDataParallel(model, dp_group, args.bucket_mb)
-    elif args.impl == "torch":
-        wrapped = DistributedDataParallel(model, process_group=dp_group, bucket_cap_mb=args.bucket_mb)
-        wrapped.register_comm_hook(dp_group, dp_lib.counted_allreduce_hook)
-    else:
-        dp_lib.broadcast_parameters(model, dp_group)
-        wrapped = model
+    wrapped = dp_lib.wrap_model(model, args.impl, dp_group, args.bucket_mb)   # naive | bucketed | DDP
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
     M = sum(p.numel() * p.element_size() for p in model.parameters())

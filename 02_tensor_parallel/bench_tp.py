@@ -31,7 +31,6 @@ MACHINE = f"{os.cpu_count()}-core CPU, gloo backend, fp32, one process per rank"
 
 def probe(sp: bool, out: str):
     """Under torchrun: one forward + backward of the tiny model with every tp collective logged."""
-    import torch
     import torch.distributed as dist
     from common import comm
     from common.data import TextData

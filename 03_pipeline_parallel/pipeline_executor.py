@@ -218,3 +218,33 @@ class PipelineExecutor:
         assert not self.state and not self.posted, "schedule left work unfinished"
         return {"loss": self.loss, "peak_activation_bytes": self.peak}
 
+
+@torch.no_grad()
+def forward_only_loss_sum(model, my_specs, pp_rank: int, pp_ranks: list[int], group, inputs: list,
+                          targets: list, loss_fn, act_shape, device):
+    """Forward only, through the whole pipeline (validation): the summed loss of the micro-batches
+    on the last stage, 0 elsewhere. No backward, so no schedule is needed: every rank runs its
+    stages in order, micro-batch after micro-batch (GPipe's forward half). Receives block, sends do
+    not, and both ends of every channel see the messages in the same order, so this cannot deadlock."""
+    p = len(pp_ranks)
+    total = torch.zeros((), device=device)
+    local, sends = {}, []
+    for stage in my_specs:                                  # increasing stage index
+        for mb, (x, y) in enumerate(zip(inputs, targets)):
+            if stage.first:
+                inp = x                                     # (mb, S) tokens
+            elif (stage.index - 1) % p == pp_rank:
+                inp = local.pop((mb, stage.index))          # the previous stage lives on this rank too
+            else:
+                inp = torch.empty(act_shape, device=device)  # (mb, S, D), or (mb, S/tp, D) with SP
+                comm.recv(inp, src=pp_ranks[(stage.index - 1) % p], group=group, name="pp").wait()
+            out = stages_lib.stage_forward(model, stage, inp)
+            if stage.last:
+                total += loss_fn(out, y)
+            elif (stage.index + 1) % p == pp_rank:
+                local[(mb, stage.index + 1)] = out
+            else:
+                sends.append((out, comm.send(out, dst=pp_ranks[(stage.index + 1) % p], group=group, name="pp")))
+    for _, work in sends:
+        work.wait()
+    return total

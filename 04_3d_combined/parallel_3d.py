@@ -17,7 +17,6 @@ per step (the gradient all-reduce) and can overlap it: it goes across nodes.
 """
 from importlib import import_module
 
-import torch
 
 from common.errors import require
 from common.model import build_model
@@ -126,34 +125,3 @@ def act_shape(args, cfg, mb_rows: int) -> tuple[int, int, int]:
     """The shape of one pipeline message: a micro-batch's hidden states, sequence-sharded under SP."""
     seq = args.seq_len // args.tp if args.sequence_parallel else args.seq_len
     return (mb_rows, seq, cfg.dim)                                        # (mb, S or S/tp, D)
-
-
-@torch.no_grad()
-def validation_loss_sum(model, args, mesh, my_specs, mb_inputs, mb_targets, loss_fn, shape, device):
-    """Forward only, through the whole pipeline, for the validation batches: the summed loss on the
-    last stage (0 elsewhere). No backward, so no schedule is needed: every rank runs its stages in
-    order, micro-batch after micro-batch (GPipe's forward half). Receives block, sends do not, and
-    both ends of every channel see the messages in the same order, so this cannot deadlock."""
-    from common import comm
-    pp, pp_ranks, group = args.pp, mesh.group_ranks["pp"], mesh.group("pp")
-    total = torch.zeros((), device=device)
-    local, sends = {}, []
-    for stage in my_specs:                                  # increasing stage index
-        for mb, (x, y) in enumerate(zip(mb_inputs, mb_targets)):
-            if stage.first:
-                inp = x                                     # (mb, S) tokens
-            elif (stage.index - 1) % pp == mesh.coord("pp"):
-                inp = local.pop((mb, stage.index))          # previous stage lives on this rank too
-            else:
-                inp = torch.empty(shape, device=device)     # (mb, S or S/tp, D)
-                comm.recv(inp, src=pp_ranks[(stage.index - 1) % pp], group=group, name="pp").wait()
-            out = stages_lib.stage_forward(model, stage, inp)
-            if stage.last:
-                total += loss_fn(out, y)
-            elif (stage.index + 1) % pp == mesh.coord("pp"):
-                local[(mb, stage.index + 1)] = out
-            else:
-                sends.append((out, comm.send(out, dst=pp_ranks[(stage.index + 1) % pp], group=group, name="pp")))
-    for _, work in sends:
-        work.wait()
-    return total

@@ -118,8 +118,9 @@ def main(argv=None) -> list[dict]:
         for i in range(args.val_batches):
             x, y = data.global_batch(step * 1000 + i, args.global_batch, split="valid")
             x, y = shard_rows(x, dp_rank, args.dp).to(rt.device), shard_rows(y, dp_rank, args.dp).to(rt.device)
-            total += lib.validation_loss_sum(model, args, mesh, my_specs, [shard_rows(x, k, m) for k in range(m)],
-                                             [shard_rows(y, k, m) for k in range(m)], loss_fn, shape, rt.device)
+            total += exec_lib.forward_only_loss_sum(model, my_specs, pp_rank, mesh.group_ranks["pp"], pp_group,
+                                                    [shard_rows(x, k, m) for k in range(m)],
+                                                    [shard_rows(y, k, m) for k in range(m)], loss_fn, shape, rt.device)
         mine = total if tp_rank == 0 else torch.zeros_like(total)      # TP ranks hold the same value
         return global_sum(mine, dist.group.WORLD) / (tokens_per_step * args.val_batches)
 

@@ -39,19 +39,12 @@ def gradients_after_one_step(argv: list, reference_path: str | None = None):
     from common.data import TextData, shard_rows
     from common.distributed import init_distributed, shutdown
     from common.model import PRESETS, build_model, loss_sum
-    from torch.nn.parallel import DistributedDataParallel
 
     args = train_dp.parse_args(argv)
     rt = init_distributed("cpu")
     group, rank, world = torch.distributed.group.WORLD, rt.rank, rt.world_size
     model = build_model(PRESETS[args.model], args.seed)
-    if args.impl == "bucketed":
-        wrapped = dp_lib.BucketedDataParallel(model, group, args.bucket_mb)
-    elif args.impl == "torch":
-        wrapped = DistributedDataParallel(model, process_group=group, bucket_cap_mb=args.bucket_mb)
-        wrapped.register_comm_hook(group, dp_lib.counted_allreduce_hook)
-    else:
-        wrapped = model
+    wrapped = dp_lib.wrap_model(model, args.impl, group, args.bucket_mb)
     x, y = TextData(args.data, args.seq_len, args.seed).global_batch(1, args.global_batch)
     x, y = shard_rows(x, rank, world), shard_rows(y, rank, world)
     for mb in range(args.microbatches):

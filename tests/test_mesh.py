@@ -4,7 +4,7 @@ One spawned group per world size checks every shape (dp, pp, tp) in it.
 """
 import pytest
 
-from harness import ok, run_group
+from harness import run_group
 
 DIMS = ("dp", "pp", "tp")
 SHAPES = {4: [(2, 1, 2), (1, 2, 2), (4, 1, 1)],

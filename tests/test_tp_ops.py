@@ -205,7 +205,7 @@ def check_partial_stage(sp: bool):
     """A middle pipeline stage: no embedding, no head, only blocks 2 and 5 (named as in the full model)."""
     _, _, tp_lib = _libs()
     from common.model import build_model
-    group, N, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    group, N = dist.group.WORLD, dist.get_world_size()
     cfg = PRESETS["tiny"]
     dense, stage = build_model(cfg, 3), build_model(cfg, 3)
     stage.tok_emb = stage.norm = stage.lm_head = None
