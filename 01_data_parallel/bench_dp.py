@@ -13,7 +13,6 @@ pay for warm-up, are skipped). Every rank gets one CPU thread: a rank stands for
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from importlib import import_module
 from pathlib import Path
@@ -55,11 +54,11 @@ def worker(args):
 
 def launch(world: int, args) -> dict:
     out = RESULTS / f".dp_bench_w{world}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", __file__,
-           "--worker", "--out", str(out), "--steps", str(args.steps), "--rounds", str(args.rounds),
-           "--bucket-mb", str(args.bucket_mb), "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len)]
+    from common.launch import launch
     print(f"world {world}: {args.rounds} rounds × {len(IMPLS)} implementations × {args.steps} steps", flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True, stderr=subprocess.DEVNULL)
+    launch(__file__, world, ["--worker", "--out", out, "--steps", args.steps, "--rounds", args.rounds,
+                             "--bucket-mb", args.bucket_mb, "--global-batch", args.global_batch,
+                             "--seq-len", args.seq_len], echo=False)
     result = json.loads(out.read_text())
     out.unlink()
     return result
@@ -120,4 +119,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from common.errors import run_main
+    run_main(main)       # its workers, too, leave the way the training scripts do

@@ -13,15 +13,15 @@ worker mode, which runs every configuration inside one process group, one after 
 """
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from importlib import import_module
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from common.launch import launch  # noqa: E402
+
 RESULTS = Path(__file__).parent / "results"
 MACHINE = "2-core CPU, gloo, fp32"
 ALPHA = 2
@@ -164,6 +164,8 @@ def main():
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.steps < 3:
+        p.error("--steps must be at least 3: the first 2 steps of every run are warm-up and not timed")
     if args.worker:
         return worker(args)
     RESULTS.mkdir(exist_ok=True)
@@ -175,12 +177,8 @@ def main():
         vars(args).update(saved["settings"])
     for N in ([] if args.render else (int(n) for n in args.worlds.split(","))):
         out = RESULTS / f".zero_bench_{N}.json"
-        cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={N}", __file__, "--worker",
-               "--out", str(out), "--model", args.model, "--seq-len", str(args.seq_len),
-               "--global-batch", str(args.global_batch), "--steps", str(args.steps),
-               "--repeats", str(args.repeats)]
-        print(f"N={N}: {' '.join(cmd[1:])}", flush=True)
-        subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        launch(__file__, N, ["--worker", "--out", out, "--model", args.model, "--seq-len", args.seq_len,
+                             "--global-batch", args.global_batch, "--steps", args.steps, "--repeats", args.repeats])
         runs[N] = json.loads(out.read_text())
         out.unlink()
     if not args.render:                                # the measurements behind the tables
@@ -196,4 +194,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from common.errors import run_main
+    run_main(main)       # its workers, too, leave the way the training scripts do

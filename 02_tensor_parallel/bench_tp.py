@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections import Counter
@@ -70,9 +69,8 @@ def probe(sp: bool, out: str):
 
 
 def torchrun(n, args, env_extra=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--standalone"] + args
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    from common.launch import launch
+    launch(args[0], n, args[1:], echo=False, quiet=True, env=env_extra)
 
 
 def comm_tables(tmp):
@@ -165,4 +163,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from common.errors import run_main
+    run_main(main)       # its workers, too, leave the way the training scripts do

@@ -13,15 +13,14 @@ joins the running process group), so start-up is paid once.
 """
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from importlib import import_module
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.launch import launch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results"
@@ -149,12 +148,11 @@ def main():
     tmp = Path(tempfile.mkdtemp(prefix="bench_pp_"))
     results = {}
     for p in (2, 4):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={p}", str(Path(__file__)),
-               "--worker", str(p), "--tmp", str(tmp)] + (["--quick"] if args.quick else [])
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        launch(__file__, p, ["--worker", p, "--tmp", tmp] + (["--quick"] if args.quick else []))
         results[p] = json.loads((tmp / f"p{p}.json").read_text())
     report(results, tmp, args.quick)
 
 
 if __name__ == "__main__":
-    main()
+    from common.errors import run_main
+    run_main(main)       # its workers, too, leave the way the training scripts do

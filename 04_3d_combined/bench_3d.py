@@ -13,23 +13,23 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+from common.launch import launch  # noqa: E402
+
 LAYOUTS = [(8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 4, 1), (2, 2, 2), (2, 1, 4), (1, 8, 1), (1, 4, 2), (1, 2, 4), (1, 1, 8)]
 
 
 def run(dp, tp, pp, steps, extra, out: Path) -> list[dict]:
     world = dp * tp * pp
-    cmd = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}"] if world > 1 else [sys.executable])
-    cmd += [str(HERE / "train_3d.py"), "--dp", str(dp), "--tp", str(tp), "--pp", str(pp), "--steps", str(steps),
-            "--quiet", "--sample-tokens", "0", "--val-every", "0", "--metrics", str(out)] + extra
-    subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launch(HERE / "train_3d.py", world, ["--dp", dp, "--tp", tp, "--pp", pp, "--steps", steps, "--quiet",
+                                         "--sample-tokens", "0", "--val-every", "0", "--metrics", out, *extra],
+           echo=False, quiet=True)
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 

@@ -15,7 +15,6 @@
 # %%
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 ROOT = Path.cwd() if (Path.cwd() / "common").is_dir() else Path.cwd().parent
 sys.path.insert(0, str(ROOT))
 from common.data import TextData, shard_rows  # noqa: E402
+from common.launch import launch  # noqa: E402
 from common.model import PRESETS, build_model, loss_sum  # noqa: E402
 
 QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
@@ -72,12 +72,8 @@ print(f"max |sum of halves - whole batch| = {(summed - whole).abs().max():.2e} "
 # %%
 def train(nproc: int, impl: str) -> list[dict]:
     metrics = out_dir / f"dp_{impl}_{nproc}.jsonl"
-    script = ["01_data_parallel/train_dp.py"]
-    launcher = ([sys.executable] if nproc == 1 else
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"])
-    cmd = launcher + script + ["--steps", str(STEPS), "--impl", impl, "--quiet", "--metrics", str(metrics), *SHAPE]
-    print("$", " ".join(cmd[1:] if nproc == 1 else ["torchrun"] + cmd[3:]))
-    subprocess.run(cmd, cwd=ROOT, check=True, stderr=subprocess.DEVNULL)
+    launch("01_data_parallel/train_dp.py", nproc,
+           ["--steps", STEPS, "--impl", impl, "--quiet", "--metrics", metrics, *SHAPE])
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 runs = {"1 rank": train(1, "bucketed"), "2 ranks, bucketed": train(2, "bucketed")}

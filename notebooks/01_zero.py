@@ -11,7 +11,6 @@
 # %%
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,9 +21,11 @@ if os.environ.get("NOTEBOOK_QUICK"):
 import matplotlib.pyplot as plt
 
 ROOT = Path.cwd() if (Path.cwd() / "common").is_dir() else Path.cwd().parent
+sys.path.insert(0, str(ROOT))
+from common.launch import launch  # noqa: E402
+
 QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
 N, STEPS = (2, 2) if QUICK else (4, 5)
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 out_dir = Path(tempfile.mkdtemp())
 
 # %% [markdown]
@@ -34,10 +35,8 @@ out_dir = Path(tempfile.mkdtemp())
 rows = {}
 for stage in (1, 2, 3):
     metrics = out_dir / f"zero{stage}.jsonl"
-    subprocess.run([TORCHRUN, f"--nproc_per_node={N}", "01_data_parallel/train_zero.py", "--zero-stage",
-                    str(stage), "--steps", str(STEPS), "--seq-len", "64", "--quiet", "--metrics", str(metrics)],
-                   cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                   stderr=subprocess.DEVNULL)
+    launch("01_data_parallel/train_zero.py", N,
+           ["--zero-stage", stage, "--steps", STEPS, "--seq-len", "64", "--quiet", "--metrics", metrics])
     rows[stage] = [json.loads(line) for line in metrics.read_text().splitlines()][-1]
     print(f"stage {stage}: loss {rows[stage]['loss']:.4f}",
           {k: rows[stage][k] for k in ("param_bytes", "grad_bytes", "optim_bytes", "comm_bytes_sent")})

@@ -11,7 +11,6 @@
 # %%
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +24,6 @@ ROOT = Path.cwd() if (Path.cwd() / "common").is_dir() else Path.cwd().parent
 sys.path.insert(0, str(ROOT))
 QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
 N, STEPS = (2, 3) if QUICK else (4, 20)
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 out_dir = Path(tempfile.mkdtemp())
 
 # %% [markdown]
@@ -37,6 +35,7 @@ out_dir = Path(tempfile.mkdtemp())
 # %%
 from importlib import import_module
 
+from common.launch import launch
 from common.model import PRESETS
 
 tp_lib = import_module("02_tensor_parallel.tensor_parallel")
@@ -63,10 +62,8 @@ runs = {"1 rank": (1, []), f"TP={N}": (N, []), f"TP={N} + SP": (N, ["--sequence-
 history = {}
 for label, (n, flags) in runs.items():
     metrics = out_dir / f"{label.replace(' ', '_').replace('=', '').replace('+', '')}.jsonl"
-    subprocess.run([TORCHRUN, "--standalone", f"--nproc_per_node={n}", "02_tensor_parallel/train_tp.py",
-                    "--steps", str(STEPS), "--seq-len", "64", "--global-batch", "8", "--quiet",
-                    "--metrics", str(metrics)] + flags,
-                   cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
+    launch("02_tensor_parallel/train_tp.py", n,
+           ["--steps", STEPS, "--seq-len", "64", "--global-batch", "8", "--quiet", "--metrics", metrics, *flags])
     history[label] = [json.loads(line) for line in metrics.read_text().splitlines()]
 ref = [r["loss"] for r in history["1 rank"]]
 for label, rows in history.items():

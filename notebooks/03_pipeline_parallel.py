@@ -11,7 +11,6 @@
 # %%
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from importlib import import_module
@@ -28,6 +27,7 @@ QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
 P, STEPS = (2, 3) if QUICK else (4, 10)
 stages = import_module("03_pipeline_parallel.pipeline_stages")
 sched = import_module("03_pipeline_parallel.pipeline_schedules")
+from common.launch import launch  # noqa: E402
 from common.model import PRESETS  # noqa: E402
 out_dir = Path(tempfile.mkdtemp())
 
@@ -54,9 +54,8 @@ print(sched.format_schedule(sched.build_schedule("1f1b", P, 2 * P), P))
 # %%
 def run(nproc, *flags):
     metrics = out_dir / f"m{abs(hash((nproc,) + flags))}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "03_pipeline_parallel/train_pp.py",
-           "--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet", "--metrics", str(metrics), *flags]
-    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
+    launch("03_pipeline_parallel/train_pp.py", nproc,
+           ["--steps", STEPS, "--seq-len", "32", "--global-batch", "8", "--quiet", "--metrics", metrics, *flags])
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 reference = run(1)

@@ -12,7 +12,6 @@
 # %%
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +24,8 @@ import torch
 
 ROOT = Path.cwd() if (Path.cwd() / "common").is_dir() else Path.cwd().parent
 sys.path.insert(0, str(ROOT))
+from common.launch import launch  # noqa: E402
+
 QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
 STEPS = 3 if QUICK else 30
 out_dir = Path(tempfile.mkdtemp())
@@ -47,10 +48,9 @@ print("dp groups:", [grid[:, p, t].tolist() for p in range(2) for t in range(2)]
 # %%
 def run(nproc, *flags):
     metrics = out_dir / f"m{nproc}_{'_'.join(flags)}.jsonl"
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
-    cmd = launcher + ["04_3d_combined/train_3d.py", "--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8",
-                      "--val-every", "2", "--sample-tokens", "0", "--quiet", "--metrics", str(metrics), *flags]
-    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
+    launch("04_3d_combined/train_3d.py", nproc,
+           ["--steps", STEPS, "--seq-len", "32", "--global-batch", "8", "--val-every", "2", "--sample-tokens", "0",
+            "--quiet", "--metrics", metrics, *flags])
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 

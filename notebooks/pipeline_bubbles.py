@@ -10,7 +10,6 @@
 
 # %%
 import os
-import subprocess
 import sys
 import tempfile
 from importlib import import_module
@@ -27,6 +26,7 @@ QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
 P, STEPS = (2, 2) if QUICK else (4, 3)
 sched = import_module("03_pipeline_parallel.pipeline_schedules")
 plot = import_module("03_pipeline_parallel.plot_timeline")
+from common.launch import launch  # noqa: E402
 from common.timeline import load_trace  # noqa: E402
 out_dir = Path(tempfile.mkdtemp())
 
@@ -61,11 +61,9 @@ plt.figure(figsize=(12, 8)); plt.imshow(plt.imread(png)); plt.axis("off"); plt.s
 traces = []
 for name, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]:
     trace = out_dir / f"{name}.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={P}",
-                    "03_pipeline_parallel/train_pp.py", "--schedule", name, "--virtual-stages", str(v),
-                    "--microbatches", "4", "--global-batch", "8", "--seq-len", "64", "--steps", str(STEPS),
-                    "--quiet", "--timeline", str(trace)],
-                   cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
+    launch("03_pipeline_parallel/train_pp.py", P,
+           ["--schedule", name, "--virtual-stages", v, "--microbatches", "4", "--global-batch", "8",
+            "--seq-len", "64", "--steps", STEPS, "--quiet", "--timeline", trace])
     events, meta = load_trace(trace)
     traces.append((plot.step_of(events, None), meta))
 png = plot.plot(traces, out_dir / "real.png", "ms", f"p = {P}, real runs")

@@ -56,7 +56,11 @@ def _worker(rank, world, port, jobs, queue, timeout_s):
             out.append(("error", traceback.format_exc()))
             break       # after an unexpected error the group may be out of step: stop here
     queue.put((rank, out))
+    queue.close()
+    queue.join_thread()                 # the results are in the pipe
     dist.destroy_process_group()
+    from common.errors import exit_now
+    exit_now(0)                         # no interpreter teardown: see common/errors.py for the race it avoids
 
 
 def run_group(world: int, jobs: list, timeout_s: float = 240.0) -> list[list]:

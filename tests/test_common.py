@@ -212,6 +212,24 @@ def test_run_main_prints_one_line_and_exits_2():
     assert proc.stderr.strip() == "error: the batch does not split; use 8"
 
 
+def test_run_main_on_success_flushes_and_exits_0_without_teardown():
+    code = ("import sys, atexit; sys.path.insert(0, %r)\n"
+            "from common.errors import run_main\n"
+            "atexit.register(lambda: print('teardown ran'))\n"       # skipped: the process leaves at once
+            "run_main(lambda: print('trained', end=''))\n") % str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (0, "trained")
+
+
+def test_launch_builds_the_command_and_shows_a_failed_runs_error(capsys):
+    from common.launch import LaunchError, command, launch, shown
+    assert shown(command("x/train.py", 4, ["--steps", 3])) == "torchrun --standalone --nproc_per_node=4 x/train.py --steps 3"
+    assert shown(command("x/train.py", 1, [])) == "python x/train.py"
+    with pytest.raises(LaunchError, match="exit code 2"):
+        launch("01_data_parallel/train_dp.py", 1, ["--model", "nosuch"], quiet=True)
+    assert "error: unknown --model 'nosuch'" in capsys.readouterr().err
+
+
 def test_comm_counter():
     c = CommCounter()
     c.add("dp", 100, 60)
