@@ -8,7 +8,7 @@ Each world size is ONE torchrun launch whose ranks run every configuration in tu
 joins the running process group), so start-up is paid once.
   - bubble: 1F1B with a FIXED micro-batch (1 sequence × 128 tokens), so that m micro-batches are m
     units of work, as the theory assumes; global batch = m. Measured on steps 2.. of each run.
-  - memory: peak bytes autograd kept for backward per stage, GPipe vs 1F1B, m = 8.
+  - memory: peak bytes autograd kept for backward per stage, GPipe vs 1F1B vs ZB-H1, m = 8.
   - throughput: each schedule, ours and torch's, m = 8, global batch 16 × 128 tokens, alternated.
 """
 import argparse
@@ -25,6 +25,7 @@ from common.launch import launch  # noqa: E402
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results"
 SCHEDS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+MEMORY_SCHEDS = ("gpipe", "1f1b", "zb-h1")
 
 
 def configs(p: int, quick: bool, tmp: Path) -> list[tuple[str, list[str]]]:
@@ -33,7 +34,7 @@ def configs(p: int, quick: bool, tmp: Path) -> list[tuple[str, list[str]]]:
     for m in ([1, 2, 4, 8] if quick else [1, 2, 4, 8, 16]):                       # bubble sweep
         out.append((f"bubble 1f1b m={m}", common + ["--schedule", "1f1b", "--microbatches", str(m),
                                                      "--global-batch", str(m), "--steps", "4"]))
-    for name in ("gpipe", "1f1b"):                                                 # memory
+    for name in MEMORY_SCHEDS:                                                     # memory
         out.append((f"memory {name}", common + ["--schedule", name, "--microbatches", "8", "--global-batch", "8",
                                                 "--steps", "2"]))
     steps = "4" if quick else "6"
@@ -104,10 +105,11 @@ def report(all_results: dict, tmp: Path, quick: bool) -> None:
     plt.close(fig)
     lines += ["", "![bubble](bubble.png)", ""]
     # --- memory -----------------------------------------------------------------------------------
-    lines += ["## Peak activation memory per stage, m = 8 (bytes autograd saved for backward)", "",
+    lines += ["## Peak activation memory per stage, m = 8 (bytes autograd saved for backward; for ZB-H1 also "
+              "the (x, dy) pairs its B actions leave for W)", "",
               "| p | schedule | " + " | ".join(f"stage {i}" for i in range(4)) + " |", "|---|---|---|---|---|---|"]
     for p, res in sorted(all_results.items()):
-        for name in ("gpipe", "1f1b"):
+        for name in MEMORY_SCHEDS:
             peaks = res[f"memory {name}"][-1]["peak_activation_bytes"]
             cells = [format_bytes(b) for b in peaks] + [""] * (4 - len(peaks))
             lines.append(f"| {p} | {name} | " + " | ".join(cells) + " |")
@@ -121,6 +123,22 @@ def report(all_results: dict, tmp: Path, quick: bool) -> None:
             a, b = median(ours, "tokens_per_s"), median(theirs, "tokens_per_s")
             lines.append(f"| {p} | {name}{' v=2' if v > 1 else ''} | {a:,.0f} | {b:,.0f} | {a / b:.2f} | "
                          f"{median(ours, 'bubble_fraction'):.3f} | {sched.theory_bubble(name, p, 8, v):.3f} |")
+    # --- action durations -------------------------------------------------------------------------
+    lines += ["", "## How long one action takes (median over the F, B, W boxes of ranks 1.. in steps 2.., "
+              "m = 8 micro-batches of 2 × 128 tokens)", "",
+              "A plain backward is 1F1B's B; ZB-H1 splits it into B (input gradients) and W (weight gradients). "
+              "Rank 0 is left out: in ZB-H1 its B is empty and its W is the whole backward (nobody waits for "
+              "the gradient of the tokens).", "",
+              "| p | schedule | F ms | B ms | W ms | B + W ms |", "|---|---|---|---|---|---|"]
+    for p in sorted(all_results):
+        for name, _ in SCHEDS:
+            events, _ = load_trace(tmp / f"p{p}_{name}.json")
+            ms = {k: [1e3 * (e["end"] - e["start"]) for e in events
+                      if e["kind"] == k and e["step"] > 1 and e["rank"] > 0] for k in ("F", "B", "W")}
+            med = {k: statistics.median(v) if v else None for k, v in ms.items()}
+            cell = lambda x: "" if x is None else f"{x:.1f}"                      # noqa: E731
+            both = med["B"] + med["W"] if med["W"] is not None else None
+            lines.append(f"| {p} | {name} | {cell(med['F'])} | {cell(med['B'])} | {cell(med['W'])} | {cell(both)} |")
     # --- timelines --------------------------------------------------------------------------------
     lines += ["", "## Timelines (real runs, last step, m = 8)", ""]
     for p in sorted(all_results):

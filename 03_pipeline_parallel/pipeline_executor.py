@@ -16,10 +16,12 @@ posts `irecv` before it needs the data. Two rules keep gloo (and any backend) fr
      next action's message is posted one action ahead so the transfer overlaps the compute.
 The unit tests simulate the schedules under exactly these rules (no deadlock, dependencies hold).
 
-Zero-bubble split. B = torch.autograd.grad(output, stage input, retain_graph=True): only the
-input-gradient, which the previous rank is waiting for. W = torch.autograd.grad(output, weights):
-autograd walks the stage's graph a second time for it, so on CPU B + W costs about 1.7 plain
-backwards. (Splitting each linear layer's backward by hand would avoid the repeat; correctness first.)
+Zero-bubble split (zero_bubble.py). The first time a schedule with W actions runs, every nn.Linear
+of this rank's stages becomes a SplitLinear (same Parameter). B is then one backward pass that
+computes the stage input's gradient, which the previous rank is waiting for, and the gradients of
+the few parameters outside linear layers, while each linear layer leaves (x, dy) behind; W computes
+those layers' dW = dyᵀ x. Stage 0 has nobody waiting for an input gradient: its B does nothing and
+its W is the whole backward.
 """
 from importlib import import_module
 
@@ -29,6 +31,7 @@ import torch.nn as nn
 from common import comm
 
 stages_lib = import_module("03_pipeline_parallel.pipeline_stages")
+zb = import_module("03_pipeline_parallel.zero_bubble")
 
 Key = tuple   # ("act" | "grad", micro-batch, destination stage)
 
@@ -87,6 +90,13 @@ class PipelineExecutor:
         self.loss_fn, self.loss_scale, self.autocast_dtype, self.timeline = loss_fn, loss_scale, autocast_dtype, timeline
         self.stage_params = {s.index: stage_parameters(model, s) for s in specs if s.index % self.p == pp_rank}
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.store, self.b_params = None, None    # set up by the first schedule with W actions
+
+    def _split_weight_grads(self) -> None:
+        """Zero bubble: linear layers postpone dW to W; B computes the other parameters' gradients."""
+        self.store = zb.WeightGradStore()
+        deferred = zb.split_linears(self.model, self.store)
+        self.b_params = {s: [p for p in params if id(p) not in deferred] for s, params in self.stage_params.items()}
 
     # --- messages --------------------------------------------------------------------------------
     def _post_until(self, key: Key, src: int) -> None:
@@ -171,19 +181,34 @@ class PipelineExecutor:
             grad_in = None if stage.first else st["inp"].grad
         elif stage.first:                               # nobody waits for d loss / d tokens: all in W
             return
-        else:                                           # B of zero-bubble: input gradient only
-            (grad_in,) = torch.autograd.grad(st["out"], st["inp"], grad_out, retain_graph=True)
+        else:                                           # B of zero bubble: dW of linear layers waits
+            with self.store.deferring() as pending:
+                torch.autograd.backward(st["out"], grad_out, inputs=[st["inp"]] + self.b_params[a.stage])
+            grad_in = st["inp"].grad                    # (mb, S, D)
+            # The graph is freed; what stays until W is each linear layer's (x, dy).
+            st["pending"], kept = pending, self._bytes(t for _, x, dy in pending for t in (x, dy))
+            self.live += kept - st["bytes"]
+            st["bytes"] = kept
         if not stage.first:
             self._send(("grad", a.mb, a.stage - 1), (a.stage - 1) % self.p, grad_in)   # (mb, S, D)
 
     def _weights(self, a):
         st = self.state[(a.mb, a.stage)]
-        params = self.stage_params[a.stage]
-        grads = torch.autograd.grad(st["out"], params, st["grad_out"], allow_unused=True)
-        for p, g in zip(params, grads):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad.add_(g)
+        if "pending" in st:                             # the dW = dyᵀ x that B left
+            zb.apply_weight_grads(st["pending"])
+        else:                                           # stage 0: B did nothing, W is the whole backward
+            torch.autograd.backward(st["out"], st["grad_out"])
         self._release(a)
+
+    def _bytes(self, tensors) -> int:
+        """Bytes of distinct storages among `tensors`, parameters left out."""
+        seen, total = set(self.param_ptrs), 0
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                total += t.untyped_storage().nbytes()
+        return total
 
     def _release(self, a):
         st = self.state.pop((a.mb, a.stage))
@@ -197,6 +222,8 @@ class PipelineExecutor:
         elsewhere), "peak_activation_bytes": the most activation bytes alive at once}."""
         actions = schedule[self.me]
         split = any(a.kind == "W" for a in actions)
+        if split and self.store is None:
+            self._split_weight_grads()
         self.order = incoming_order(schedule, self.me, self.n)
         self.posted, self.local, self.state, self.sends = {}, {}, {}, []
         self.live, self.peak = 0, 0

@@ -26,6 +26,7 @@ LAYOUTS_8 = [(2, 2, 2), (1, 2, 4), (2, 1, 4), (4, 2, 1), (8, 1, 1), (1, 1, 8)]
 LAYOUTS_4 = [((1, 2, 2), ("--schedule", "gpipe")), ((2, 2, 1), ("--sequence-parallel",)),
              ((1, 1, 4), ("--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4")),
              ((2, 1, 2), ("--schedule", "zb-h1", "--microbatches", "2")),
+             ((1, 2, 2), ("--schedule", "zb-h1", "--microbatches", "4", "--sequence-parallel")),
              ((1, 4, 1), ("--sequence-parallel",)),
              ((2, 2, 1), ("--zero-stage", "1")),
              ((2, 1, 2), ("--zero-stage", "1", "--microbatches", "2"))]

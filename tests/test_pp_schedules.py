@@ -175,3 +175,42 @@ def test_timeline_roundtrip_and_bubble(tmp_path):
 def test_print_schedule_table():
     text = S.format_schedule(S.build_schedule("1f1b", 4, 8), 4)
     assert sum(line.startswith("rank ") for line in text.splitlines()) == 4 and "F7" in text and "B7" in text and "bubble 0.273" in text
+
+
+# --- zero bubble's B/W split, one process ---------------------------------------------------------
+
+def test_split_linear_defers_weight_grads_and_w_completes_them():
+    """B computes the input gradient and the non-linear parameters' gradients; W adds the linear
+    layers' dW = dyᵀ x. Together they equal one plain backward, even under saved-tensor hooks (the
+    executor counts activation bytes with one) and with gradients already accumulated."""
+    import torch
+    from common.model import build_model, loss_sum
+    zb = import_module("03_pipeline_parallel.zero_bubble")
+    cfg = PRESETS["tiny"]
+    ref, split = build_model(cfg, seed=3), build_model(cfg, seed=3)
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+
+    def stage(model, h):                          # every layer and the head: a last pipeline stage
+        for layer in model.layers:
+            h = layer(h, model.rope_cos, model.rope_sin)
+        return loss_sum(model.head(h), y)
+
+    store = zb.WeightGradStore()
+    deferred = zb.split_linears(split, store)
+    assert len(deferred) == 7 * cfg.n_layers + 1 and not any(type(m) is torch.nn.Linear for m in split.modules())
+    b_params = [p for n, p in split.named_parameters() if id(p) not in deferred and n != "tok_emb.weight"]
+    for rep in range(2):                          # twice: the second pass accumulates onto the first
+        h_ref = ref.embed(x).detach().requires_grad_(True)
+        stage(ref, h_ref).backward()
+        h = split.embed(x).detach().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            out = stage(split, h)
+        with store.deferring() as pending:        # B
+            torch.autograd.backward(out, inputs=[h] + b_params)
+        assert torch.equal(h.grad, h_ref.grad)
+        assert len(pending) == len(deferred)
+        assert all(split.get_parameter(n).grad is None for n in ("layers.0.attn.wq.weight", "lm_head.weight")) or rep
+        zb.apply_weight_grads(pending)            # W
+    for (name, p_ref), p in zip(ref.named_parameters(), split.parameters()):
+        if name != "tok_emb.weight":
+            torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-6, atol=1e-9, msg=name)

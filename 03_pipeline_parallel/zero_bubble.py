@@ -1,0 +1,90 @@
+"""Zero bubble's split of a backward pass: B (input gradients, now) and W (weight gradients, later).
+
+For a linear layer y = x Wᵀ the backward is two matmuls:
+    dx = dy W      the previous stage is waiting for it        -> B
+    dW = dyᵀ x     nobody is waiting for it                    -> W, in a slot where the rank would idle
+Autograd computes both in one node, so nn.Linear gets a backward of its own here: `SplitLinear`
+computes dx and, while a B action runs, leaves (W, x, dy) in a `WeightGradStore` instead of computing
+dW. The W action then does the one remaining matmul per layer. Nothing is computed twice; what ZB-H1
+pays instead is memory: every linear layer's x and dy stay alive from B until W.
+
+Parameters that are not in an nn.Linear (RMSNorm weights, tensor-parallel layers) get their gradients
+in B, as in a plain backward; they are a small part of the work.
+"""
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class WeightGradStore:
+    """Where SplitLinear leaves its postponed weight gradients while `deferring()` is on."""
+
+    def __init__(self):
+        self.pending = None       # None: compute dW at once (a plain backward)
+
+    @contextmanager
+    def deferring(self):
+        """Inside, SplitLinear backwards append (weight, x, dy) to the list this yields."""
+        self.pending = []
+        try:
+            yield self.pending
+        finally:
+            self.pending = None
+
+
+def weight_grad(weight, x, dy) -> torch.Tensor:
+    """dW = dyᵀ x over every token: (out, N) @ (N, in) -> (out, in), in the weight's dtype."""
+    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]).to(dy.dtype)
+    return (dy2.t() @ x2).to(weight.dtype)
+
+
+def apply_weight_grads(pending: list) -> None:
+    """The W action: the postponed dW = dyᵀ x of each layer, added into .grad."""
+    for weight, x, dy in pending:
+        g = weight_grad(weight, x, dy)
+        weight.grad = g if weight.grad is None else weight.grad.add_(g)
+
+
+class _SplitLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, store):            # x (..., in), weight (out, in) -> (..., out)
+        ctx.save_for_backward(x)
+        # The Parameter itself, not a saved copy of it: W adds into ITS .grad. (A saved tensor may come
+        # back as another tensor object sharing the storage, whose .grad nobody reads.)
+        ctx.weight, ctx.store = weight, store
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy):                          # dy (..., out)
+        (x,), weight = ctx.saved_tensors, ctx.weight
+        dx = dy @ weight.to(dy.dtype)               # (..., in): B's part
+        if ctx.store.pending is not None:           # inside B: postpone dW
+            ctx.store.pending.append((weight, x, dy))
+            return dx, None, None
+        return dx, weight_grad(weight, x, dy), None
+
+
+class SplitLinear(nn.Module):
+    """nn.Linear (no bias) whose weight gradient can wait. It holds the SAME Parameter as the layer
+    it replaces, so the optimizer, parameter names and checkpoints do not change."""
+
+    def __init__(self, linear: nn.Linear, store: WeightGradStore):
+        super().__init__()
+        assert linear.bias is None, "the model's linear layers have no bias"
+        self.weight, self.store = linear.weight, store
+
+    def forward(self, x):
+        return _SplitLinearFunction.apply(x, self.weight, self.store)
+
+
+def split_linears(model: nn.Module, store: WeightGradStore) -> set[int]:
+    """Replace every nn.Linear in `model` by a SplitLinear; returns the ids of their weights."""
+    deferred = set()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, SplitLinear(child, store))
+                deferred.add(id(child.weight))
+    return deferred
