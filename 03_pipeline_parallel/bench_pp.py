@@ -9,7 +9,8 @@ joins the running process group), so start-up is paid once.
   - bubble: 1F1B with a FIXED micro-batch (1 sequence × 128 tokens), so that m micro-batches are m
     units of work, as the theory assumes; global batch = m. Measured on steps 2.. of each run.
   - memory: peak bytes autograd kept for backward per stage, GPipe vs 1F1B vs ZB-H1, m = 8.
-  - throughput: each schedule, ours and torch's, m = 8, global batch 16 × 128 tokens, alternated.
+  - throughput: each schedule, ours and torch's, m = 8, global batch 16 × 128 tokens, run back to back,
+    in 3 rounds (paired ratios; the machine is noisy).
 """
 import argparse
 import json
@@ -38,14 +39,19 @@ def configs(p: int, quick: bool, tmp: Path) -> list[tuple[str, list[str]]]:
         out.append((f"memory {name}", common + ["--schedule", name, "--microbatches", "8", "--global-batch", "8",
                                                 "--steps", "2"]))
     steps = "4" if quick else "6"
-    for name, v in SCHEDS:                                                         # throughput + timelines
-        for impl in ("ours", "torch"):
-            flags = common + ["--schedule", name, "--virtual-stages", str(v), "--microbatches", "8",
-                              "--global-batch", "16", "--steps", steps, "--impl", impl]
-            if impl == "ours":
-                flags += ["--timeline", str(tmp / f"p{p}_{name}.json")]
-            out.append((f"speed {name} {impl}", flags))
+    for r in range(rounds(quick)):                    # throughput + timelines, ours and torch alternated
+        for name, v in SCHEDS:
+            for impl in ("ours", "torch"):
+                flags = common + ["--schedule", name, "--virtual-stages", str(v), "--microbatches", "8",
+                                  "--global-batch", "16", "--steps", steps, "--impl", impl]
+                if impl == "ours":                    # the last round's trace is the one kept
+                    flags += ["--timeline", str(tmp / f"p{p}_{name}.json")]
+                out.append((f"speed {name} {impl} round {r}", flags))
     return out
+
+
+def rounds(quick: bool) -> int:
+    return 1 if quick else 3
 
 
 def worker(p: int, quick: bool, tmp: Path) -> None:
@@ -68,6 +74,7 @@ def median(rows, key, skip=1):
 
 
 def report(all_results: dict, tmp: Path, quick: bool) -> None:
+    n_rounds = rounds(quick)
     sched = import_module("03_pipeline_parallel.pipeline_schedules")
     plot = import_module("03_pipeline_parallel.plot_timeline")
     from common.metrics import format_bytes
@@ -115,14 +122,21 @@ def report(all_results: dict, tmp: Path, quick: bool) -> None:
             lines.append(f"| {p} | {name} | " + " | ".join(cells) + " |")
     # --- throughput -------------------------------------------------------------------------------
     lines += ["", "## Throughput, ours vs torch.distributed.pipelining (m = 8, 16 × 128 tokens per step)", "",
-              "| p | schedule | ours tokens/s | torch tokens/s | ours / torch | ours bubble (measured) | theory |",
-              "|---|---|---|---|---|---|---|"]
+              f"Median over {n_rounds} round(s); in each round ours and torch run back to back and each run's "
+              "value is the median of its timed steps; the range is that of the per-round ratios.", "",
+              "| p | schedule | ours tokens/s | torch tokens/s | ours / torch | per-round ratios | "
+              "ours bubble (measured) | theory |",
+              "|---|---|---|---|---|---|---|---|"]
     for p, res in sorted(all_results.items()):
         for name, v in SCHEDS:
-            ours, theirs = res[f"speed {name} ours"], res[f"speed {name} torch"]
-            a, b = median(ours, "tokens_per_s"), median(theirs, "tokens_per_s")
+            per_round = {impl: [res[f"speed {name} {impl} round {r}"] for r in range(n_rounds)]
+                         for impl in ("ours", "torch")}
+            a, b = (statistics.median(median(rows, "tokens_per_s") for rows in per_round[i]) for i in ("ours", "torch"))
+            ratios = sorted(median(o, "tokens_per_s") / median(t, "tokens_per_s")
+                            for o, t in zip(per_round["ours"], per_round["torch"]))
+            bubble = statistics.median(median(rows, "bubble_fraction") for rows in per_round["ours"])
             lines.append(f"| {p} | {name}{' v=2' if v > 1 else ''} | {a:,.0f} | {b:,.0f} | {a / b:.2f} | "
-                         f"{median(ours, 'bubble_fraction'):.3f} | {sched.theory_bubble(name, p, 8, v):.3f} |")
+                         f"{ratios[0]:.2f} – {ratios[-1]:.2f} | {bubble:.3f} | {sched.theory_bubble(name, p, 8, v):.3f} |")
     # --- action durations -------------------------------------------------------------------------
     lines += ["", "## How long one action takes (median over the F, B, W boxes of ranks 1.. in steps 2.., "
               "m = 8 micro-batches of 2 × 128 tokens)", "",
