@@ -15,8 +15,10 @@ import importlib
 import multiprocessing as mp
 import os
 import queue as queue_module
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -35,17 +37,19 @@ def _resolve(path: str):
     return getattr(importlib.import_module(module), func)
 
 
-def _worker(rank, world, port, jobs, queue, timeout_s):
+def _worker(rank, world, store_path, jobs, queue, timeout_s):
     import torch
     torch.set_num_threads(1)            # first thing: ranks share 2 cores
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "tests"))
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     import datetime
     import torch.distributed as dist
     from common.errors import ConfigError
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    # The ranks meet through a file, not a TCP port: no port to pick, so none that another process
+    # could take between our choosing it and rank 0 listening on it.
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
     out = []
     for path, *args in jobs:
         try:
@@ -67,8 +71,9 @@ def run_group(world: int, jobs: list, timeout_s: float = 240.0) -> list[list]:
     """Run `jobs` on `world` spawned ranks; returns results[job_index][rank]."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, jobs, queue, 60.0)) for r in range(world)]
+    store_dir = tempfile.mkdtemp(prefix="harness_")
+    procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(store_dir, "store"), jobs, queue, 60.0))
+             for r in range(world)]
     for p in procs:
         p.start()
     per_rank = {}
@@ -90,6 +95,7 @@ def run_group(world: int, jobs: list, timeout_s: float = 240.0) -> list[list]:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(store_dir, ignore_errors=True)
     n = max(len(v) for v in per_rank.values())
     return [[per_rank[r][j] if j < len(per_rank[r]) else ("error", "not run") for r in range(world)]
             for j in range(n)]
