@@ -215,9 +215,12 @@ class PipelineExecutor:
         self.live -= st["bytes"]
 
     # --- the step -------------------------------------------------------------------------------
-    def run(self, schedule, tokens: list, targets: list) -> dict:
+    def run(self, schedule, tokens: list, targets: list, on_stage_grads_ready=None) -> dict:
         """Run this rank's actions for one step. tokens/targets: the m micro-batches (mb, S) each
         (used on the first / last stage only). Gradients accumulate into .grad.
+        on_stage_grads_ready(stage): called as soon as a stage's gradients are final for this step
+        (after its last B or W), while the rest of the schedule still runs (chapter 04 starts the
+        data-parallel all-reduce of that stage there).
         Returns {"loss": summed scaled loss of the micro-batches this rank finished (last stage; 0
         elsewhere), "peak_activation_bytes": the most activation bytes alive at once}."""
         actions = schedule[self.me]
@@ -228,6 +231,7 @@ class PipelineExecutor:
         self.posted, self.local, self.state, self.sends = {}, {}, {}, []
         self.live, self.peak = 0, 0
         self.loss = torch.zeros((), device=self.device)
+        last_grad_action = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
         for i, a in enumerate(actions):
             if i + 1 < len(actions):
                 self._post_ahead(actions[i + 1])        # start the next message's transfer now
@@ -240,6 +244,8 @@ class PipelineExecutor:
             else:
                 self._weights(a)
             self._span(a.kind, t, mb=a.mb, stage=a.stage)
+            if on_stage_grads_ready and last_grad_action[a.stage] == i:
+                on_stage_grads_ready(a.stage)
         for _, work in self.sends:                      # the buffers must outlive their isend
             work.wait()
         assert not self.state and not self.posted, "schedule left work unfinished"

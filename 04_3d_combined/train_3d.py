@@ -90,6 +90,10 @@ def main(argv=None) -> list[dict]:
                                        loss_fn=loss_fn, loss_scale=tokens_per_step, device=rt.device,
                                        autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None,
                                        timeline=timeline)
+    # DP without ZeRO: a stage's gradients are summed over its replicas while the schedule still runs.
+    overlap_dp, dp_sync = args.zero_stage == 0 and args.dp > 1, dp_lib.AsyncGradAllReduce(dp_group)
+    in_stages = {id(p) for params in runner.stage_params.values() for p in params}
+    assert all(id(p) in in_stages for p in model.parameters() if p.requires_grad), "a parameter outside every stage"
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
     log.config_table("3D parallel pretraining", {
@@ -134,22 +138,26 @@ def main(argv=None) -> list[dict]:
         with StepTimer(rt.device) as timer:
             x, y = data.global_batch(step, args.global_batch)                   # (global_batch, S)
             x, y = shard_rows(x, dp_rank, args.dp).to(rt.device), shard_rows(y, dp_rank, args.dp).to(rt.device)
-            # 1. the pipeline schedule runs forward and backward of every micro-batch (TP inside each layer)
-            out = runner.run(args.plan, [shard_rows(x, k, m) for k in range(m)], [shard_rows(y, k, m) for k in range(m)])
-            # 2. TP: sum the partial gradients of replicated tensors (norms under SP, shared KV heads)
+            # 1. the pipeline schedule runs forward and backward of every micro-batch (TP inside each
+            #    layer); as soon as one of my stages has its last gradient, its DP all-reduce starts in
+            #    the background, overlapping the rest of the schedule (the pipeline's cool-down)
+            ready = (lambda s: dp_sync.launch(runner.stage_params[s])) if overlap_dp else None
+            out = runner.run(args.plan, [shard_rows(x, k, m) for k in range(m)], [shard_rows(y, k, m) for k in range(m)],
+                             on_stage_grads_ready=ready)
+            # 2. DP: wait for those all-reduces; every replica now holds the summed gradients
+            if overlap_dp:
+                dp_sync.finish()
+            # 3. TP: sum the partial gradients of replicated tensors (norms under SP, shared KV heads)
             if args.tp > 1:
                 tp_lib.finish_tp_grad_sync(model, tp_group)
             if args.zero_stage == 0:
-                # 3. DP: sum the gradients of this (stage, TP shard) over its replicas
-                if args.dp > 1:
-                    dp_lib.allreduce_gradients(model, dp_group)
                 # 4. clip by the norm of the whole model's gradient: TP shards and stages hold different parts
                 grad_norm = clip_by_global_norm(lib.owned_grads(model, mesh, args), args.clip,
                                                 groups=[tp_group, pp_group], all_grads=[p.grad for p in model.parameters()])
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=False)
             else:
-                # 3-4 with ZeRO-1: all-reduce, clip from the DP shards (+ TP and PP), update my shard, all-gather
+                # 2-4 with ZeRO-1: all-reduce, clip from the DP shards (+ TP and PP), update my shard, all-gather
                 optimizer.reduce_gradients()
                 grad_norm = optimizer.clip_grad_norm(args.clip, groups=(tp_group, pp_group),
                                                      counts=lib.counted_by_me(model, mesh))
