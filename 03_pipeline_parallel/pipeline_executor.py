@@ -149,23 +149,16 @@ class PipelineExecutor:
             inp = tokens                                                   # (mb, S) token ids
         else:
             inp.requires_grad_(True)                                       # we want d loss / d input
-        saved, seen = [0], set(self.param_ptrs)
-
-        def pack(t):                     # count the activations autograd keeps for backward, once each
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
-                saved[0] += t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+        saved = []                       # every tensor autograd keeps for backward (counted below)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), \
                 torch.autocast(self.device.type, self.autocast_dtype or torch.float32,
                                enabled=self.autocast_dtype is not None):
             out = stages_lib.stage_forward(self.model, stage, inp)                 # (mb, S, D) or logits
             if stage.last:
                 out = self.loss_fn(out, targets) / self.loss_scale         # this micro-batch's share
-        self.state[(a.mb, a.stage)] = {"inp": inp, "out": out, "bytes": saved[0]}
-        self.live += saved[0]
+        nbytes = self._bytes(saved)
+        self.state[(a.mb, a.stage)] = {"inp": inp, "out": out, "bytes": nbytes}
+        self.live += nbytes
         self.peak = max(self.peak, self.live)
         if stage.last:
             self.loss += out.detach().float()
