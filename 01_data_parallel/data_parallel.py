@@ -31,37 +31,6 @@ def allreduce_gradients(model: nn.Module, group) -> None:
             comm.all_reduce(p.grad, group=group, name="dp")
 
 
-class AsyncGradAllReduce:
-    """Sum sets of gradients over `group` in the background, for callers that know when a set is final
-    (chapter 04: when a pipeline stage has run its last backward of the step).
-
-    launch(params)  copy their gradients into one flat buffer, start an async all-reduce, return
-    finish()        wait for every launch and copy the sums back into .grad
-    Bytes are those of the naive all-reduce (the same tensors, summed once), in fewer messages."""
-
-    def __init__(self, group):
-        self.group, self.pending = group, []
-
-    def launch(self, params: list[nn.Parameter]) -> None:
-        params = [p for p in params if p.grad is not None]
-        flat = torch.cat([p.grad.reshape(-1) for p in params])                     # (Σ numel,)
-        self.pending.append((params, flat, comm.all_reduce(flat, group=self.group, name="dp", async_op=True)))
-
-    def finish(self) -> list[nn.Parameter]:
-        """Returns the parameters whose gradients were summed."""
-        done = []
-        for params, flat, work in self.pending:
-            if work is not None:
-                work.wait()
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
-            done += params
-        self.pending = []
-        return done
-
-
 def broadcast_parameters(model: nn.Module, group, src: int = 0) -> None:
     """Make every replica start from rank `src`'s weights (they already agree here, as every rank
     builds the model from the same seed, but a real job must not rely on that)."""
@@ -71,12 +40,54 @@ def broadcast_parameters(model: nn.Module, group, src: int = 0) -> None:
 
 
 class _Bucket:
+    """Some parameters whose gradients travel together, in one flat buffer and one all-reduce."""
+
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
         numel = sum(p.numel() for p in params)
         self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)   # (numel,)
         self.ready = 0          # gradients of this bucket produced so far in this backward
         self.work = None        # the in-flight async all-reduce
+
+    def launch(self, group) -> None:
+        """Copy the gradients into the buffer and start summing it over `group` in the background."""
+        offset = 0
+        for p in self.params:
+            self.buffer[offset:offset + p.numel()].copy_(p.grad.flatten())
+            offset += p.numel()
+        self.work = comm.all_reduce(self.buffer, group=group, name="dp", async_op=True)
+
+    def finish(self) -> None:
+        """Wait for the sum and copy it back into each .grad."""
+        if self.work is not None:                  # None: world size 1, nothing was sent
+            self.work.wait()
+        offset = 0
+        for p in self.params:
+            p.grad.copy_(self.buffer[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+        self.work = None
+
+
+class AsyncGradAllReduce:
+    """Sum sets of gradients over `group` in the background, for callers that know when a set is final
+    (chapter 04: when a pipeline stage has run its last backward of the step).
+
+    launch(params)  copy their gradients into one flat buffer (a bucket), start an async all-reduce, return
+    finish()        wait for every launch and copy the sums back into .grad
+    Bytes are those of the naive all-reduce (the same tensors, summed once), in fewer messages."""
+
+    def __init__(self, group):
+        self.group, self.pending = group, []
+
+    def launch(self, params: list[nn.Parameter]) -> None:
+        bucket = _Bucket([p for p in params if p.grad is not None])
+        bucket.launch(self.group)
+        self.pending.append(bucket)
+
+    def finish(self) -> None:
+        for bucket in self.pending:
+            bucket.finish()
+        self.pending = []
 
 
 class BucketedDataParallel(nn.Module):
@@ -127,11 +138,7 @@ class BucketedDataParallel(nn.Module):
         bucket = self.bucket_of[p]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):      # the bucket is full: send it now, asynchronously
-            offset = 0
-            for q in bucket.params:
-                bucket.buffer[offset:offset + q.numel()].copy_(q.grad.flatten())
-                offset += q.numel()
-            bucket.work = comm.all_reduce(bucket.buffer, group=self.group, name="dp", async_op=True)
+            bucket.launch(self.group)
             self.launch_log.append((self.buckets.index(bucket), self._hooks_fired))
 
     def finish_gradient_sync(self) -> None:
@@ -144,13 +151,8 @@ class BucketedDataParallel(nn.Module):
                 raise RuntimeError(f"bucket {self.buckets.index(bucket)} saw {bucket.ready} gradients for its "
                                    f"{len(bucket.params)} parameters; every parameter must be used in forward, "
                                    "and all but the last micro-batch's backward must run inside no_sync()")
-            if bucket.work is not None:
-                bucket.work.wait()
-            offset = 0
-            for q in bucket.params:
-                q.grad.copy_(bucket.buffer[offset:offset + q.numel()].view_as(q.grad))
-                offset += q.numel()
-            bucket.ready, bucket.work = 0, None
+            bucket.finish()
+            bucket.ready = 0
         self._hooks_fired = 0
 
 
