@@ -57,7 +57,7 @@ class _Bucket:
             offset += p.numel()
         self.work = comm.all_reduce(self.buffer, group=group, name="dp", async_op=True)
 
-    def finish(self) -> None:
+    def wait(self) -> None:
         """Wait for the sum and copy it back into each .grad."""
         if self.work is not None:                  # None: world size 1, nothing was sent
             self.work.wait()
@@ -84,9 +84,9 @@ class AsyncGradAllReduce:
         bucket.launch(self.group)
         self.pending.append(bucket)
 
-    def finish(self) -> None:
+    def wait(self) -> None:
         for bucket in self.pending:
-            bucket.finish()
+            bucket.wait()
         self.pending = []
 
 
@@ -141,7 +141,7 @@ class BucketedDataParallel(nn.Module):
             bucket.launch(self.group)
             self.launch_log.append((self.buckets.index(bucket), self._hooks_fired))
 
-    def finish_gradient_sync(self) -> None:
+    def sync_gradients(self) -> None:
         """Wait for every bucket's all-reduce and copy the summed gradients back into .grad."""
         for bucket in self.buckets:
             if bucket.ready != len(bucket.params):
@@ -151,7 +151,7 @@ class BucketedDataParallel(nn.Module):
                 raise RuntimeError(f"bucket {self.buckets.index(bucket)} saw {bucket.ready} gradients for its "
                                    f"{len(bucket.params)} parameters; every parameter must be used in forward, "
                                    "and all but the last micro-batch's backward must run inside no_sync()")
-            bucket.finish()
+            bucket.wait()
             bucket.ready = 0
         self._hooks_fired = 0
 

@@ -100,7 +100,7 @@ def main(argv=None) -> list[dict]:
             if args.impl == "naive":
                 dp_lib.allreduce_gradients(model, dp_group)                # after backward, one by one
             elif args.impl == "bucketed":
-                wrapped.finish_gradient_sync()                             # wait for the buckets
+                wrapped.sync_gradients()                             # wait for the buckets
             # Every replica now holds the full gradient: its norm is already global.
             grad_norm = clip_by_global_norm([p.grad for p in model.parameters()], args.clip)
             optimizer.step()

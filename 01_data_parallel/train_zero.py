@@ -131,7 +131,7 @@ def main(argv=None) -> list[dict]:
                     (loss * fsdp_mean).backward()   # stage 2/3: reduce-scatters start here, unit by unit
                 local_loss += loss.detach()
             if ours:
-                zero.reduce_gradients()    # 1: all-reduce; 2, 3: wait for the reduce-scatters
+                zero.sync_gradients()    # 1: all-reduce; 2, 3: wait for the reduce-scatters
                 grad_norm = zero.clip_grad_norm(args.clip)   # squares of my shard, summed over DP
                 zero.step()                # AdamW on my shard (+ all-gather of the params in 1, 2)
                 zero.zero_grad()

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from common import comm
-from common.optim import build_adamw, clip_by_global_norm, set_lr
+from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr
 
 _DTYPE_BYTES = 4   # fp32 everywhere in this chapter (no mixed-precision master copies)
 
@@ -111,12 +111,12 @@ class GradientReduceScatter:
         self.pending = []       # in-flight (unit, work, output, input): the input must outlive the work
 
     def launch(self, u: int, full: torch.Tensor) -> None:
-        self.drain(keep=0)
+        self.wait(keep=0)
         out = torch.empty(self.units[u].chunk, dtype=full.dtype, device=full.device)   # (padded/N,)
         work = comm.reduce_scatter_into(out, full, group=self.group, name=self.name, async_op=True)
         self.pending.append((u, work, out, full))
 
-    def drain(self, keep: int = 0) -> None:
+    def wait(self, keep: int = 0) -> None:
         while len(self.pending) > keep:
             u, work, out, _ = self.pending.pop(0)
             if work is not None:
@@ -129,7 +129,7 @@ class ZeroOptimizer:
 
         opt = ZeroOptimizer(named_params, dp_group, lr, weight_decay, stage=1)
         loss.backward()                 # stage 2: gradients are reduce-scattered during backward
-        opt.reduce_gradients()          # stage 1: all-reduce; stage 2: wait for the reduce-scatters
+        opt.sync_gradients()          # stage 1: all-reduce; stage 2: wait for the reduce-scatters
         norm = opt.clip_grad_norm(1.0)  # global norm from the shards (+ groups=[tp, pp] if sharded there)
         opt.step()                      # AdamW on my shard, then all-gather the updated parameters
         opt.zero_grad()
@@ -190,10 +190,10 @@ class ZeroOptimizer:
             q.grad = None                                                  # the full gradient is freed
         self.reduce_scatter.launch(u, full)
 
-    def reduce_gradients(self) -> None:
+    def sync_gradients(self) -> None:
         """Stage 1: all-reduce every unit's full gradient (2(N-1)/N·M). Stage 2: finish the reduce-scatters."""
         if self.stage == 2:
-            self.reduce_scatter.drain()
+            self.reduce_scatter.wait()
             return
         works = [comm.all_reduce(g, group=self.group, name=self.comm_name, async_op=True) for g in self.flat_grads]
         for w in works:
@@ -247,11 +247,6 @@ class ZeroOptimizer:
                 for n, t in zip(u.names, u.split(flat)):
                     t.copy_(model[n])
         load_optim_pieces(self.units, self.pieces, self.optimizer, optim)
-
-
-def optim_bytes(optimizer) -> int:
-    return sum(t.numel() * t.element_size() for st in optimizer.state.values()
-               for k, t in st.items() if k != "step" and torch.is_tensor(t))
 
 
 def gather_optim_state(units, pieces, optimizer, group, name="dp") -> dict:

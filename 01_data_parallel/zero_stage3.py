@@ -24,7 +24,7 @@ all-gather when backward asks for it. (FSDP does the same with storage resizing 
 import torch
 
 from common import comm
-from common.optim import build_adamw, clip_by_global_norm, set_lr
+from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr
 
 zs = __import__("importlib").import_module("01_data_parallel.zero_sharding")
 
@@ -152,8 +152,8 @@ class ZeroStage3:
         self._free(u)                           # its backward is done: no more unpacks of unit u
         self.reduce_scatter.launch(u, full)     # (padded,) -> my (padded/N,) shard
 
-    def reduce_gradients(self) -> None:
-        self.reduce_scatter.drain()
+    def sync_gradients(self) -> None:
+        self.reduce_scatter.wait()
         for u in range(len(self.units)):        # nothing may stay gathered between steps
             if self._work[u] is not None:
                 self._work[u].wait()
@@ -178,7 +178,7 @@ class ZeroStage3:
 
     def memory(self) -> dict:
         chunk = sum(s.numel() * s.element_size() for s in self.shards)
-        return {"param_bytes": chunk, "grad_bytes": chunk, "optim_bytes": zs.optim_bytes(self.optimizer),
+        return {"param_bytes": chunk, "grad_bytes": chunk, "optim_bytes": optim_bytes(self.optimizer),
                 "peak_param_bytes": self.peak_param_bytes}
 
     def full_state(self):

@@ -58,7 +58,7 @@ def probe(sp: bool, out: str):
     for layer in model.layers:
         h = layer(h, model.rope_cos, model.rope_sin)
     tp_lib.tp_loss_sum(model.head(h), y, mesh.group("tp")).backward()
-    tp_lib.finish_tp_grad_sync(model, mesh.group("tp"))
+    tp_lib.sync_tp_gradients(model, mesh.group("tp"))
     sizes = [None] * rt.world_size
     dist.all_gather_object(sizes, sum(p.numel() * 4 for p in model.parameters()))
     if rt.rank == 0:

@@ -11,9 +11,9 @@ API (chapter 04 imports this module with importlib.import_module("02_tensor_para
             model.layers[i](h, cos, sin)   same layout in and out
             model.head(h)              -> LOCAL logits (B, S, V/tp)
     tp_loss_sum(local_logits, targets, tp_group) -> summed cross-entropy (like common.model.loss_sum)
-    finish_tp_grad_sync(model, tp_group)      after backward, before clipping / the DP all-reduce:
+    sync_tp_gradients(model, tp_group)      after backward, before clipping / the DP all-reduce:
         sums the partial gradients of norm weights (SP) and of replicated KV heads over the TP group
-    owned_grads(model, tp_rank) -> gradients this rank counts in the global norm (sum squares over TP)
+    counted_here(p, tp_rank) -> does this rank count tensor p in the global norm (sum squares over TP)
     tp_to_full(name, local, tp_group, n_kv_heads=None) -> full tensor (weights and AdamW moments)
     tp_to_local(name, full, tp_rank, tp_size, n_kv_heads=None) -> this rank's slice
         n_kv_heads is needed only when KV heads are replicated (n_kv_heads < tp_size).
@@ -129,17 +129,17 @@ def sync_replicated_kv_grads(model, tp_group) -> None:
                 g.copy_(buf[module.kv_head])
 
 
-def finish_tp_grad_sync(model, tp_group) -> None:
+def sync_tp_gradients(model, tp_group) -> None:
     """Everything TP leaves to do after backward: SP norm gradients and replicated KV heads."""
     sync_sequence_parallel_grads(model, tp_group)
     sync_replicated_kv_grads(model, tp_group)
 
 
-def owned_grads(model, tp_rank: int) -> list:
-    """Gradients this rank counts toward the global norm: every shard it holds, and each replicated
-    tensor on exactly one of the ranks holding it (tp rank 0 for norms, the first holder of a KV head)."""
-    return [p.grad for p in model.parameters()
-            if p.grad is not None and tp_rank % getattr(p, "tp_replicas", 1) == 0]
+def counted_here(p: torch.Tensor, tp_rank: int) -> bool:
+    """Does this rank count tensor `p` in a global norm or a byte total? Every shard is counted by the
+    rank that holds it; a tensor replicated over `p.tp_replicas` consecutive TP ranks (a norm gain, a
+    shared KV head) by the first of its holders only, so it is counted once."""
+    return tp_rank % getattr(p, "tp_replicas", 1) == 0
 
 
 def tp_to_full(name: str, local: torch.Tensor, tp_group, n_kv_heads=None) -> torch.Tensor:

@@ -133,9 +133,9 @@ def main(argv=None) -> list[dict]:
                     loss.backward()
                 local_loss += dt_lib.local(loss).detach()     # the same on every TP rank
             if ours:
-                tp_lib.finish_tp_grad_sync(model, tp_group)               # SP norms, replicated KV heads
+                tp_lib.sync_tp_gradients(model, tp_group)               # SP norms, replicated KV heads
                 dp_lib.allreduce_gradients(model, dp_group)              # chapter 01, over the DP group
-                owned = tp_lib.owned_grads(model, tp_rank)
+                owned = [p.grad for p in model.parameters() if p.grad is not None and tp_lib.counted_here(p, tp_rank)]
                 every = [p.grad for p in model.parameters()]
             else:
                 dt_lib.settle_grads(model)                               # DTensor's grad layouts

@@ -111,7 +111,7 @@ def owned_grads(model, mesh, args):
     """The gradients this rank counts in the global norm: its TP-owned ones (replicated tensors on tp
     rank 0 only); the squared norms are then summed over the TP and the pipeline groups."""
     if args.tp > 1:
-        return tp_lib.owned_grads(model, mesh.coord("tp"))
+        return [p.grad for p in model.parameters() if p.grad is not None and tp_lib.counted_here(p, mesh.coord("tp"))]
     return [p.grad for p in model.parameters()]
 
 

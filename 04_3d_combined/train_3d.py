@@ -26,12 +26,11 @@ from common.generate import sample
 from common.mesh import Mesh
 from common.metrics import RunLog
 from common.model import PRESETS, count_parameters, loss_sum
-from common.optim import clip_by_global_norm, lr_at, set_lr
+from common.optim import clip_by_global_norm, lr_at, optim_bytes, set_lr
 from common.timeline import Timeline, write_chrome_trace
 from common.training import StepTimer, global_sum, resume_state, run_identity, should_save
 
 dp_lib = import_module("01_data_parallel.data_parallel")          # chapter 01: the gradient all-reduce
-optim_bytes = import_module("01_data_parallel.zero_sharding").optim_bytes   # chapter 01: AdamW state bytes
 tp_lib = import_module("02_tensor_parallel.tensor_parallel")        # chapter 02: TP layers and loss
 sched_lib = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: schedules
 exec_lib = import_module("03_pipeline_parallel.pipeline_executor")  # chapter 03: the executor
@@ -146,10 +145,10 @@ def main(argv=None) -> list[dict]:
                              on_stage_grads_ready=ready)
             # 2. DP: wait for those all-reduces; every replica now holds the summed gradients
             if overlap_dp:
-                dp_sync.finish()
+                dp_sync.wait()
             # 3. TP: sum the partial gradients of replicated tensors (norms under SP, shared KV heads)
             if args.tp > 1:
-                tp_lib.finish_tp_grad_sync(model, tp_group)
+                tp_lib.sync_tp_gradients(model, tp_group)
             if args.zero_stage == 0:
                 # 4. clip by the norm of the whole model's gradient: TP shards and stages hold different parts
                 grad_norm = clip_by_global_norm(lib.owned_grads(model, mesh, args), args.clip,
@@ -158,7 +157,7 @@ def main(argv=None) -> list[dict]:
                 optimizer.zero_grad(set_to_none=False)
             else:
                 # 2-4 with ZeRO-1: all-reduce, clip from the DP shards (+ TP and PP), update my shard, all-gather
-                optimizer.reduce_gradients()
+                optimizer.sync_gradients()
                 grad_norm = optimizer.clip_grad_norm(args.clip, groups=(tp_group, pp_group),
                                                      counts=lib.counted_by_me(model, mesh))
                 optimizer.step()

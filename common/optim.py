@@ -74,3 +74,9 @@ def clip_by_global_norm(owned_grads, max_norm: float, groups=(), all_grads=None)
             if g is not None:
                 g.mul_(scale)
     return norm
+
+
+def optim_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state tensors on this rank (AdamW: the two moments, α = 2 per element)."""
+    return sum(t.numel() * t.element_size() for st in optimizer.state.values()
+               for k, t in st.items() if k != "step" and torch.is_tensor(t))

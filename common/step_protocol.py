@@ -32,7 +32,7 @@ The names, written down once:
   scaled down to `max_norm` if larger (0: measure only).
 - `step()`, `zero_grad()`, `set_lr(lr)`: the optimizer's verbs.
 - `memory() -> dict`: bytes this rank holds, at least `param_bytes`, `grad_bytes`, `optim_bytes`.
-- `counted_here(name) -> bool`: the one predicate for "this rank counts this (replicated) tensor"
+- `counted_here(param, rank) -> bool`: the one predicate for "this rank counts this (replicated) tensor"
   in a norm or a byte count, so each tensor is counted once across its replicas.
 """
 from typing import Protocol

@@ -56,7 +56,7 @@ def gradients_after_one_step(argv: list, reference_path: str | None = None):
     if args.impl == "naive":
         dp_lib.allreduce_gradients(model, group)
     elif args.impl == "bucketed":
-        wrapped.finish_gradient_sync()
+        wrapped.sync_gradients()
     flat = torch.cat([p.grad.flatten() for p in model.parameters()])
     shutdown(rt)
     if reference_path is None:
@@ -81,7 +81,7 @@ def bucket_launches(bucket_mb: float) -> dict:
     wrapped = dp_lib.BucketedDataParallel(model, torch.distributed.group.WORLD, bucket_mb)
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     loss_sum(wrapped(tokens), tokens).backward()
-    wrapped.finish_gradient_sync()
+    wrapped.sync_gradients()
     return {"launch_log": list(wrapped.launch_log), "n_params": len(list(model.parameters())),
             "n_buckets": len(wrapped.buckets)}
 

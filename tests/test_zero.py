@@ -62,7 +62,7 @@ def stage3_frees_gathered_weights() -> dict:
     after_forward = alive(refs)
     refs.clear()
     out.float().pow(2).mean().backward()
-    zero.reduce_gradients()
+    zero.sync_gradients()
     return {"after_forward": after_forward, "after_backward": alive(refs),
             "regathered": sorted(u for u, _ in refs), "peak": zero.peak_param_bytes}
 
