@@ -59,11 +59,14 @@ def init_distributed(device: str | None = None, timeout_s: float = 60.0) -> Runt
     backend = "nccl" if dev.type == "cuda" else "gloo"
     owns = not dist.is_initialized()
     if owns:
+        # NCCL binds each rank to its GPU up front (device_id), so barriers and collectives never
+        # have to guess which device a rank uses.
+        bind = {"device_id": dev} if dev.type == "cuda" else {}
+        timeout = datetime.timedelta(seconds=timeout_s)
         if "WORLD_SIZE" not in os.environ:          # plain `python script.py`: a group of one
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bind)
         else:
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group(backend, timeout=timeout, **bind)
     if dev.type == "cpu":
         set_cpu_threads()
     return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend, owns)
