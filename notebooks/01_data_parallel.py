@@ -5,37 +5,36 @@
 # sums the gradients so every replica takes the same step. This notebook
 # 1. checks the one identity the chapter rests on, in this process: the sum of the slices'
 #    gradients is the gradient of the whole batch (when the loss is divided by the *global* token count),
-# 2. trains on 1 rank and on 2 ranks under `torchrun` and plots both loss curves: they coincide,
+# 2. trains on 1 rank and on 2 ranks under `torchrun` and plots how far apart their losses are,
+#    step by step: float32 round-off, nothing more,
 # 3. reads the bytes each rank communicated per step from the metrics file and compares them with
 #    the ring all-reduce formula 2(N-1)/N·M.
 #
-# Run it as a script or in Jupyter (`make notebooks` makes the .ipynb). `NOTEBOOK_QUICK=1` keeps
-# it to a few steps (the tests run it that way).
+# `make notebooks` executes it into `notebooks/01_data_parallel.ipynb`; every plot is also saved under
+# `notebooks/figures/`. `NOTEBOOK_QUICK=1` keeps it to a few steps (the tests run it that way).
 
 # %%
-import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-import matplotlib
-if os.environ.get("NOTEBOOK_QUICK") or "ipykernel" not in sys.modules:
-    matplotlib.use("Agg")          # run as a plain script: draw into files (Jupyter keeps its inline plots)
-import matplotlib.pyplot as plt
-import torch
-
-ROOT = Path.cwd() if (Path.cwd() / "common").is_dir() else Path.cwd().parent
+ROOT = Path.cwd() if (Path.cwd() / "common").is_dir() else Path.cwd().parent   # repository root or notebooks/
 sys.path.insert(0, str(ROOT))
+from common.plots import plot_relative_difference, show  # noqa: E402  (first: it picks the plot backend)
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
 from common.data import TextData, shard_rows  # noqa: E402
 from common.launch import launch  # noqa: E402
+from common.metrics import read_metrics  # noqa: E402
 from common.model import PRESETS, build_model, loss_sum  # noqa: E402
 
 QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
 STEPS = 5 if QUICK else 40
 SHAPE = ["--seq-len", "32", "--global-batch", "8"] if QUICK else []     # default: 16 × 128 tokens
 out_dir = Path(tempfile.mkdtemp(prefix="nb01_"))
-print("outputs in", out_dir)
+print("metrics files in", out_dir)
 
 # %% [markdown]
 # ## 1. Why summing gradients is exact
@@ -68,13 +67,17 @@ print(f"max |sum of halves - whole batch| = {(summed - whole).abs().max():.2e} "
 # The same flags on 1 and 2 ranks. World size 1 is a plain `python` run; 2 ranks go through
 # `torchrun`. Every rank builds the same weights from the seed and the same global batch, keeps its
 # half of the rows, and the bucketed all-reduce sums the gradients.
+#
+# The left plot is the loss; the right one is how far each layout's loss is from it, step by step,
+# relative (`python -m common.compare_metrics` prints the same numbers for any metrics files).
+# Two loss curves drawn on top of each other would hide a difference of 1e-3 as well as one of 1e-7.
 
 # %%
 def train(nproc: int, impl: str) -> list[dict]:
     metrics = out_dir / f"dp_{impl}_{nproc}.jsonl"
     launch("01_data_parallel/train_dp.py", nproc,
            ["--steps", STEPS, "--impl", impl, "--quiet", "--metrics", metrics, *SHAPE])
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return read_metrics(metrics)
 
 runs = {"1 rank": train(1, "bucketed"), "2 ranks, bucketed": train(2, "bucketed")}
 if not QUICK:
@@ -86,15 +89,13 @@ for label, rows in runs.items():
     diff = max(abs(r["loss"] - ref) / ref for r, ref in zip(rows, reference))
     print(f"{label:>20}: final loss {rows[-1]['loss']:.4f}, max relative difference vs 1 rank {diff:.1e}")
 
-fig, ax = plt.subplots(figsize=(7, 4))
-for i, (label, rows) in enumerate(runs.items()):
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], "-" if i == 0 else "--",
-            lw=4 if i == 0 else 1.5, label=label)
-ax.set_xlabel("optimizer step"); ax.set_ylabel("training loss (nats / byte)")
-ax.set_title("data parallel: the curves lie on top of each other"); ax.legend(); ax.grid(alpha=0.3)
-fig.savefig(out_dir / "dp_loss_curves.png", dpi=110)
-plt.show()
-print("plot saved:", out_dir / "dp_loss_curves.png")
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+ax1.plot([r["step"] for r in runs["1 rank"]], reference, lw=2, label="1 rank")
+ax1.set_xlabel("optimizer step"); ax1.set_ylabel("training loss (nats / byte)"); ax1.grid(alpha=0.3)
+ax1.set_title("the loss of the single-device run")
+plot_relative_difference(ax2, runs["1 rank"], {k: v for k, v in runs.items() if k != "1 rank"})
+ax2.set_title("every layout: its distance from that curve")
+show(fig, "01_dp_loss_difference")
 
 # %% [markdown]
 # ## 3. Bytes per step against the formula

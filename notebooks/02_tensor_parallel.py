@@ -3,28 +3,32 @@
 #
 # Every rank holds a slice of every weight matrix. This notebook (1) shows which slice each rank
 # holds, (2) trains the same model with one rank, with TP, and with TP + sequence parallelism under
-# `torchrun`, and checks the losses agree, and (3) plots the loss curves and the bytes each layout
-# communicates per step.
+# `torchrun`, and checks the losses agree, and (3) plots how far each layout's loss is from the
+# single device, step by step, and the bytes each layout communicates per step.
 #
-# `NOTEBOOK_QUICK=1` keeps it short (2 ranks, 3 steps) for the headless tests; otherwise 4 ranks.
+# `make notebooks` executes it into `notebooks/02_tensor_parallel.ipynb`; every plot is also saved
+# under `notebooks/figures/`. `NOTEBOOK_QUICK=1` keeps it short (2 ranks, 2 steps) for the tests;
+# otherwise 4 ranks.
 
 # %%
-import json
 import os
 import sys
 import tempfile
+from importlib import import_module
 from pathlib import Path
 
-import matplotlib
-if os.environ.get("NOTEBOOK_QUICK"):
-    matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-ROOT = Path.cwd() if (Path.cwd() / "common").is_dir() else Path.cwd().parent
+ROOT = Path.cwd() if (Path.cwd() / "common").is_dir() else Path.cwd().parent   # repository root or notebooks/
 sys.path.insert(0, str(ROOT))
+from common.plots import plot_relative_difference, show  # noqa: E402  (first: it picks the plot backend)
+import matplotlib.pyplot as plt  # noqa: E402
+
+from common.launch import launch  # noqa: E402
+from common.metrics import read_metrics  # noqa: E402
+from common.model import PRESETS  # noqa: E402
+
 QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
-N, STEPS = (2, 3) if QUICK else (4, 20)
-out_dir = Path(tempfile.mkdtemp())
+N, STEPS = (2, 2) if QUICK else (4, 20)
+out_dir = Path(tempfile.mkdtemp(prefix="nb02_"))
 
 # %% [markdown]
 # ## What each rank holds
@@ -33,11 +37,6 @@ out_dir = Path(tempfile.mkdtemp())
 # columns, norms are whole on every rank.
 
 # %%
-from importlib import import_module
-
-from common.launch import launch
-from common.model import PRESETS
-
 tp_lib = import_module("02_tensor_parallel.tensor_parallel")
 cfg = PRESETS["tiny"]
 full_shapes = {"tok_emb.weight": (cfg.vocab_size, cfg.dim), "layers.0.attn.wq.weight": (cfg.dim, cfg.dim),
@@ -54,7 +53,7 @@ for name, shape in full_shapes.items():
           f"({'replicated' if dim is None else f'split along dim {dim}'})")
 
 # %% [markdown]
-# ## Three runs, one loss curve
+# ## Three runs, one loss
 # World size 1 is the reference; TP=N and TP=N with sequence parallelism must give the same losses.
 
 # %%
@@ -64,22 +63,24 @@ for label, (n, flags) in runs.items():
     metrics = out_dir / f"{label.replace(' ', '_').replace('=', '').replace('+', '')}.jsonl"
     launch("02_tensor_parallel/train_tp.py", n,
            ["--steps", STEPS, "--seq-len", "64", "--global-batch", "8", "--quiet", "--metrics", metrics, *flags])
-    history[label] = [json.loads(line) for line in metrics.read_text().splitlines()]
+    history[label] = read_metrics(metrics)
 ref = [r["loss"] for r in history["1 rank"]]
 for label, rows in history.items():
     diff = max(abs(r["loss"] - x) / x for r, x in zip(rows, ref))
     print(f"{label:<12} final loss {rows[-1]['loss']:.5f}   max relative difference vs 1 rank: {diff:.1e}   "
           f"TP bytes/step (rank 0): {rows[-1]['comm_bytes_tp']:,}   params on rank 0: {rows[-1]['param_bytes']:,}")
 
+# %% [markdown]
+# Left: the relative loss difference of each TP layout from the single device, per step (round-off
+# only). Right: the bytes rank 0 sent and received per step for TP's collectives.
+
 # %%
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-for label, rows in history.items():
-    ax1.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker="o", label=label, alpha=0.7)
-ax1.set_xlabel("step"), ax1.set_ylabel("training loss"), ax1.set_title("same losses in every layout")
-ax1.legend()
-labels = list(history)
+plot_relative_difference(ax1, history["1 rank"], {k: v for k, v in history.items() if k != "1 rank"})
+ax1.set_title("same losses in every layout, up to round-off")
+labels = [k for k in history if k != "1 rank"]
 ax2.bar(labels, [history[k][-1]["comm_bytes_tp"] / 2**20 for k in labels])
 ax2.set_ylabel("MiB sent + received per step (rank 0)")
 ax2.set_title("TP communication: SP moves the same bytes as all-reduce")
 fig.tight_layout()
-plt.show()
+show(fig, "02_tp_loss_difference_and_bytes")

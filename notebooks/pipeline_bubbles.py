@@ -6,7 +6,9 @@
 # Part 1 draws the schedules from unit costs (no processes). Part 2 runs them with `torchrun`
 # `--timeline` and draws what really happened.
 #
-# `NOTEBOOK_QUICK=1` keeps it short (2 ranks, 2 steps) for the headless tests; otherwise 4 ranks.
+# `make notebooks` executes it into `notebooks/pipeline_bubbles.ipynb`; every plot is also saved under
+# `notebooks/figures/`. `NOTEBOOK_QUICK=1` keeps it short (2 ranks, 2 steps, 1F1B and ZB-H1) for the
+# tests; otherwise 4 ranks and four schedules.
 
 # %%
 import os
@@ -15,32 +17,33 @@ import tempfile
 from importlib import import_module
 from pathlib import Path
 
-import matplotlib
-if os.environ.get("NOTEBOOK_QUICK"):
-    matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-ROOT = Path.cwd() if (Path.cwd() / "common").is_dir() else Path.cwd().parent
+ROOT = Path.cwd() if (Path.cwd() / "common").is_dir() else Path.cwd().parent   # repository root or notebooks/
 sys.path.insert(0, str(ROOT))
+from common.plots import show, show_png  # noqa: E402  (first: it picks the plot backend)
+import matplotlib.pyplot as plt  # noqa: E402
+
+from common.launch import launch  # noqa: E402
+from common.timeline import load_trace  # noqa: E402
+
 QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
 P, STEPS = (2, 2) if QUICK else (4, 3)
 sched = import_module("03_pipeline_parallel.pipeline_schedules")
 plot = import_module("03_pipeline_parallel.plot_timeline")
-from common.launch import launch  # noqa: E402
-from common.timeline import load_trace  # noqa: E402
-out_dir = Path(tempfile.mkdtemp())
+out_dir = Path(tempfile.mkdtemp(prefix="nb_bubbles_"))
 
 # %% [markdown]
 # ## 1. The bubble as m grows (theory and simulation agree for GPipe and 1F1B)
 
 # %%
 ms = [1, 2, 4, 8, 16, 32]
+fig, ax = plt.subplots(figsize=(7, 4))
 for p in (2, 4, 8):
-    plt.plot(ms, [sched.theory_bubble("1f1b", p, m) for m in ms], "o-", label=f"1F1B p={p}")
-    plt.plot(ms, [sched.simulate(sched.build_schedule("zb-h1", p, m), p)["bubble"] for m in ms], "x:",
-             label=f"ZB-H1 p={p} (simulated)")
-plt.xscale("log", base=2); plt.xlabel("micro-batches m"); plt.ylabel("bubble fraction"); plt.legend(fontsize=7)
-plt.show()
+    line, = ax.plot(ms, [sched.theory_bubble("1f1b", p, m) for m in ms], "o-", label=f"1F1B p={p}")
+    ax.plot(ms, [sched.simulate(sched.build_schedule("zb-h1", p, m), p)["bubble"] for m in ms], "x:",
+            color=line.get_color(), label=f"ZB-H1 p={p} (simulated)")
+ax.set_xscale("log", base=2); ax.set_xlabel("micro-batches m"); ax.set_ylabel("bubble fraction")
+ax.legend(fontsize=7); ax.grid(alpha=0.3)
+show(fig, "bubbles_vs_m")
 
 # %% [markdown]
 # ## 2. Four schedules on paper, p = 4, m = 8
@@ -48,8 +51,7 @@ plt.show()
 # %%
 print(sched.format_schedule(sched.build_schedule("1f1b", 4, 8), 4))
 panels = [plot.simulated_events(n, 4, 8, v) for n, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]]
-png = plot.plot(panels, out_dir / "simulated.png", "units")
-plt.figure(figsize=(12, 8)); plt.imshow(plt.imread(png)); plt.axis("off"); plt.show()
+show_png(plot.plot(panels, out_dir / "simulated.png", "units"), "bubbles_simulated_p4_m8")
 
 # %% [markdown]
 # ## 3. The same schedules for real (`torchrun ... --timeline`)
@@ -67,5 +69,4 @@ for name, v in SCHEDULES:
             "--seq-len", "64", "--steps", STEPS, "--quiet", "--timeline", trace])
     events, meta = load_trace(trace)
     traces.append((plot.step_of(events, None), meta))
-png = plot.plot(traces, out_dir / "real.png", "ms", f"p = {P}, real runs")
-plt.figure(figsize=(12, 8)); plt.imshow(plt.imread(png)); plt.axis("off"); plt.show()
+show_png(plot.plot(traces, out_dir / "real.png", "ms", f"p = {P}, real runs"), f"bubbles_real_p{P}")
