@@ -7,7 +7,7 @@ batches and print the same losses. Each script adds the degrees it teaches with 
 import argparse
 
 from common.errors import ConfigError, require
-from common.model import PRESETS, count_parameters
+from common.model import PRESETS, describe_size
 
 
 class _Parser(argparse.ArgumentParser):
@@ -16,7 +16,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
-    presets = ", ".join(f"{n} ({count_parameters(c) / 1e6:.1f}M params)" for n, c in PRESETS.items())
+    presets = ", ".join(f"{n} ({describe_size(c)})" for n, c in PRESETS.items())
     p = _Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=50, help="optimizer steps to run")
     p.add_argument("--seed", type=int, default=1337, help="seed for weights and batches")

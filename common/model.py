@@ -6,7 +6,11 @@ Because every layout starts from exactly these weights (built from the seed on e
 layout can reproduce exactly the same losses.
 
 Shapes: B batch, S sequence, D model dim, H query heads, K key/value heads, hd head dim, F MLP
-hidden dim, V vocabulary.
+hidden dim, V vocabulary; with experts: E experts, k experts per token, T = B·S tokens.
+
+A config with `n_experts > 0` replaces every block's SwiGLU MLP by a mixture of experts (router +
+E SwiGLU experts, `MoEFeedForward`; the routing math is in common/moe_routing.py). Dense configs build
+exactly the model they always built.
 """
 import math
 from dataclasses import dataclass, asdict
@@ -14,6 +18,9 @@ from dataclasses import dataclass, asdict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from common.moe_routing import (AddRouterLoss, RouterStats, RoutingOptions, combine_experts, group_by_expert,
+                                route, router_loss)
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,9 @@ class ModelConfig:
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    n_experts: int = 0         # 0: a dense SwiGLU MLP per block; E > 0: a mixture of E experts instead
+    top_k: int = 2             # experts per token (MoE only)
+    expert_hidden: int = 0     # one expert's SwiGLU hidden size (MoE only)
 
     @property
     def head_dim(self) -> int:
@@ -45,16 +55,36 @@ PRESETS = {
     "medium": ModelConfig(dim=512, n_layers=16, n_heads=16, n_kv_heads=8, ffn_hidden=1408, max_seq_len=1024),
     "large":  ModelConfig(dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_hidden=2816, max_seq_len=2048),
     "xl":     ModelConfig(dim=2048, n_layers=24, n_heads=32, n_kv_heads=8, ffn_hidden=5632, max_seq_len=2048),
+    # Mixtures of experts: each is its dense namesake with every MLP replaced by E experts of half the
+    # hidden size, top-2, so a token computes as much as in the dense model (same *active* parameters,
+    # plus the router) while the model holds E/2 times the MLP parameters. tiny-moe's 8 experts split
+    # over EP 2, 4 or 8; small-moe's 16 up to 16. (ffn_hidden is unused when there are experts.)
+    "tiny-moe":  ModelConfig(dim=128, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=384, max_seq_len=256,
+                             n_experts=8, top_k=2, expert_hidden=192),
+    "small-moe": ModelConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=704, max_seq_len=512,
+                             n_experts=16, top_k=2, expert_hidden=352),
 }
 
 
-def count_parameters(cfg: ModelConfig) -> int:
-    """Parameter count from the config alone (no weights are built), for printing presets."""
+def count_parameters(cfg: ModelConfig, active: bool = False) -> int:
+    """Parameter count from the config alone (no weights are built), for printing presets.
+
+    active=True: the parameters one token computes with. For a dense model that is all of them; with
+    experts, the router and k of the E experts per layer (what a step's FLOPs scale with).
+    """
     D, F_, L, V = cfg.dim, cfg.ffn_hidden, cfg.n_layers, cfg.vocab_size
     kv = cfg.n_kv_heads * cfg.head_dim
     attn = D * D + 2 * D * kv + D * D          # wq, wk, wv, wo
     mlp = 3 * D * F_                           # gate, up, down
+    if cfg.n_experts:                          # router + experts (each a SwiGLU of expert_hidden)
+        mlp = D * cfg.n_experts + (cfg.top_k if active else cfg.n_experts) * 3 * D * cfg.expert_hidden
     return 2 * V * D + L * (attn + mlp + 2 * D) + D   # embedding + head + layers (+ 2 norms each) + final norm
+
+
+def describe_size(cfg: ModelConfig) -> str:
+    """'1.6M params', or for a mixture of experts '5.2M params, 1.7M active'."""
+    text = f"{count_parameters(cfg) / 1e6:.1f}M params"
+    return text + (f", {count_parameters(cfg, active=True) / 1e6:.1f}M active" if cfg.n_experts else "")
 
 
 class RMSNorm(nn.Module):
@@ -113,14 +143,51 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None):     # hidden: an expert's size
         super().__init__()
-        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
-        self.w_up = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
-        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+        hidden = hidden or cfg.ffn_hidden
+        self.w_gate = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w_up = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, cfg.dim, bias=False)
 
     def forward(self, x):                                    # (B, S, D) -> (B, S, D)
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))   # hidden: (B, S, F)
+
+
+class MoEFeedForward(nn.Module):
+    """A mixture of experts in place of the MLP: each token goes to the k best of E SwiGLU experts.
+
+    The router is a linear map D → E (no bias), softmax over the experts, top-k (common/moe_routing.py).
+    Each expert runs on the rows routed to it, one batched call per expert, and a token's output is the
+    gate-weighted sum of its k experts' outputs. Chapter 05 splits `experts` over ranks and moves the
+    rows with an all-to-all; nothing here is parallel.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(cfg, cfg.expert_hidden) for _ in range(cfg.n_experts))
+        # Aux-loss-free balancing's bias: a buffer, not a parameter (no gradient, no optimizer), saved in
+        # the state dict so a resumed run continues with it.
+        self.register_buffer("selection_bias", torch.zeros(cfg.n_experts))
+        self.options = RoutingOptions()         # dropless, no balancing terms, until a training run sets them
+        self.stats = RouterStats(cfg.n_experts)
+
+    def forward(self, x):                                    # (B, S, D) -> (B, S, D)
+        B, S, D = x.shape
+        routing = route(x, self.router, self.selection_bias, self.top_k, self.options.capacity_factor)
+        self.stats.add(routing)
+        order, counts = group_by_expert(routing, self.n_experts)                 # (N,), (E,)
+        xs = x.reshape(B * S, D)[order // self.top_k]                            # (N, D) grouped by expert
+        ys = torch.cat([expert(rows) for expert, rows in zip(self.experts, xs.split(counts.tolist()))])
+        y = combine_experts(ys, order, routing, B, S)                            # (B, S, D)
+        return AddRouterLoss.apply(y, router_loss(routing, self.options))      # y; the terms join backward
+
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """Every mixture-of-experts layer of a model (single-device or expert-parallel: both keep `stats`)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "stats", None), RouterStats)]
 
 
 class Block(nn.Module):
@@ -131,7 +198,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = MoEFeedForward(cfg) if cfg.n_experts else SwiGLU(cfg)
 
     def forward(self, x, cos, sin):                          # (B, S, D) -> (B, S, D)
         x = x + self.attn(self.attn_norm(x), cos, sin)

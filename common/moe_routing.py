@@ -1,0 +1,175 @@
+"""The router of a mixture-of-experts layer, and everything around it that is not an expert.
+
+Single-device and nothing parallel, like common/model.py (whose `MoEFeedForward` calls these): chapter
+05 runs the same functions on every rank and puts its all-to-all between `group_by_expert` and
+`combine_experts`. One MoE feed-forward, for x of shape (B, S, D) and T = B·S tokens:
+
+    routing = route(x, router, bias, k, capacity_factor)   which k experts per token, with what gates
+    order, counts = group_by_expert(routing, E)            the kept (token, choice) slots sorted by expert
+    xs = x.view(T, D)[order // k]                          (N, D): each expert's rows, one block per expert
+    ys = [expert e on its block of counts[e] rows]         (N, D)
+    y = combine_experts(ys, order, routing, B, S)          (B, S, D): gate-weighted sum over the k choices
+
+Balancing statistics are taken *per sequence* (the "routing group" of GShard; DeepSeek-V3's
+sequence-wise balance loss): fᵢ, Pᵢ and the capacity of each expert are computed over the S tokens of
+one sequence. Every layout of the course splits the global batch by whole sequences (data-parallel
+rows, micro-batches, expert-parallel ranks routing their own rows), so each statistic is computed on
+one rank from the same numbers whatever the layout, and nothing needs communicating to get it.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Routing:
+    """The router's decisions for T = B·S tokens, each sent to k experts (k "slots" per token)."""
+    experts: torch.Tensor    # (T, k) long: the chosen experts, best first
+    gates: torch.Tensor      # (T, k) float: combine weights, the chosen probabilities renormalised
+    keep: torch.Tensor       # (T, k) bool: False where the expert was full (capacity) and dropped the slot
+    aux_sum: torch.Tensor    # scalar: Σ over sequences of E·Σᵢ fᵢ·Pᵢ (differentiable through Pᵢ)
+    z_sum: torch.Tensor      # scalar: Σ over tokens of logsumexp(logits)² (differentiable)
+    load: torch.Tensor       # (E,) long: slots routed to each expert, before dropping
+    dropped: torch.Tensor    # scalar long: slots dropped by the capacity limit
+
+
+@dataclass
+class RoutingOptions:
+    """What the training run sets on every MoE layer (common/moe_args.py has the flags)."""
+    capacity_factor: float | None = None   # None: dropless; else capacity ⌈CF·S·k/E⌉ per expert per sequence
+    aux_weight: float = 0.0   # × aux_sum: α / (sequences in the step), so the layer adds α·(mean over sequences)
+    z_weight: float = 0.0     # × z_sum:   β / (tokens in the step)
+
+
+def route(x, router: torch.nn.Linear, selection_bias, top_k: int, capacity_factor=None) -> Routing:
+    """Softmax router with top-k selection, on x: (B, S, D). Rows are whole sequences."""
+    B, S, _ = x.shape
+    E = router.out_features
+    logits = router(x).float()                                   # (B, S, E), fp32 even under autocast
+    probs = logits.softmax(dim=-1)                               # (B, S, E)
+    # Selection: the k best of probs + bias. The bias (aux-loss-free balancing, DeepSeek-V3) only picks;
+    # it is zero unless --router-bias-rate is set, and it never enters the gates or any gradient.
+    chosen = (probs.detach() + selection_bias).topk(top_k, dim=-1).indices       # (B, S, k)
+    picked = probs.gather(-1, chosen)                                            # (B, S, k)
+    # The k gates are renormalised to sum to 1 (as Mixtral does): the output is a weighted *average*
+    # of the chosen experts, so its scale does not shrink with E (raw top-2 of 8 softmax probabilities
+    # start near 2/8), and the router still learns from the LM loss through the ratio of the gates
+    # (with k = 1 that ratio is always 1: the router would then learn only from the balancing losses).
+    gates = picked / picked.sum(dim=-1, keepdim=True)                            # (B, S, k)
+
+    # Switch/GShard balance loss per sequence: fᵢ = share of its S·k slots that chose expert i (a count,
+    # no gradient), Pᵢ = mean probability of expert i over its S tokens (differentiable). Uniform routing
+    # gives fᵢ = Pᵢ = 1/E and E·Σᵢ fᵢPᵢ = 1, so α times it is exactly α.
+    per_sequence = F.one_hot(chosen, E).sum(dim=(1, 2))                          # (B, E) slots per expert
+    f = per_sequence.float() / (S * top_k)                                       # (B, E)
+    P = probs.mean(dim=1)                                                        # (B, E)
+    aux_sum = (E * (f * P).sum(dim=-1)).sum()
+    # Router z-loss (ST-MoE): keeps the logits small, so the softmax stays out of fp32/bf16 trouble.
+    z_sum = torch.logsumexp(logits, dim=-1).pow(2).sum()
+    keep = capacity_mask(chosen, E, capacity_factor)                             # (B, S, k)
+    return Routing(chosen.reshape(B * S, top_k), gates.reshape(B * S, top_k), keep.reshape(B * S, top_k),
+                   aux_sum, z_sum, per_sequence.sum(dim=0), (~keep).sum())
+
+
+def capacity_mask(chosen, n_experts: int, capacity_factor=None):
+    """Which slots fit: each expert takes at most ⌈CF·S·k/E⌉ slots of each sequence. chosen: (B, S, k).
+
+    Priority by position, as in the Switch Transformer: an expert serves the sequence's tokens in order
+    until it is full. (GShard serves every token's first choice before any second choice. Then the order
+    of a token's own top-2 decides drops, and when its two best scores are equal to within round-off,
+    two layouts of the same run can order them differently; by position, only which experts a token
+    chose matters.) A dropped slot adds nothing to its token's output: the token keeps its other
+    choice(s), and if every one is dropped it passes through the block's residual connection alone.
+    """
+    if capacity_factor is None:                                  # dropless: every slot is kept
+        return torch.ones_like(chosen, dtype=torch.bool)
+    B, S, k = chosen.shape
+    capacity = math.ceil(capacity_factor * S * k / n_experts)
+    one_hot = F.one_hot(chosen.reshape(B, S * k), n_experts)     # (B, S·k, E), slots in token order
+    place = (one_hot.cumsum(dim=1) * one_hot).sum(dim=-1) - 1    # (B, S·k): 0-based place in its expert's queue
+    return (place < capacity).view(B, S, k)                      # (B, S, k)
+
+
+def group_by_expert(routing: Routing, n_experts: int):
+    """The kept slots sorted by expert. Slot s is choice s % k of token s // k (slots are (T·k,) flat).
+
+    Returns order (N,): slot ids, expert 0's first, and within an expert in token order (a stable
+    sort), and counts (E,): how many of the N rows go to each expert.
+    """
+    flat = routing.experts.flatten()                             # (T·k,)
+    kept = routing.keep.flatten().nonzero().squeeze(1)           # (N,) kept slot ids, ascending
+    order = kept[torch.argsort(flat[kept], stable=True)]         # (N,)
+    counts = torch.bincount(flat[kept], minlength=n_experts)     # (E,)
+    return order, counts
+
+
+def combine_experts(ys, order, routing: Routing, B: int, S: int):
+    """Put each expert output back in its slot and sum a token's k slots, weighted by the gates.
+
+    ys: (N, D) outputs in `order`. Dropped slots stay zero. Returns (B, S, D).
+    """
+    T, k = routing.experts.shape
+    slots = ys.new_zeros(T * k, ys.shape[-1]).index_copy(0, order, ys)          # (T·k, D)
+    y = (slots.view(T, k, -1) * routing.gates.unsqueeze(-1)).sum(dim=1)         # (T, D)
+    return y.view(B, S, -1).to(ys.dtype)
+
+
+def router_loss(routing: Routing, options: RoutingOptions):
+    """This layer's share of the balancing terms of the step's objective (a scalar)."""
+    return options.aux_weight * routing.aux_sum + options.z_weight * routing.z_sum
+
+
+class AddRouterLoss(torch.autograd.Function):
+    """Return y unchanged; in backward also send gradient 1 into `loss` (Megatron-LM's MoEAuxLossAutoScaler).
+
+    Calling backward on the language-model loss then trains the router as if `loss` had been added to
+    the objective. Adding it here instead of at the end means nothing else has to collect the layers'
+    terms: gradient accumulation, and pipeline stages that run several micro-batches' forwards before
+    their backwards, need no change. The metrics report the terms from RouterStats.
+    """
+
+    @staticmethod
+    def forward(ctx, y, loss):
+        ctx.loss_shape = loss.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return grad_y, torch.ones(ctx.loss_shape, device=grad_y.device)
+
+
+class RouterStats:
+    """What one layer's router did since the last reset (one optimizer step): for the metrics and for
+    the bias update. Summed over this rank's micro-batches; the trainer sums it over all ranks."""
+
+    def __init__(self, n_experts: int):
+        self.n_experts = n_experts
+        self.reset()
+
+    def reset(self):
+        self.load = torch.zeros(self.n_experts, dtype=torch.float64)        # slots per expert
+        self.dropped = torch.zeros((), dtype=torch.float64)                 # slots dropped
+        self.aux_sum = torch.zeros((), dtype=torch.float64)
+        self.z_sum = torch.zeros((), dtype=torch.float64)
+
+    def add(self, routing: Routing):
+        self.load += routing.load.detach().cpu().double()
+        self.dropped += routing.dropped.detach().cpu().double()
+        self.aux_sum += routing.aux_sum.detach().cpu().double()
+        self.z_sum += routing.z_sum.detach().cpu().double()
+
+    def as_row(self) -> torch.Tensor:
+        """(E + 3,) float64: load, dropped, aux_sum, z_sum (one all-reduce sums every layer's rows)."""
+        return torch.cat([self.load, self.dropped.view(1), self.aux_sum.view(1), self.z_sum.view(1)])
+
+
+def update_selection_bias(selection_bias, load, rate: float) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3): b += γ·sign(mean load − load), from the whole step's load.
+
+    An overloaded expert's bias falls, so it is chosen less next step; an idle one's rises. Only the
+    selection sees the bias, so the gates and the gradients stay those of the plain softmax router.
+    """
+    load = load.to(selection_bias.device, torch.float32)
+    selection_bias += rate * torch.sign(load.mean() - load)
