@@ -1,0 +1,127 @@
+"""The step protocol's verbs (common/step_protocol.py) for a mixture of experts on an EP × DP mesh.
+
+    trainer = ExpertParallelTrainer(model, mesh, args, cfg, device)   # model already parallelized
+    trainer.forward_backward(x, y, sync)   the all-to-alls run inside every MoE layer, forward and backward
+    trainer.sync_gradients()               dense gradients over all ranks, expert gradients over the DP group
+    trainer.clip_grad_norm(max_norm)       each gradient counted once (see counted_here)
+    trainer.step()                         the step's router statistics summed over all ranks, the router
+                                           biases updated from them, then AdamW
+    trainer.zero_grad(), set_lr(lr), memory(), router_metrics()
+"""
+from importlib import import_module
+
+import torch
+import torch.distributed as dist
+
+from common import comm
+from common.model import loss_sum, moe_layers
+from common.moe_args import routing_options
+from common.moe_routing import update_selection_bias
+from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr
+from common.training import consolidate_on_rank0, load_optim_state_by_name
+
+from .expert_parallel import is_expert_param
+
+dp_lib = import_module("01_data_parallel.data_parallel")
+
+
+def counted_here(name: str, mesh) -> bool:
+    """Does this rank count parameter `name` in the global gradient norm? Dense parameters are the same
+    on every rank after the sync: rank 0 counts them. An expert is the same on its DP group: the rank
+    with DP coordinate 0 counts it (one per EP coordinate, so every expert once)."""
+    return mesh.coord("dp") == 0 if is_expert_param(name) else mesh.rank == 0
+
+
+class ExpertParallelTrainer:
+    def __init__(self, model, mesh, args, cfg, device):
+        self.model, self.mesh, self.cfg, self.device = model, mesh, cfg, device
+        self.bf16 = args.dtype == "bf16"
+        self.tokens_per_step = args.global_batch * args.seq_len
+        self.named = list(model.named_parameters())
+        self.dense = [p for n, p in self.named if not is_expert_param(n)]
+        self.expert = [p for n, p in self.named if is_expert_param(n)]
+        self.owned = [p for n, p in self.named if counted_here(n, mesh)]
+        # Every gradient exists from the start, so the flat buffers below always have the same layout on
+        # every rank (an expert that received no rows in a step still gets its zero gradient).
+        for _, p in self.named:
+            p.grad = torch.zeros_like(p)
+        self.optimizer = build_adamw(self.named, args.lr, args.weight_decay)
+        # Chapter 01's flat-buffer all-reduce, once per group: dense over the world, experts over DP.
+        self.dense_sync = dp_lib.AsyncGradAllReduce(dist.group.WORLD)
+        self.expert_sync = dp_lib.AsyncGradAllReduce(mesh.group("dp"))
+        self.layers = moe_layers(model)
+        self.options = routing_options(args, args.global_batch, args.seq_len)
+        for layer in self.layers:
+            layer.options = self.options
+        self.bias_rate = args.router_bias_rate
+        self.totals = None          # (L, E + 3) router statistics of the last step, summed over all ranks
+
+    # --- the verbs -------------------------------------------------------------------------------
+    def forward_backward(self, x, y, sync: bool = True) -> torch.Tensor:
+        """x, y: (b, S) this rank's rows. Gradients are only summed in sync_gradients, so `sync` needs
+        no special case: micro-batches accumulate into .grad either way."""
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
+            logits = self.model(x)                        # (b, S, V); every MoE layer: 4 all-to-alls in all
+            loss = loss_sum(logits, y) / self.tokens_per_step
+        loss.backward()                                   # + the balancing terms, through AddRouterLoss
+        return loss.detach()
+
+    def sync_gradients(self) -> None:
+        self.dense_sync.launch(self.dense)                # all-reduce over all ranks: each saw its own rows
+        if self.expert:                                   # (a dense model has none)
+            self.expert_sync.launch(self.expert)          # all-reduce over the ranks holding the same experts
+        self.dense_sync.wait()
+        self.expert_sync.wait()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return clip_by_global_norm([p.grad for p in self.owned], max_norm, groups=[dist.group.WORLD],
+                                   all_grads=[p.grad for _, p in self.named])
+
+    def step(self) -> None:
+        if self.layers:
+            # One all-reduce of every layer's (load, dropped, aux, z): the whole step's statistics, the
+            # same numbers in every layout (the loads are integer counts, summed exactly).
+            rows = torch.stack([layer.stats.as_row() for layer in self.layers]).to(self.device)   # (L, E + 3)
+            comm.all_reduce(rows, group=dist.group.WORLD, name="router")
+            self.totals = rows.cpu()
+            if self.bias_rate > 0:
+                for layer, row in zip(self.layers, self.totals):
+                    update_selection_bias(layer.selection_bias, row[:self.cfg.n_experts], self.bias_rate)
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=False)
+        for layer in self.layers:
+            layer.stats.reset()
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+
+    def memory(self) -> dict:
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+        return {"param_bytes": nbytes(self.dense + self.expert), "expert_param_bytes": nbytes(self.expert),
+                "grad_bytes": nbytes(p.grad for p in self.dense + self.expert),
+                "optim_bytes": optim_bytes(self.optimizer)}
+
+    # --- what the run reports and saves ----------------------------------------------------------
+    def router_metrics(self) -> dict:
+        """The last step's balancing numbers, from the statistics summed over all ranks in step()."""
+        if self.totals is None:
+            return {}
+        E = self.cfg.n_experts
+        load, dropped, aux, z = self.totals[:, :E], self.totals[:, E], self.totals[:, E + 1], self.totals[:, E + 2]
+        per_layer_max_over_mean = load.max(dim=1).values / load.mean(dim=1)              # (L,)
+        return {"aux_loss": self.options.aux_weight * aux.sum().item(),
+                "z_loss": self.options.z_weight * z.sum().item(),
+                "dropped_fraction": (dropped.sum() / load.sum()).item(),
+                "expert_load": load.long().tolist(),
+                "max_over_mean_load": per_layer_max_over_mean.mean().item()}
+
+    def full_state(self):
+        """(model, optim) consolidated single-device state on global rank 0, (None, None) elsewhere.
+        The ranks of DP coordinate 0 hold every expert once between them; rank 0 merges their dicts
+        (the router biases and the dense weights come with each, identical)."""
+        return consolidate_on_rank0(self.model, self.optimizer, self.named, is_writer=self.mesh.coord("dp") == 0)
+
+    def load_optimizer_state(self, states: dict) -> None:
+        load_optim_state_by_name(self.optimizer, self.named, states)
