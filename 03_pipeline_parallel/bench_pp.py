@@ -75,8 +75,8 @@ def median(rows, key, skip=1):
 
 def report(all_results: dict, tmp: Path, quick: bool) -> None:
     n_rounds = rounds(quick)
-    sched = import_module("03_pipeline_parallel.pipeline_schedules")
-    plot = import_module("03_pipeline_parallel.plot_timeline")
+    pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
+    plot_timeline = import_module("03_pipeline_parallel.plot_timeline")
     from common.metrics import format_bytes
     from common.timeline import load_trace
     import matplotlib
@@ -98,10 +98,11 @@ def report(all_results: dict, tmp: Path, quick: bool) -> None:
                 m = int(label.split("m=")[1])
                 ms.append(m)
                 meas.append(median(rows, "bubble_fraction"))
-                sim = sched.simulate(sched.build_schedule("1f1b", p, m), p)["bubble"]
-                lines.append(f"| {p} | {m} | {meas[-1]:.3f} | {sched.theory_bubble('1f1b', p, m):.3f} | {sim:.3f} |")
+                sim = pipeline_schedules.simulate(pipeline_schedules.build_schedule("1f1b", p, m), p)["bubble"]
+                theory = pipeline_schedules.theory_bubble("1f1b", p, m)
+                lines.append(f"| {p} | {m} | {meas[-1]:.3f} | {theory:.3f} | {sim:.3f} |")
         ax.plot(ms, meas, "o-", label=f"measured p={p}")
-        ax.plot(ms, [sched.theory_bubble("1f1b", p, m) for m in ms], "--", label=f"theory p={p}")
+        ax.plot(ms, [pipeline_schedules.theory_bubble("1f1b", p, m) for m in ms], "--", label=f"theory p={p}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("bubble fraction")
@@ -135,8 +136,9 @@ def report(all_results: dict, tmp: Path, quick: bool) -> None:
             ratios = sorted(median(o, "tokens_per_s") / median(t, "tokens_per_s")
                             for o, t in zip(per_round["ours"], per_round["torch"]))
             bubble = statistics.median(median(rows, "bubble_fraction") for rows in per_round["ours"])
+            theory = pipeline_schedules.theory_bubble(name, p, 8, v)
             lines.append(f"| {p} | {name}{' v=2' if v > 1 else ''} | {a:,.0f} | {b:,.0f} | {a / b:.2f} | "
-                         f"{ratios[0]:.2f} – {ratios[-1]:.2f} | {bubble:.3f} | {sched.theory_bubble(name, p, 8, v):.3f} |")
+                         f"{ratios[0]:.2f} – {ratios[-1]:.2f} | {bubble:.3f} | {theory:.3f} |")
     # --- action durations -------------------------------------------------------------------------
     lines += ["", "## How long one action takes (median over the F, B, W boxes of ranks 1.. in steps 2.., "
               "m = 8 micro-batches of 2 × 128 tokens)", "",
@@ -159,11 +161,12 @@ def report(all_results: dict, tmp: Path, quick: bool) -> None:
         panels = []
         for name, _ in SCHEDS:
             events, meta = load_trace(tmp / f"p{p}_{name}.json")
-            panels.append((plot.step_of(events, None), meta))
-        plot.plot(panels, OUT / f"timelines_p{p}.png", "ms", f"p = {p}, 2-core CPU, gloo")
+            panels.append((plot_timeline.step_of(events, None), meta))
+        plot_timeline.plot(panels, OUT / f"timelines_p{p}.png", "ms", f"p = {p}, 2-core CPU, gloo")
         lines.append(f"![timelines p={p}](timelines_p{p}.png)")
-    plot.plot([plot.simulated_events(n, 4, 8, v) for n, v in SCHEDS], OUT / "timelines_simulated.png", "units",
-              "simulated, unit costs (F = 1, B = 2; zero-bubble B = W = 1)")
+    simulated = [plot_timeline.simulated_events(n, 4, 8, v) for n, v in SCHEDS]
+    plot_timeline.plot(simulated, OUT / "timelines_simulated.png", "units",
+                       "simulated, unit costs (F = 1, B = 2; zero-bubble B = W = 1)")
     lines += ["", "![simulated](timelines_simulated.png)", ""]
     (OUT / "pp_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

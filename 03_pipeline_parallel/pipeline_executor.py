@@ -23,15 +23,12 @@ the few parameters outside linear layers, while each linear layer leaves (x, dy)
 those layers' dW = dyᵀ x. Stage 0 has nobody waiting for an input gradient: its B does nothing and
 its W is the whole backward.
 """
-from importlib import import_module
-
 import torch
 import torch.nn as nn
 
 from common import comm
 
-stages_lib = import_module("03_pipeline_parallel.pipeline_stages")
-zb = import_module("03_pipeline_parallel.zero_bubble")
+from . import pipeline_stages, zero_bubble
 
 Key = tuple   # ("act" | "grad", micro-batch, destination stage)
 
@@ -94,8 +91,8 @@ class PipelineExecutor:
 
     def _split_weight_grads(self) -> None:
         """Zero bubble: linear layers postpone dW to W; B computes the other parameters' gradients."""
-        self.store = zb.WeightGradStore()
-        deferred = zb.split_linears(self.model, self.store)
+        self.store = zero_bubble.WeightGradStore()
+        deferred = zero_bubble.split_linears(self.model, self.store)
         self.b_params = {s: [p for p in params if id(p) not in deferred] for s, params in self.stage_params.items()}
 
     # --- messages --------------------------------------------------------------------------------
@@ -153,7 +150,7 @@ class PipelineExecutor:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), \
                 torch.autocast(self.device.type, self.autocast_dtype or torch.float32,
                                enabled=self.autocast_dtype is not None):
-            out = stages_lib.stage_forward(self.model, stage, inp)                 # (mb, S, D) or logits
+            out = pipeline_stages.stage_forward(self.model, stage, inp)            # (mb, S, D) or logits
             if stage.last:
                 out = self.loss_fn(out, targets) / self.loss_scale         # this micro-batch's share
         nbytes = self._bytes(saved)
@@ -188,7 +185,7 @@ class PipelineExecutor:
     def _weights(self, a):
         st = self.state[(a.mb, a.stage)]
         if "pending" in st:                             # the dW = dyᵀ x that B left
-            zb.apply_weight_grads(st["pending"])
+            zero_bubble.apply_weight_grads(st["pending"])
         else:                                           # stage 0: B did nothing, W is the whole backward
             torch.autograd.backward(st["out"], st["grad_out"])
         self._release(a)
@@ -264,7 +261,7 @@ def forward_only_loss_sum(model, my_specs, pp_rank: int, pp_ranks: list[int], gr
             else:
                 inp = torch.empty(act_shape, device=device)  # (mb, S, D), or (mb, S/tp, D) with SP
                 comm.recv(inp, src=pp_ranks[(stage.index - 1) % p], group=group, name="pp").wait()
-            out = stages_lib.stage_forward(model, stage, inp)
+            out = pipeline_stages.stage_forward(model, stage, inp)
             if stage.last:
                 total += loss_fn(out, y)
             elif (stage.index + 1) % p == pp_rank:

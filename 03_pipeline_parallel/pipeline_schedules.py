@@ -144,10 +144,6 @@ def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def stage_rank(stage: int, p: int) -> int:
-    return stage % p
-
-
 def simulate(schedule: list[list[Action]], n_stages: int, cost=None) -> dict:
     """Run a schedule on paper: each rank executes its list in order, an action waits for its inputs.
 

@@ -4,19 +4,19 @@ from importlib import import_module
 
 import pytest
 
+from common import timeline
+from common.errors import ConfigError
 from common.model import PRESETS
 
-S = import_module("03_pipeline_parallel.pipeline_schedules")
-X = import_module("03_pipeline_parallel.pipeline_executor")
-ST = import_module("03_pipeline_parallel.pipeline_stages")
-TL = import_module("common.timeline")
-from common.errors import ConfigError  # noqa: E402
+pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
+pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")
+pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")
 
 
 def cases():
     for p in (1, 2, 3, 4):
         for m in (1, 2, 3, 4, 5, 8, 12):
-            for name in S.SCHEDULES:
+            for name in pipeline_schedules.SCHEDULES:
                 for v in ((1, 2, 3) if name == "interleaved" else (1,)):
                     if name == "interleaved" and m % p:
                         continue
@@ -28,22 +28,23 @@ CASES = list(cases())
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
 def test_every_forward_has_its_backward_once(name, p, m, v):
-    sched = S.build_schedule(name, p, m, v)
+    sched = pipeline_schedules.build_schedule(name, p, m, v)
     for r, acts in enumerate(sched):
         counts = Counter(acts)
         assert all(c == 1 for c in counts.values()), f"rank {r} repeats an action"
         stages = [r + k * p for k in range(v)]
         kinds = ("F", "B", "W") if name == "zb-h1" else ("F", "B")
-        assert set(counts) == {S.Action(k, mb, s) for k in kinds for mb in range(m) for s in stages}
+        assert set(counts) == {pipeline_schedules.Action(k, mb, s) for k in kinds for mb in range(m) for s in stages}
         for a in acts:                               # B after its F, W after its B, on this rank
             if a.kind != "F":
-                before = S.Action("F" if a.kind == "B" else "B", a.mb, a.stage)
+                before = pipeline_schedules.Action("F" if a.kind == "B" else "B", a.mb, a.stage)
                 assert acts.index(before) < acts.index(a)
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
 def test_dependencies_and_in_flight_limit(name, p, m, v):
-    sim = S.simulate(S.build_schedule(name, p, m, v), p * v)   # raises on deadlock / missing input
+    # raises on deadlock / missing input
+    sim = pipeline_schedules.simulate(pipeline_schedules.build_schedule(name, p, m, v), p * v)
     promise = {"gpipe": [m] * p, "1f1b": [min(p - r, m) for r in range(p)], "zb-h1": [min(p, m)] * p,
                "interleaved": [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) for r in range(p)]}[name]
     assert all(have <= want for have, want in zip(sim["in_flight"], promise)), (sim["in_flight"], promise)
@@ -55,7 +56,7 @@ def run_protocol(sched, n: int, blocking_sends: bool) -> None:
     blocking_sends=False: a send never blocks (the executor: isend, waited at the end of the step).
     blocking_sends=True: a send completes only once the receiver posted its irecv (rendezvous)."""
     p = len(sched)
-    orders = [X.incoming_order(sched, r, n) for r in range(p)]
+    orders = [pipeline_executor.incoming_order(sched, r, n) for r in range(p)]
     # Round-robin over the ranks; each advances when it can; nobody can -> deadlock.
     queues = [{src: list(keys) for src, keys in o.items()} for o in orders]
     posted, sent = [set() for _ in range(p)], set()
@@ -68,15 +69,15 @@ def run_protocol(sched, n: int, blocking_sends: bool) -> None:
             a = sched[r][pc[r]]
             if phase[r] == 0:
                 for b in sched[r][pc[r]:pc[r] + 2]:          # this action's message and the next one's
-                    need = X.needed_message(b, n, p)
+                    need = pipeline_executor.needed_message(b, n, p)
                     if need and need[1] != r:
                         while need[0] not in posted[r]:
                             posted[r].add(queues[r][need[1]].pop(0))
-                need = X.needed_message(a, n, p)
+                need = pipeline_executor.needed_message(a, n, p)
                 if need is None or need[0] in sent:
                     phase[r], moved = 1, True
             else:
-                out = X.produced_messages([a], n, p)
+                out = pipeline_executor.produced_messages([a], n, p)
                 if not blocking_sends or all(dst == r or key in posted[dst] for key, dst in out):
                     sent.update(key for key, _ in out)
                     pc[r], phase[r], moved = pc[r] + 1, 0, True
@@ -86,10 +87,10 @@ def run_protocol(sched, n: int, blocking_sends: bool) -> None:
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
 def test_executor_message_plan_matches_and_never_deadlocks(name, p, m, v):
-    sched, n = S.build_schedule(name, p, m, v), p * v
-    orders = [X.incoming_order(sched, r, n) for r in range(p)]
+    sched, n = pipeline_schedules.build_schedule(name, p, m, v), p * v
+    orders = [pipeline_executor.incoming_order(sched, r, n) for r in range(p)]
     for r in range(p):                               # every message sent is consumed exactly once
-        needed = Counter(X.needed_message(a, n, p) for a in sched[r])
+        needed = Counter(pipeline_executor.needed_message(a, n, p) for a in sched[r])
         needed = Counter({k: c for k, c in needed.items() if k is not None and k[1] != r})
         expected = Counter((k, src) for src, keys in orders[r].items() for k in keys)
         assert needed == expected
@@ -102,26 +103,27 @@ def test_interleaved_needs_asynchronous_sends():
     """The trap: with sends that block until the peer posts its receive, interleaved 1F1B deadlocks
     (each rank sends a chunk's activation while its peer sends a gradient back). Hence isend."""
     with pytest.raises(RuntimeError, match="deadlock"):
-        run_protocol(S.interleaved_1f1b(2, 4, 2), 4, blocking_sends=True)
+        run_protocol(pipeline_schedules.interleaved_1f1b(2, 4, 2), 4, blocking_sends=True)
 
 
 @pytest.mark.parametrize("p", [2, 4])
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
 def test_bubble_matches_theory(p, m):
     for name in ("gpipe", "1f1b"):
-        assert S.simulate(S.build_schedule(name, p, m), p)["bubble"] == pytest.approx(S.theory_bubble(name, p, m))
+        sim = pipeline_schedules.simulate(pipeline_schedules.build_schedule(name, p, m), p)
+        assert sim["bubble"] == pytest.approx(pipeline_schedules.theory_bubble(name, p, m))
     if m % p == 0:
-        sim = S.simulate(S.build_schedule("interleaved", p, m, 2), 2 * p)
-        assert sim["bubble"] == pytest.approx(S.theory_bubble("interleaved", p, m, 2))
-    zb = S.simulate(S.build_schedule("zb-h1", p, m), p)["bubble"]
-    assert zb <= S.theory_bubble("1f1b", p, m) + 1e-9
+        sim = pipeline_schedules.simulate(pipeline_schedules.build_schedule("interleaved", p, m, 2), 2 * p)
+        assert sim["bubble"] == pytest.approx(pipeline_schedules.theory_bubble("interleaved", p, m, 2))
+    zb = pipeline_schedules.simulate(pipeline_schedules.build_schedule("zb-h1", p, m), p)["bubble"]
+    assert zb <= pipeline_schedules.theory_bubble("1f1b", p, m) + 1e-9
     if m >= p:
-        assert zb == pytest.approx(S.theory_bubble("zb-h1", p, m))
+        assert zb == pytest.approx(pipeline_schedules.theory_bubble("zb-h1", p, m))
 
 
 def test_1f1b_warmup_is_min_p_minus_r_minus_1_m():
     for p, m in [(4, 8), (4, 2)]:
-        sched = S.one_f_one_b(p, m)
+        sched = pipeline_schedules.one_f_one_b(p, m)
         for r in range(p):
             first_b = next(i for i, a in enumerate(sched[r]) if a.kind == "B")
             assert first_b == min(p - r - 1, m) + (1 if m > p - r - 1 else 0)
@@ -129,32 +131,32 @@ def test_1f1b_warmup_is_min_p_minus_r_minus_1_m():
 
 def test_bad_schedules_say_how_to_fix():
     with pytest.raises(ConfigError, match="multiple of --pp"):
-        S.build_schedule("interleaved", 4, 6, 2)
+        pipeline_schedules.build_schedule("interleaved", 4, 6, 2)
     with pytest.raises(ConfigError, match="only works with --schedule interleaved"):
-        S.build_schedule("1f1b", 2, 4, 2)
+        pipeline_schedules.build_schedule("1f1b", 2, 4, 2)
     with pytest.raises(ConfigError, match="too few for 16 stages"):
-        ST.stage_specs(PRESETS["tiny"], 4, 4, 32)
+        pipeline_stages.stage_specs(PRESETS["tiny"], 4, 4, 32)
 
 
 def test_partition_is_balanced_and_covers_every_layer():
     cfg = PRESETS["tiny"]
     for n in (1, 2, 3, 4, 8):
-        parts = ST.partition(cfg, n, 128)
+        parts = pipeline_stages.partition(cfg, n, 128)
         assert [i for part in parts for i in part] == list(range(cfg.n_layers))
         assert max(map(len, parts)) - min(map(len, parts)) <= 1
-    assert ST.partition(cfg, 3, 128) == [(0, 1, 2), (3, 4, 5), (6, 7)]     # the head weighs on the last stage
-    specs = ST.stage_specs(cfg, 2, 2, 32)
-    assert [s.index for s in ST.rank_stages(specs, 2, 1)] == [1, 3] and specs[0].first and specs[-1].last
+    assert pipeline_stages.partition(cfg, 3, 128) == [(0, 1, 2), (3, 4, 5), (6, 7)]     # the head weighs on the last stage
+    specs = pipeline_stages.stage_specs(cfg, 2, 2, 32)
+    assert [s.index for s in pipeline_stages.rank_stages(specs, 2, 1)] == [1, 3] and specs[0].first and specs[-1].last
 
 
 def test_pruned_stage_keeps_reference_names():
     from common.model import build_model
     cfg = PRESETS["tiny"]
-    specs = ST.stage_specs(cfg, 4, 1, 32)
+    specs = pipeline_stages.stage_specs(cfg, 4, 1, 32)
     full = dict(build_model(cfg, 7).named_parameters())
     names = set()
     for r in range(4):
-        model = ST.prune_to_stages(build_model(cfg, 7), ST.rank_stages(specs, 4, r))
+        model = pipeline_stages.prune_to_stages(build_model(cfg, 7), pipeline_stages.rank_stages(specs, 4, r))
         for n, p in model.named_parameters():
             assert n in full and (p == full[n]).all()
             names.add(n)
@@ -162,18 +164,18 @@ def test_pruned_stage_keeps_reference_names():
 
 
 def test_timeline_roundtrip_and_bubble(tmp_path):
-    sim = S.simulate(S.one_f_one_b(2, 2), 2)
+    sim = pipeline_schedules.simulate(pipeline_schedules.one_f_one_b(2, 2), 2)
     events = [{"rank": r, "step": 1, "kind": a.kind, "start": s, "end": e, "mb": a.mb}
               for r, a, s, e in sim["events"]]
-    assert TL.bubble_fraction(events) == pytest.approx(sim["bubble"])
-    path = TL.write_chrome_trace(tmp_path / "t.json", events, {"schedule": "1f1b"})
-    back, meta = TL.load_trace(path)
+    assert timeline.bubble_fraction(events) == pytest.approx(sim["bubble"])
+    path = timeline.write_chrome_trace(tmp_path / "t.json", events, {"schedule": "1f1b"})
+    back, meta = timeline.load_trace(path)
     assert meta["schedule"] == "1f1b" and len(back) == len(events)
-    assert TL.bubble_fraction(back) == pytest.approx(sim["bubble"])
+    assert timeline.bubble_fraction(back) == pytest.approx(sim["bubble"])
 
 
 def test_print_schedule_table():
-    text = S.format_schedule(S.build_schedule("1f1b", 4, 8), 4)
+    text = pipeline_schedules.format_schedule(pipeline_schedules.build_schedule("1f1b", 4, 8), 4)
     assert sum(line.startswith("rank ") for line in text.splitlines()) == 4 and "F7" in text and "B7" in text and "bubble 0.273" in text
 
 
@@ -185,7 +187,7 @@ def test_split_linear_defers_weight_grads_and_w_completes_them():
     executor counts activation bytes with one) and with gradients already accumulated."""
     import torch
     from common.model import build_model, loss_sum
-    zb = import_module("03_pipeline_parallel.zero_bubble")
+    zero_bubble = import_module("03_pipeline_parallel.zero_bubble")
     cfg = PRESETS["tiny"]
     ref, split = build_model(cfg, seed=3), build_model(cfg, seed=3)
     x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
@@ -195,8 +197,8 @@ def test_split_linear_defers_weight_grads_and_w_completes_them():
             h = layer(h, model.rope_cos, model.rope_sin)
         return loss_sum(model.head(h), y)
 
-    store = zb.WeightGradStore()
-    deferred = zb.split_linears(split, store)
+    store = zero_bubble.WeightGradStore()
+    deferred = zero_bubble.split_linears(split, store)
     assert len(deferred) == 7 * cfg.n_layers + 1 and not any(type(m) is torch.nn.Linear for m in split.modules())
     b_params = [p for n, p in split.named_parameters() if id(p) not in deferred and n != "tok_emb.weight"]
     for rep in range(2):                          # twice: the second pass accumulates onto the first
@@ -210,7 +212,7 @@ def test_split_linear_defers_weight_grads_and_w_completes_them():
         assert torch.equal(h.grad, h_ref.grad)
         assert len(pending) == len(deferred)
         assert all(split.get_parameter(n).grad is None for n in ("layers.0.attn.wq.weight", "lm_head.weight")) or rep
-        zb.apply_weight_grads(pending)            # W
+        zero_bubble.apply_weight_grads(pending)            # W
     for (name, p_ref), p in zip(ref.named_parameters(), split.parameters()):
         if name != "tok_emb.weight":
             torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-6, atol=1e-9, msg=name)
