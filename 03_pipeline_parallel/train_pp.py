@@ -7,7 +7,7 @@
     python 03_pipeline_parallel/train_pp.py --pp 4 --microbatches 8 --schedule 1f1b --print-schedule
 
 --pp defaults to the world size; with fewer, the remaining factor is data parallelism
-(Mesh dp × pp, gradients all-reduced over dp with chapter 01's allreduce_gradients).
+(Mesh dp × pp; each stage's gradients all-reduced over dp as soon as they are final, see pipeline_trainer.py).
 """
 import sys
 from importlib import import_module
@@ -26,21 +26,22 @@ from common.errors import require, run_main
 from common.mesh import Mesh
 from common.metrics import RunLog, format_bytes
 from common.model import PRESETS, build_model, count_parameters, loss_sum
-from common.optim import build_adamw, clip_by_global_norm, lr_at, set_lr
+from common.optim import build_adamw, lr_at
 from common.timeline import Timeline, write_chrome_trace
 from common.training import (StepTimer, consolidate_on_rank0, global_sum, load_optim_state_by_name,
                              resume_state, run_identity, should_save)
 
-dp_lib = import_module("01_data_parallel.data_parallel")
-sched_lib = import_module("03_pipeline_parallel.pipeline_schedules")
-stages_lib = import_module("03_pipeline_parallel.pipeline_stages")
-exec_lib = import_module("03_pipeline_parallel.pipeline_executor")
+pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")   # who runs what, when
+pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")         # the model cut into stages
+pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")     # runs a schedule
+pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")       # the loop's verbs
+torch_pipelining = import_module("03_pipeline_parallel.torch_pipelining")       # --impl torch
 
 
 def parse_args(argv=None, schedule=None):
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (ranks); default: the world size")
-    p.add_argument("--schedule", default=schedule or "1f1b", choices=sched_lib.SCHEDULES)
+    p.add_argument("--schedule", default=schedule or "1f1b", choices=pipeline_schedules.SCHEDULES)
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved only)")
     p.add_argument("--impl", default="ours", choices=["ours", "torch"],
                    help="ours: pipeline_executor.py; torch: torch.distributed.pipelining, same stages")
@@ -57,9 +58,6 @@ def parse_args(argv=None, schedule=None):
     dp = 1 if args.print_schedule else world // args.pp
     default_pipeline_microbatches(args, dp, args.pp)
     check_common(args, dp=dp)
-    # Pure checks, identical on every rank, before any communication: bad layouts fail here.
-    args.plan = sched_lib.build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
-    args.specs = stages_lib.stage_specs(PRESETS[args.model], args.pp, args.virtual_stages, args.seq_len)
     if args.impl == "torch":
         require(args.microbatches >= args.pp * args.virtual_stages or args.schedule == "gpipe",
                 f"torch.distributed.pipelining's {args.schedule} needs --microbatches ≥ the number of stages "
@@ -69,23 +67,26 @@ def parse_args(argv=None, schedule=None):
 
 def main(argv=None, schedule=None) -> list[dict]:
     args = parse_args(argv, schedule)
+    cfg = PRESETS[args.model]
+    # Pure functions of the flags, identical on every rank, before any communication: bad layouts fail here.
+    plan = pipeline_schedules.build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
+    specs = pipeline_stages.stage_specs(cfg, args.pp, args.virtual_stages, args.seq_len)   # all p·v stages
     if args.print_schedule:
         print(f"{args.schedule}: p={args.pp} m={args.microbatches} v={args.virtual_stages}; "
-              f"theory bubble {sched_lib.theory_bubble(args.schedule, args.pp, args.microbatches, args.virtual_stages):.3f}")
-        print(sched_lib.format_schedule(args.plan, len(args.specs)))
+              f"theory bubble {pipeline_schedules.theory_bubble(args.schedule, args.pp, args.microbatches, args.virtual_stages):.3f}")
+        print(pipeline_schedules.format_schedule(plan, len(specs)))
         return []
     rt = init_distributed(args.device, args.timeout)
     mesh = Mesh(rt.rank, rt.world_size, dp=rt.world_size // args.pp, pp=args.pp)
-    dp_group, dp_rank, dp = mesh.group("dp"), mesh.coord("dp"), mesh.size("dp")
+    dp_rank, dp = mesh.coord("dp"), mesh.size("dp")
     pp_group, pp_rank, pp = mesh.group("pp"), mesh.coord("pp"), mesh.size("pp")
     data = TextData(args.data, args.seq_len, args.seed)
-    cfg = PRESETS[args.model]
     resume = resume_state(args)
     m, v = args.microbatches, args.virtual_stages
 
     # --- the stage model: the full model built from the seed, pruned to this rank's layers ---------
-    my_specs = stages_lib.rank_stages(args.specs, pp, pp_rank)
-    model = stages_lib.prune_to_stages(build_model(cfg, args.seed, rt.device), my_specs)
+    my_specs = pipeline_stages.rank_stages(specs, pp, pp_rank)
+    model = pipeline_stages.prune_to_stages(build_model(cfg, args.seed, rt.device), my_specs)
     named = list(model.named_parameters())
     optimizer = build_adamw(named, args.lr, args.weight_decay)
     start = 0
@@ -97,17 +98,9 @@ def main(argv=None, schedule=None) -> list[dict]:
 
     tokens_per_step = args.global_batch * args.seq_len
     mb_rows = args.global_batch // dp // m
-    loss_fn = loss_sum
     timeline = Timeline(rt.rank)
-    if args.impl == "torch":
-        runner = import_module("03_pipeline_parallel.torch_pipelining").TorchPipeline(
-            args.schedule, model, my_specs, len(args.specs), m, pp_group, rt.device,
-            lambda logits, y: loss_fn(logits, y) / tokens_per_step)
-    else:
-        runner = exec_lib.PipelineExecutor(
-            model, args.specs, pp_rank, mesh.group_ranks["pp"], pp_group, act_shape=(mb_rows, args.seq_len, cfg.dim),
-            loss_fn=loss_fn, loss_scale=tokens_per_step, device=rt.device,
-            autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline)
+    trainer = build_trainer(args, model, optimizer, specs, my_specs, plan, mesh, (mb_rows, args.seq_len, cfg.dim),
+                            rt.device, timeline)
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
     log.config_table(f"pipeline parallel — {args.schedule} ({args.impl})", {
@@ -115,14 +108,14 @@ def main(argv=None, schedule=None) -> list[dict]:
         "model": f"{args.model}: {count_parameters(cfg):,} parameters, {cfg.n_layers} layers",
         "micro-batches": f"m = {m} of {mb_rows} seq × {args.seq_len} tokens (per data-parallel rank)",
         "virtual stages": v,
-        "theory bubble": f"{sched_lib.theory_bubble(args.schedule, pp, m, v):.3f}",
+        "theory bubble": f"{pipeline_schedules.theory_bubble(args.schedule, pp, m, v):.3f}",
         "resumed from step": start or "-"})
     if rt.is_main and not args.quiet:
         from rich.table import Table
         table = Table(title="stages (balanced by forward FLOPs/token)", title_justify="left")
         for col in ("stage", "rank", "holds", "params", "cost"):
             table.add_column(col)
-        for row in stages_lib.partition_table(cfg, args.specs, pp, args.seq_len):
+        for row in pipeline_stages.partition_table(cfg, specs, pp, args.seq_len):
             table.add_row(str(row["stage"]), str(row["rank"]), row["holds"], f"{row['params']:,}", f"{row['cost']:.1%}")
         log.print(table)
     if rt.world_size == 1:
@@ -134,26 +127,21 @@ def main(argv=None, schedule=None) -> list[dict]:
     for step in range(start + 1, args.steps + 1):
         comm.COUNTER.reset()
         lr = lr_at(step, args.lr, args.warmup, args.steps)
-        set_lr(optimizer, lr)
+        trainer.set_lr(lr)
         timeline.begin_step(step)
         with StepTimer(rt.device) as timer:
             x, y = data.global_batch(step, args.global_batch)                 # (global_batch, S)
             x, y = shard_rows(x, dp_rank, dp).to(rt.device), shard_rows(y, dp_rank, dp).to(rt.device)
-            if args.impl == "torch":
-                local_loss, peak = runner.run(x, y), 0
-            else:
-                xs = [shard_rows(x, i, m) for i in range(m)]                   # m × (mb, S)
-                ys = [shard_rows(y, i, m) for i in range(m)]
-                out = runner.run(args.plan, xs, ys)                            # the whole schedule
-                local_loss, peak = out["loss"], out["peak_activation_bytes"]
-            if dp > 1:
-                dp_lib.allreduce_gradients(model, dp_group)                    # replicas of this stage
-            # Each stage holds different parameters: the squared norms add up over the pipeline.
-            grad_norm = clip_by_global_norm([p.grad for p in model.parameters()], args.clip, groups=[pp_group])
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
+            # the whole schedule in one call: m micro-batches of (mb, S), every F and B, the sends and
+            # receives; each stage's DP all-reduce starts as soon as its last backward is done
+            local_loss = trainer.forward_backward(x, y)
+            trainer.sync_gradients()                                           # DP: wait for those sums
+            grad_norm = trainer.clip_grad_norm(args.clip)                      # squared norms summed over pp
+            trainer.step()
+            trainer.zero_grad()
+        memory = trainer.memory()
         loss_value = global_sum(local_loss, dist.group.WORLD)   # only last-stage ranks hold a loss
-        stats = step_stats(timeline, peak, pp_group, pp, rt.device)
+        stats = pipeline_trainer.step_stats(timeline, memory["peak_activation_bytes"], pp_group, pp, rt.device)
         log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
                      comm_bytes=comm.COUNTER.total(), comm_bytes_pp=comm.COUNTER.total("pp"), **stats)
         if should_save(args, step):
@@ -166,7 +154,7 @@ def main(argv=None, schedule=None) -> list[dict]:
         if rt.is_main:
             write_chrome_trace(args.timeline, events, {
                 "schedule": args.schedule, "impl": args.impl, "pp": pp, "dp": dp, "microbatches": m,
-                "virtual_stages": v, "theory_bubble": sched_lib.theory_bubble(args.schedule, pp, m, v)})
+                "virtual_stages": v, "theory_bubble": pipeline_schedules.theory_bubble(args.schedule, pp, m, v)})
             log.note(f"timeline written: {args.timeline} (open in ui.perfetto.dev or plot_timeline.py)")
     last = log.history[-1] if log.history else {}
     log.finish({"bubble fraction (last step)": f"{last.get('bubble_fraction', 0):.3f}",
@@ -175,22 +163,20 @@ def main(argv=None, schedule=None) -> list[dict]:
     return log.history
 
 
-def step_stats(timeline, peak: int, pp_group, pp: int, device) -> dict:
-    """Measured bubble fraction of this step over the pipeline, and each stage's activation peak."""
-    busy = first = last = 0.0
-    evs = [e for e in timeline.step_events() if e["kind"] in ("F", "B", "W")]
-    if evs:
-        busy = sum(e["end"] - e["start"] for e in evs)
-        first, last = min(e["start"] for e in evs), max(e["end"] for e in evs)
-    mine = torch.tensor([busy, first, last, float(peak)], dtype=torch.float64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(pp)]
-    if pp > 1:
-        dist.all_gather(every, mine, group=pp_group)     # four numbers per rank: bookkeeping, not counted
-    else:
-        every = [mine]
-    span = max(t[2].item() for t in every) - min(t[1].item() for t in every)
-    bubble = 1 - sum(t[0].item() for t in every) / (pp * span) if span > 0 else float("nan")
-    return {"bubble_fraction": bubble, "peak_activation_bytes": [int(t[3].item()) for t in every]}
+def build_trainer(args, model, optimizer, specs, my_specs, plan, mesh, act_shape, device, timeline):
+    """Our executor or PyTorch's pipeline runtime, chosen once: the loop drives either through the same
+    verbs. The loss: summed cross-entropy over the global token count (common/model.loss_sum)."""
+    pp_group, dp_group, m = mesh.group("pp"), mesh.group("dp"), args.microbatches
+    tokens_per_step = args.global_batch * args.seq_len
+    if args.impl == "torch":
+        runtime = torch_pipelining.TorchPipeline(args.schedule, model, my_specs, len(specs), m, pp_group, device,
+                                                 lambda logits, y: loss_sum(logits, y) / tokens_per_step)
+        return torch_pipelining.TorchPipelineTrainer(runtime, optimizer, m, dp_group, pp_group)
+    executor = pipeline_executor.PipelineExecutor(
+        model, specs, mesh.coord("pp"), mesh.group_ranks["pp"], pp_group, act_shape=act_shape,   # (mb, S, D)
+        loss_fn=loss_sum, loss_scale=tokens_per_step, device=device,
+        autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline)
+    return pipeline_trainer.PipelineTrainer(executor, plan, optimizer, m, dp_group, pp_group)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ dp_lib = import_module("01_data_parallel.data_parallel")          # chapter 01: 
 tp_lib = import_module("02_tensor_parallel.tensor_parallel")        # chapter 02: TP layers and loss
 sched_lib = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: schedules
 exec_lib = import_module("03_pipeline_parallel.pipeline_executor")  # chapter 03: the executor
-pp_script = import_module("03_pipeline_parallel.train_pp")          # chapter 03: measured bubble per step
+pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")  # chapter 03: measured bubble per step
 lib = import_module("04_3d_combined.parallel_3d")                   # this chapter: the wiring
 
 
@@ -167,7 +167,7 @@ def main(argv=None) -> list[dict]:
         # the step's traffic, by group (counted before validation adds its forward-only sends)
         extra = {"comm_bytes": comm.COUNTER.total(), **{f"comm_bytes_{g}": comm.COUNTER.total(g) for g in ("dp", "tp", "pp")}}
         extra["optim_bytes"] = optim_bytes(optimizer.optimizer if args.zero_stage else optimizer)
-        extra.update(pp_script.step_stats(timeline, out["peak_activation_bytes"], pp_group, args.pp, rt.device))
+        extra.update(pipeline_trainer.step_stats(timeline, out["peak_activation_bytes"], pp_group, args.pp, rt.device))
         if (args.val_every and step % args.val_every == 0) or step == args.steps:
             extra["val_loss"] = validate(step)
             log.note(f"step {step}: validation loss {extra['val_loss']:.4f}")
