@@ -1,8 +1,8 @@
 """Composing the three chapters on one mesh: TP innermost, pipeline stages, DP outermost.
 
 Nothing here is new machinery: the tensor-parallel layers come from chapter 02, the stages, schedules
-and executor from chapter 03, the gradient all-reduce (or ZeRO-1) from chapter 01. This file only
-decides who is who on the grid and wires the pieces together:
+and executor from chapter 03, the gradient all-reduce (or ZeRO-1) from chapter 01 (those last two
+are driven by trainer_3d.py). This file only decides who is who on the grid and builds each piece:
 
     grid = arange(world).view(dp, pp, tp)        TP varies fastest: a TP group is consecutive ranks
     rank (d, p, t):  builds the full model from the seed (or the checkpoint),
@@ -17,16 +17,13 @@ per step (the gradient all-reduce) and can overlap it: it goes across nodes.
 """
 from importlib import import_module
 
-
 from common.errors import require
 from common.model import build_model
-from common.optim import build_adamw
-from common.training import consolidate_on_rank0, load_optim_state_by_name
+from common.training import consolidate_on_rank0
 
-zs_lib = import_module("01_data_parallel.zero_sharding")
-tp_lib = import_module("02_tensor_parallel.tensor_parallel")
-stages_lib = import_module("03_pipeline_parallel.pipeline_stages")
-sched_lib = import_module("03_pipeline_parallel.pipeline_schedules")
+tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")
+pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")
+pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
 
 
 def default_degrees(world: int, dp=None, tp=None, pp=None) -> tuple[int, int, int]:
@@ -43,76 +40,40 @@ def default_degrees(world: int, dp=None, tp=None, pp=None) -> tuple[int, int, in
     return deg["dp"], deg["tp"], deg["pp"]
 
 
-def check_layout(args, cfg, world: int) -> None:
-    """Every chapter's checks for this layout, on every rank, before any communication."""
+def plan_layout(args, cfg, world: int) -> tuple[list, list]:
+    """Every chapter's checks for this layout, on every rank, before any communication; then the
+    pipeline's plan: all p·v stages (chapter 03's stage_specs) and every rank's actions (build_schedule)."""
     require(args.dp * args.tp * args.pp == world,
             f"--dp {args.dp} × --tp {args.tp} × --pp {args.pp} = {args.dp * args.tp * args.pp} must equal the "
             f"world size {world}; change the degrees or launch with --nproc_per_node={args.dp * args.tp * args.pp}")
-    tp_lib.check_tp_config(cfg, args.tp, args.seq_len, args.sequence_parallel)
-    args.specs = stages_lib.stage_specs(cfg, args.pp, args.virtual_stages, args.seq_len)
-    args.plan = sched_lib.build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
+    tensor_parallel.check_tp_config(cfg, args.tp, args.seq_len, args.sequence_parallel)
+    specs = pipeline_stages.stage_specs(cfg, args.pp, args.virtual_stages, args.seq_len)
+    plan = pipeline_schedules.build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
+    return specs, plan
 
 
-def build_local_model(cfg, args, mesh, device, full_state=None):
+def build_local_model(cfg, args, specs, mesh, device, full_state=None):
     """This rank's piece of the model: the full reference model (from the seed, or a checkpoint's
     consolidated weights: any layout can resume any other's), pruned to its stages, then TP-sharded."""
     model = build_model(cfg, args.seed, device)
     if full_state is not None:
         model.load_state_dict(full_state, strict=True)
-    my_specs = stages_lib.rank_stages(args.specs, args.pp, mesh.coord("pp"))
-    model = stages_lib.prune_to_stages(model, my_specs)
+    my_specs = pipeline_stages.rank_stages(specs, args.pp, mesh.coord("pp"))
+    model = pipeline_stages.prune_to_stages(model, my_specs)
     if args.tp > 1:
-        model = tp_lib.parallelize_model(model, mesh.group("tp"), args.sequence_parallel)
+        model = tensor_parallel.parallelize_model(model, mesh.group("tp"), args.sequence_parallel)
     return model, my_specs
 
 
-def build_optimizer(model, args, mesh, cfg, full_optim=None):
-    """AdamW on this rank's piece; with --zero-stage 1, chapter 01's ZeRO-1 over the DP group instead
-    (each DP replica keeps 1/dp of the AdamW moments of its piece and updates 1/dp of it)."""
-    named = list(model.named_parameters())
-    to_local = (lambda name, t: tp_lib.tp_to_local(name, t, mesh.coord("tp"), args.tp, cfg.n_kv_heads)) \
-        if args.tp > 1 else (lambda name, t: t)
-    local = None if full_optim is None else {
-        n: {"step": s["step"], "exp_avg": to_local(n, s["exp_avg"]), "exp_avg_sq": to_local(n, s["exp_avg_sq"])}
-        for n, s in full_optim.items()}
-    if args.zero_stage == 1:
-        zero = zs_lib.ZeroStage1Optimizer(named, mesh.group("dp"), args.lr, args.weight_decay)
-        if local is not None:
-            zs_lib.load_optim_pieces(zero.units, zero.pieces, zero.optimizer, local)
-        return named, zero
-    optimizer = build_adamw(named, args.lr, args.weight_decay)
-    if local is not None:
-        load_optim_state_by_name(optimizer, named, local)
-    return named, optimizer
-
-
-def consolidated_state(model, optimizer, named, mesh, args, cfg):
-    """The single-device state dict and AdamW state on global rank 0 (None elsewhere): ZeRO first
-    gathers its moment shards over DP, every TP group gathers its shards back to full tensors, then
-    replica dp=0, tp=0 of each stage sends its names."""
+def consolidated_state(trainer, mesh, args, cfg):
+    """The single-device state dict and AdamW state on global rank 0 (None elsewhere): the trainer
+    hands its moments by name (ZeRO-1 first gathers its shards over DP), every TP group gathers its
+    shards back to full tensors, then replica dp=0, tp=0 of each stage sends its names."""
     tp_group = mesh.group("tp")
-    to_full = (lambda name, t: tp_lib.tp_to_full(name, t, tp_group, cfg.n_kv_heads)) if args.tp > 1 \
+    to_full = (lambda name, t: tensor_parallel.tp_to_full(name, t, tp_group, cfg.n_kv_heads)) if args.tp > 1 \
         else (lambda name, t: t)
-    moments = None
-    if args.zero_stage == 1:
-        moments = zs_lib.gather_optim_state(optimizer.units, optimizer.pieces, optimizer.optimizer, mesh.group("dp"))
     writer = mesh.coord("dp") == 0 and mesh.coord("tp") == 0
-    return consolidate_on_rank0(model, optimizer, named, writer, to_full, moments)
-
-
-def counted_by_me(model, mesh):
-    """For the global norm: is tensor `name` counted on this rank? (A tensor replicated over the TP
-    group, a norm gain, is counted by one of its holders only.)"""
-    replicas = {n: getattr(p, "tp_replicas", 1) for n, p in model.named_parameters()}
-    return lambda name: mesh.coord("tp") % replicas[name] == 0
-
-
-def owned_grads(model, mesh, args):
-    """The gradients this rank counts in the global norm: its TP-owned ones (replicated tensors on tp
-    rank 0 only); the squared norms are then summed over the TP and the pipeline groups."""
-    if args.tp > 1:
-        return [p.grad for p in model.parameters() if p.grad is not None and tp_lib.counted_here(p, mesh.coord("tp"))]
-    return [p.grad for p in model.parameters()]
+    return consolidate_on_rank0(trainer.model, trainer.optimizer, trainer.named, writer, to_full, trainer.optim_state())
 
 
 def grid_rows(mesh) -> list[list[str]]:

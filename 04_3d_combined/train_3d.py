@@ -26,16 +26,16 @@ from common.generate import sample
 from common.mesh import Mesh
 from common.metrics import RunLog
 from common.model import PRESETS, count_parameters, loss_sum
-from common.optim import clip_by_global_norm, lr_at, optim_bytes, set_lr
+from common.optim import lr_at
 from common.timeline import Timeline, write_chrome_trace
 from common.training import StepTimer, global_sum, resume_state, run_identity, should_save
 
-dp_lib = import_module("01_data_parallel.data_parallel")          # chapter 01: the gradient all-reduce
-tp_lib = import_module("02_tensor_parallel.tensor_parallel")        # chapter 02: TP layers and loss
-sched_lib = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: schedules
-exec_lib = import_module("03_pipeline_parallel.pipeline_executor")  # chapter 03: the executor
-pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")  # chapter 03: measured bubble per step
-lib = import_module("04_3d_combined.parallel_3d")                   # this chapter: the wiring
+tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")          # chapter 02: the TP loss
+pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: schedules
+pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")    # chapter 03: validation forward
+pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")      # chapter 03: measured bubble
+parallel_3d = import_module("04_3d_combined.parallel_3d")                      # this chapter: each rank's piece
+trainer_3d = import_module("04_3d_combined.trainer_3d")                        # this chapter: the loop's verbs
 
 
 def parse_args(argv=None):
@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: what is left)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: 2 if possible)")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: 2 if possible)")
-    p.add_argument("--schedule", default="1f1b", choices=sched_lib.SCHEDULES, help="pipeline schedule")
+    p.add_argument("--schedule", default="1f1b", choices=pipeline_schedules.SCHEDULES, help="pipeline schedule")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--sequence-parallel", action="store_true", help="TP with sequence parallelism")
     p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1],
@@ -55,44 +55,38 @@ def parse_args(argv=None):
     p.set_defaults(microbatches=None)   # default: 2 × pp (see default_pipeline_microbatches)
     args = p.parse_args(argv)
     world = env_world_size()
-    args.dp, args.tp, args.pp = lib.default_degrees(world, args.dp, args.tp, args.pp)
+    args.dp, args.tp, args.pp = parallel_3d.default_degrees(world, args.dp, args.tp, args.pp)
     default_pipeline_microbatches(args, args.dp, args.pp)
     require(args.virtual_stages >= 1, "--virtual-stages must be at least 1")
     require(args.val_every >= 0 and args.val_batches >= 1, "--val-every must be ≥ 0 and --val-batches ≥ 1")
     check_common(args, dp=args.dp)
-    lib.check_layout(args, PRESETS[args.model], world)
     return args
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    cfg = PRESETS[args.model]
+    specs, plan = parallel_3d.plan_layout(args, cfg, env_world_size())   # bad layouts fail here, on every rank
     rt = init_distributed(args.device, args.timeout)
     mesh = Mesh(rt.rank, rt.world_size, dp=args.dp, pp=args.pp, tp=args.tp)
     dp_rank, tp_rank, pp_rank = mesh.coord("dp"), mesh.coord("tp"), mesh.coord("pp")
-    dp_group, tp_group, pp_group = mesh.group("dp"), mesh.group("tp"), mesh.group("pp")
-    cfg = PRESETS[args.model]
+    tp_group, pp_group = mesh.group("tp"), mesh.group("pp")
     data = TextData(args.data, args.seq_len, args.seed)
     resume = resume_state(args)
 
     # --- this rank's piece: the reference model → its pipeline stage(s) → its TP shard --------------
-    model, my_specs = lib.build_local_model(cfg, args, mesh, rt.device, resume and resume["model"])
-    named, optimizer = lib.build_optimizer(model, args, mesh, cfg, resume and resume["optim"])
+    model, my_specs = parallel_3d.build_local_model(cfg, args, specs, mesh, rt.device, resume and resume["model"])
     start = resume["step"] if resume else 0
 
     m, tokens_per_step = args.microbatches, args.global_batch * args.seq_len
     mb_rows = args.global_batch // args.dp // m
     # The loss on the last stage: vocab-parallel cross-entropy when the logits are split over TP.
-    loss_fn = (lambda logits, y: tp_lib.tp_loss_sum(logits, y, tp_group)) if args.tp > 1 else loss_sum
-    shape = lib.act_shape(args, cfg, mb_rows)                          # (mb, S or S/tp, D)
+    loss_fn = (lambda logits, y: tensor_parallel.tp_loss_sum(logits, y, tp_group)) if args.tp > 1 else loss_sum
+    shape = parallel_3d.act_shape(args, cfg, mb_rows)                          # (mb, S or S/tp, D)
     timeline = Timeline(rt.rank)
-    runner = exec_lib.PipelineExecutor(model, args.specs, pp_rank, mesh.group_ranks["pp"], pp_group, shape,
-                                       loss_fn=loss_fn, loss_scale=tokens_per_step, device=rt.device,
-                                       autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None,
-                                       timeline=timeline)
-    # DP without ZeRO: a stage's gradients are summed over its replicas while the schedule still runs.
-    overlap_dp, dp_sync = args.zero_stage == 0 and args.dp > 1, dp_lib.AsyncGradAllReduce(dp_group)
-    in_stages = {id(p) for params in runner.stage_params.values() for p in params}
-    assert all(id(p) in in_stages for p in model.parameters() if p.requires_grad), "a parameter outside every stage"
+    # AdamW, or ZeRO-1 with --zero-stage 1: chosen here, once; the loop drives either through the same verbs
+    trainer = trainer_3d.build_trainer(model, specs, plan, mesh, args, cfg, loss_fn, shape, rt.device, timeline,
+                                       resume and resume["optim"])
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
     log.config_table("3D parallel pretraining", {
@@ -102,14 +96,14 @@ def main(argv=None) -> list[dict]:
         "model": f"{args.model}: {count_parameters(cfg):,} parameters, {cfg.n_layers} layers",
         "optimizer": "ZeRO-1 over the DP group (chapter 01)" if args.zero_stage else "AdamW on each rank's piece",
         "pipeline": f"{args.schedule}, {m} micro-batch(es) of {mb_rows} seq, {args.virtual_stages} virtual stage(s), "
-                    f"theory bubble {sched_lib.theory_bubble(args.schedule, args.pp, m, args.virtual_stages):.3f}",
+                    f"theory bubble {pipeline_schedules.theory_bubble(args.schedule, args.pp, m, args.virtual_stages):.3f}",
         "global batch": f"{args.global_batch} seq × {args.seq_len} tokens, warmup {args.warmup} + cosine, clip {args.clip}",
         "resumed from step": start or "-"})
     if rt.is_main and not args.quiet:
         grid = Table(title="the mesh: grid = arange(world).view(dp, pp, tp)", title_justify="left")
         for col in ("rank", "dp", "pp", "tp", "dp group", "pp group", "tp group"):
             grid.add_column(col)
-        for row in lib.grid_rows(mesh):
+        for row in parallel_3d.grid_rows(mesh):
             grid.add_row(*row)
         log.print(grid)
     if rt.world_size == 1:
@@ -121,9 +115,9 @@ def main(argv=None) -> list[dict]:
         for i in range(args.val_batches):
             x, y = data.global_batch(step * 1000 + i, args.global_batch, split="valid")
             x, y = shard_rows(x, dp_rank, args.dp).to(rt.device), shard_rows(y, dp_rank, args.dp).to(rt.device)
-            total += exec_lib.forward_only_loss_sum(model, my_specs, pp_rank, mesh.group_ranks["pp"], pp_group,
-                                                    [shard_rows(x, k, m) for k in range(m)],
-                                                    [shard_rows(y, k, m) for k in range(m)], loss_fn, shape, rt.device)
+            total += pipeline_executor.forward_only_loss_sum(
+                model, my_specs, pp_rank, mesh.group_ranks["pp"], pp_group, [shard_rows(x, k, m) for k in range(m)],
+                [shard_rows(y, k, m) for k in range(m)], loss_fn, shape, rt.device)
         mine = total if tp_rank == 0 else torch.zeros_like(total)      # TP ranks hold the same value
         return global_sum(mine, dist.group.WORLD) / (tokens_per_step * args.val_batches)
 
@@ -132,7 +126,7 @@ def main(argv=None) -> list[dict]:
     for step in range(start + 1, args.steps + 1):
         comm.COUNTER.reset()
         lr = lr_at(step, args.lr, args.warmup, args.steps)
-        optimizer.set_lr(lr) if args.zero_stage else set_lr(optimizer, lr)
+        trainer.set_lr(lr)
         timeline.begin_step(step)
         with StepTimer(rt.device) as timer:
             x, y = data.global_batch(step, args.global_batch)                   # (global_batch, S)
@@ -140,40 +134,25 @@ def main(argv=None) -> list[dict]:
             # 1. the pipeline schedule runs forward and backward of every micro-batch (TP inside each
             #    layer); as soon as one of my stages has its last gradient, its DP all-reduce starts in
             #    the background, overlapping the rest of the schedule (the pipeline's cool-down)
-            ready = (lambda s: dp_sync.launch(runner.stage_params[s])) if overlap_dp else None
-            out = runner.run(args.plan, [shard_rows(x, k, m) for k in range(m)], [shard_rows(y, k, m) for k in range(m)],
-                             on_stage_grads_ready=ready)
-            # 2. DP: wait for those all-reduces; every replica now holds the summed gradients
-            if overlap_dp:
-                dp_sync.wait()
-            # 3. TP: sum the partial gradients of replicated tensors (norms under SP, shared KV heads)
-            if args.tp > 1:
-                tp_lib.sync_tp_gradients(model, tp_group)
-            if args.zero_stage == 0:
-                # 4. clip by the norm of the whole model's gradient: TP shards and stages hold different parts
-                grad_norm = clip_by_global_norm(lib.owned_grads(model, mesh, args), args.clip,
-                                                groups=[tp_group, pp_group], all_grads=[p.grad for p in model.parameters()])
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=False)
-            else:
-                # 2-4 with ZeRO-1: all-reduce, clip from the DP shards (+ TP and PP), update my shard, all-gather
-                optimizer.sync_gradients()
-                grad_norm = optimizer.clip_grad_norm(args.clip, groups=(tp_group, pp_group),
-                                                     counts=lib.counted_by_me(model, mesh))
-                optimizer.step()
-                optimizer.zero_grad()
-        mine = out["loss"] if tp_rank == 0 else torch.zeros_like(out["loss"])   # last stage, one TP rank
-        loss_value = global_sum(mine, dist.group.WORLD)
+            local_loss = trainer.forward_backward(x, y)
+            # 2. DP: wait for those all-reduces; 3. TP: sum the partial gradients of replicated tensors
+            trainer.sync_gradients()
+            # 4. clip by the norm of the whole model's gradient: TP shards and stages hold different parts
+            grad_norm = trainer.clip_grad_norm(args.clip)
+            trainer.step()                                # 5. AdamW on my piece (ZeRO-1: my shard, all-gather)
+            trainer.zero_grad()
+        memory = trainer.memory()
+        loss_value = global_sum(local_loss, dist.group.WORLD)                  # last stage, tp rank 0
         # the step's traffic, by group (counted before validation adds its forward-only sends)
         extra = {"comm_bytes": comm.COUNTER.total(), **{f"comm_bytes_{g}": comm.COUNTER.total(g) for g in ("dp", "tp", "pp")}}
-        extra["optim_bytes"] = optim_bytes(optimizer.optimizer if args.zero_stage else optimizer)
-        extra.update(pipeline_trainer.step_stats(timeline, out["peak_activation_bytes"], pp_group, args.pp, rt.device))
+        extra["optim_bytes"] = memory["optim_bytes"]
+        extra.update(pipeline_trainer.step_stats(timeline, memory["peak_activation_bytes"], pp_group, args.pp, rt.device))
         if (args.val_every and step % args.val_every == 0) or step == args.steps:
             extra["val_loss"] = validate(step)
             log.note(f"step {step}: validation loss {extra['val_loss']:.4f}")
         log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm, **extra)
         if should_save(args, step) or (step == args.steps and args.sample_tokens):
-            full_model, full_optim = lib.consolidated_state(model, optimizer, named, mesh, args, cfg)
+            full_model, full_optim = parallel_3d.consolidated_state(trainer, mesh, args, cfg)
             if rt.is_main and should_save(args, step):
                 log.note(f"checkpoint saved: {checkpoint.save(args.checkpoint_dir, step, full_model, full_optim, run_identity(args))}")
     if args.timeline:
@@ -182,7 +161,7 @@ def main(argv=None) -> list[dict]:
             write_chrome_trace(args.timeline, events, {
                 "schedule": args.schedule, "dp": args.dp, "tp": args.tp, "pp": args.pp, "microbatches": m,
                 "virtual_stages": args.virtual_stages,
-                "theory_bubble": sched_lib.theory_bubble(args.schedule, args.pp, m, args.virtual_stages)})
+                "theory_bubble": pipeline_schedules.theory_bubble(args.schedule, args.pp, m, args.virtual_stages)})
             log.note(f"timeline written: {args.timeline} (plot: python 03_pipeline_parallel/plot_timeline.py)")
     log.finish()
     if args.sample_tokens and rt.is_main and log.history and not args.quiet:

@@ -121,9 +121,12 @@ def test_bad_layouts_are_refused_before_any_communication(monkeypatch, argv, wor
     verdict; here one process stands for all of them."""
     monkeypatch.setenv("WORLD_SIZE", str(world))
     from common.errors import ConfigError
+    from common.model import PRESETS
     train_3d = import_module("04_3d_combined.train_3d")
+    parallel_3d = import_module("04_3d_combined.parallel_3d")
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
-        train_3d.parse_args(argv + ["--quiet"])
+        args = train_3d.parse_args(argv + ["--quiet"])
+        parallel_3d.plan_layout(args, PRESETS[args.model], world)
 
 
 def _env(rank, world, port):
