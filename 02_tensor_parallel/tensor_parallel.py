@@ -25,13 +25,12 @@ wq wk wv w_gate w_up lm_head tok_emb along dim 0 (output rows / vocabulary), wo 
 """
 import torch
 import torch.distributed as dist
-from importlib import import_module
 
 from common import comm
 from common.errors import require
 from common.model import Attention, SwiGLU
 
-layers = import_module("02_tensor_parallel.tp_layers")
+from . import tp_layers
 
 SPLIT_DIM0 = ("wq.weight", "wk.weight", "wv.weight", "w_gate.weight", "w_up.weight", "lm_head.weight",
               "tok_emb.weight")
@@ -85,24 +84,24 @@ def parallelize_model(model, tp_group, sequence_parallel: bool = False):
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if isinstance(module, Attention):
-            setattr(parent, attr, layers.ParallelAttention(module, tp_group, sequence_parallel))
+            setattr(parent, attr, tp_layers.ParallelAttention(module, tp_group, sequence_parallel))
         elif isinstance(module, SwiGLU):
-            setattr(parent, attr, layers.ParallelSwiGLU(module, tp_group, sequence_parallel))
+            setattr(parent, attr, tp_layers.ParallelSwiGLU(module, tp_group, sequence_parallel))
     if getattr(model, "tok_emb", None) is not None:
-        model.tok_emb = layers.VocabParallelEmbedding(model.tok_emb.weight, tp_group, sequence_parallel)
+        model.tok_emb = tp_layers.VocabParallelEmbedding(model.tok_emb.weight, tp_group, sequence_parallel)
     if getattr(model, "lm_head", None) is not None:
         # Output kept split over the vocabulary: the loss never needs the whole (B, S, V) logits.
-        model.lm_head = layers.ColumnParallelLinear(model.lm_head.weight, tp_group, sequence_parallel)
+        model.lm_head = tp_layers.ColumnParallelLinear(model.lm_head.weight, tp_group, sequence_parallel)
     for name, p in model.named_parameters():
         if not hasattr(p, "tp_replicas"):        # norms: whole on every rank
-            layers._mark(p, None, tp)
+            tp_layers.mark_layout(p, None, tp)
     model.tp_group, model.tp_size, model.sequence_parallel = tp_group, tp, sequence_parallel
     return model
 
 
 def tp_loss_sum(local_logits, targets, tp_group):
     """(B, S, V/tp), (B, S) -> summed cross-entropy, the same value on every TP rank."""
-    return layers.vocab_parallel_cross_entropy(local_logits, targets, tp_group)
+    return tp_layers.vocab_parallel_cross_entropy(local_logits, targets, tp_group)
 
 
 def sync_sequence_parallel_grads(model, tp_group) -> None:
@@ -120,7 +119,7 @@ def sync_replicated_kv_grads(model, tp_group) -> None:
     in which each rank fills its head's slot: no sub-groups to create (the TP group may be any
     part of the world), at the price of K× the bytes of one head (small: wk is K·hd·D)."""
     for module in model.modules():
-        if isinstance(module, layers.ParallelAttention) and module.kv_replicas > 1:
+        if isinstance(module, tp_layers.ParallelAttention) and module.kv_replicas > 1:
             for holder in (module.wk, module.wv):
                 g = holder.weight.grad                                                   # (hd, D) partial
                 buf = torch.zeros((module.total_kv_heads,) + g.shape, dtype=g.dtype, device=g.device)  # (K, hd, D)
@@ -171,7 +170,3 @@ def full_state_dict(model, tp_group) -> dict:
     K = model.cfg.n_kv_heads
     return {name: tp_to_full(name, p.detach(), tp_group, K) for name, p in model.named_parameters()}
 
-
-def describe_shards(model) -> dict:
-    """{name: local shape} for printing which rank holds what."""
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}

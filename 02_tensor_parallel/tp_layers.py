@@ -1,92 +1,123 @@
 """The tensor-parallel layers: each holds a slice of a single-device layer's weight.
 
-Every layer is built from its single-device twin (`from_dense`), keeps the parameter name `weight`
-(so checkpoints and weight decay see the reference names), and takes its TP process group as an
-argument. Local shapes are written in the comments: tp = the TP degree, SP = sequence parallel.
+Every layer is built from its single-device twin, keeps the parameter name `weight` (so checkpoints
+and weight decay see the reference names), and takes its TP process group as an argument. Local
+shapes are written in the comments: tp = the TP degree, SP = sequence parallel.
 
-    ColumnParallelLinear   weight (out/tp, in)    rows of W split: each rank computes out/tp outputs
-    RowParallelLinear      weight (out, in/tp)    columns of W split: each rank a partial sum of all outputs
-    ParallelAttention      query heads split; KV heads split, or replicated when K < tp
-    ParallelSwiGLU         gate, up column-parallel; down row-parallel
-    VocabParallelEmbedding rows of the table split by vocabulary range
+    ColumnParallelLinear   weight (out/tp, in)    f, then this rank's out/tp outputs
+    RowParallelLinear      weight (out, in/tp)    a partial sum of all outputs, then g
+    ParallelAttention      f; query heads split; KV heads split, or replicated when K < tp; g
+    ParallelSwiGLU         f; gate, up column-parallel; down row-parallel; g
+    VocabParallelEmbedding rows of the table split by vocabulary range, then g
     vocab_parallel_cross_entropy   the loss from (N, V/tp) logits, never gathering the vocabulary
 
 Column then row (Megatron-LM §3): a column-parallel layer leaves its output split along the
 feature dimension, which is exactly the input a row-parallel layer wants, and an elementwise
 function in between (SiLU·up, or attention per head) needs no communication. So an MLP or an
-attention block costs one f at the entrance and one g at the exit: two all-reduces per block and
-direction, each of B·S·D activations.
+attention block costs one f at the entrance and one g at the exit (`TPRegion`), written out in
+the block's forward: two all-reduces per block and direction, each of B·S·D activations.
 """
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from importlib import import_module
 
 from common import comm
 from common.model import causal_attention
 
-ops = import_module("02_tensor_parallel.tp_operators")
+from . import tp_operators
 
 
 def _shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     return full.chunk(size, dim=dim)[rank].detach().clone()
 
 
-def _mark(p: nn.Parameter, split_dim, replicas: int) -> nn.Parameter:
+def mark_layout(p: nn.Parameter, split_dim, replicas: int) -> nn.Parameter:
     """Tag a parameter with how it is laid out over the TP group: `tp_split_dim` (None: whole) and
     `tp_replicas`, the number of TP ranks holding the same values (for norms and gradient counting)."""
     p.tp_split_dim, p.tp_replicas = split_dim, replicas
     return p
 
 
-class _TPInput(nn.Module):
-    """Entering a parallel region: f (copy), or with SP the all-gather along the sequence."""
+class TPRegion(nn.Module):
+    """A module that enters a tensor-parallel region with `f` and leaves it with `g`.
 
-    def enter(self, x):
+    Without sequence parallelism the activations outside the region are whole on every rank:
+        f = `copy_to_tp_region`       identity forward, all-reduce backward (Megatron-LM's f)
+        g = `reduce_from_tp_region`   all-reduce forward, identity backward (Megatron-LM's g)
+    With sequence parallelism (`self.sequence_parallel`) they are split along the sequence, and the
+    all-reduce splits into its two halves, one on each side (Korthikanti et al.'s g and ḡ):
+        f = all-gather along S forward, reduce-scatter backward
+        g = reduce-scatter along S forward, all-gather backward
+    Subclasses set `self.group` and `self.sequence_parallel`.
+    """
+
+    def f(self, x):                      # enter: (B, S, D) whole, or (B, S/tp, D) with SP -> (B, S, D)
         if self.sequence_parallel:
-            return ops.gather_from_sequence_parallel_region(x, self.group)   # (B, S/tp, D) -> (B, S, D)
-        return ops.copy_to_tp_region(x, self.group)                           # (B, S, D), f
+            return tp_operators.gather_from_sequence_parallel_region(x, self.group)
+        return tp_operators.copy_to_tp_region(x, self.group)
 
-    def leave(self, y):
+    def g(self, y):                      # leave: (B, S, D) partial sums -> (B, S, D), or (B, S/tp, D) with SP
         if self.sequence_parallel:
-            return ops.reduce_scatter_to_sequence_parallel_region(y, self.group)  # (B, S, D) -> (B, S/tp, D)
-        return ops.reduce_from_tp_region(y, self.group)                           # (B, S, D), g
+            return tp_operators.reduce_scatter_to_sequence_parallel_region(y, self.group)
+        return tp_operators.reduce_from_tp_region(y, self.group)
 
 
-class ColumnParallelLinear(_TPInput):
-    """y = x Wᵀ with W's output rows split: this rank computes y[..., rank·out/tp : (rank+1)·out/tp]."""
+class ColumnParallelLinear(TPRegion):
+    """y = x Wᵀ with W's output rows split: this rank computes y[..., rank·out/tp : (rank+1)·out/tp].
 
-    def __init__(self, weight, group, sequence_parallel=False, gather_output=False):
-        super().__init__()
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
-        self.weight = _mark(nn.Parameter(_shard(weight, 0, rank, size)), 0, 1)   # (out/tp, in)
+    Each output slice depends on all of x, so the layer starts with f (the sum of the ranks' input
+    gradients in backward). `apply_f=False`: the caller has applied f already, once for several
+    layers reading the same input (q, k, v; gate, up): three f's would all-reduce three gradients
+    instead of their sum. `gather_output`: all-gather the slices into the whole y at the end."""
 
-    def local(self, x):                  # x already entered (whole on this rank): (B, S, in) -> (B, S, out/tp)
-        return F.linear(x, self.weight)
-
-    def forward(self, x):
-        y = self.local(self.enter(x))                                          # (B, S, out/tp)
-        return ops.gather_from_last_dim(y, self.group) if self.gather_output else y   # (B, S, out)
-
-
-class RowParallelLinear(_TPInput):
-    """y = x Wᵀ with W's input columns split: x arrives split (B, S, in/tp), each rank's product is a
-    partial sum of the whole y, and g (or the reduce-scatter with SP) adds the partials."""
-
-    def __init__(self, weight, group, sequence_parallel=False):
+    def __init__(self, weight, group, sequence_parallel=False, gather_output=False, apply_f=True):
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _mark(nn.Parameter(_shard(weight, 1, rank, size)), 1, 1)   # (out, in/tp)
+        self.gather_output, self.apply_f = gather_output, apply_f
+        self.weight = mark_layout(nn.Parameter(_shard(weight, 0, rank, size)), 0, 1)   # (out/tp, in)
 
-    def forward(self, x):                # (B, S, in/tp) -> (B, S, out), or (B, S/tp, out) with SP
-        return self.leave(F.linear(x, self.weight))
+    def forward(self, x):                # (B, S, in), or (B, S/tp, in) with SP
+        if self.apply_f:
+            x = self.f(x)                # f: (B, S, in), whole on every rank
+        y = F.linear(x, self.weight)     # (B, S, out/tp): this rank's output features
+        if self.gather_output:
+            y = tp_operators.gather_from_last_dim(y, self.group)   # (B, S, out)
+        return y
 
 
-class ParallelAttention(_TPInput):
-    """Grouped-query attention with the heads split over the TP group.
+class RowParallelLinear(TPRegion):
+    """y = x Wᵀ with W's input columns split: x arrives split (B, S, in/tp), each rank's product is a
+    partial sum of the whole y, and g (or the reduce-scatter with SP) adds the partials.
+    `apply_g=False`: return the partial sum; the caller applies g (written out in its forward)."""
+
+    def __init__(self, weight, group, sequence_parallel=False, apply_g=True):
+        super().__init__()
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.group, self.sequence_parallel, self.apply_g = group, sequence_parallel, apply_g
+        self.weight = mark_layout(nn.Parameter(_shard(weight, 1, rank, size)), 1, 1)   # (out, in/tp)
+
+    def forward(self, x):                # (B, S, in/tp)
+        y = F.linear(x, self.weight)     # (B, S, out): a partial sum on each rank
+        return self.g(y) if self.apply_g else y   # g: (B, S, out), or (B, S/tp, out) with SP
+
+
+class ReplicatedKVHead(nn.Module):
+    """The rows of wk or wv for ONE KV head, the same copy on the tp/K ranks whose query heads read it
+    (when K < tp). No communication of its own: the block's f and g surround it."""
+
+    def __init__(self, weight, head: int, head_dim: int, replicas: int):
+        super().__init__()
+        rows = weight[head * head_dim:(head + 1) * head_dim].detach().clone()
+        self.weight = mark_layout(nn.Parameter(rows), None, replicas)                   # (hd, D)
+
+    def forward(self, x):                # (B, S, D) -> (B, S, hd)
+        return F.linear(x, self.weight)
+
+
+class ParallelAttention(TPRegion):
+    """Grouped-query attention with the heads split over the TP group: f, the local heads, g.
 
     Rank r holds query heads [r·H/tp, (r+1)·H/tp). When K ≥ tp it holds KV heads [r·K/tp, (r+1)·K/tp),
     which are exactly the ones its query heads read. When K < tp (tp a multiple of K) the tp/K ranks
@@ -100,46 +131,48 @@ class ParallelAttention(_TPInput):
         H, K, hd = dense.n_heads, dense.n_kv_heads, dense.head_dim
         self.group, self.sequence_parallel = group, sequence_parallel
         self.n_heads, self.head_dim, self.total_kv_heads = H // tp, hd, K
-        self.wq = ColumnParallelLinear(dense.wq.weight, group, sequence_parallel)          # (H/tp·hd, D)
-        self.wo = RowParallelLinear(dense.wo.weight, group, sequence_parallel)             # (D, H/tp·hd)
+        # f and g are written out in forward, once for the whole block: the linears only multiply.
+        self.wq = ColumnParallelLinear(dense.wq.weight, group, sequence_parallel, apply_f=False)   # (H/tp·hd, D)
+        self.wo = RowParallelLinear(dense.wo.weight, group, sequence_parallel, apply_g=False)      # (D, H/tp·hd)
         if K >= tp:
             self.n_kv_heads, self.kv_replicas = K // tp, 1
-            self.wk = ColumnParallelLinear(dense.wk.weight, group, sequence_parallel)      # (K/tp·hd, D)
-            self.wv = ColumnParallelLinear(dense.wv.weight, group, sequence_parallel)
+            self.wk = ColumnParallelLinear(dense.wk.weight, group, sequence_parallel, apply_f=False)   # (K/tp·hd, D)
+            self.wv = ColumnParallelLinear(dense.wv.weight, group, sequence_parallel, apply_f=False)
         else:
             self.n_kv_heads, self.kv_replicas = 1, tp // K
             self.kv_head = rank // self.kv_replicas          # the one KV head this rank's queries read
-            self.wk, self.wv = nn.Module(), nn.Module()
-            for mine, theirs in ((self.wk, dense.wk), (self.wv, dense.wv)):
-                rows = theirs.weight[self.kv_head * hd:(self.kv_head + 1) * hd].detach().clone()
-                mine.weight = _mark(nn.Parameter(rows), None, self.kv_replicas)             # (hd, D)
+            self.wk = ReplicatedKVHead(dense.wk.weight, self.kv_head, hd, self.kv_replicas)          # (hd, D)
+            self.wv = ReplicatedKVHead(dense.wv.weight, self.kv_head, hd, self.kv_replicas)
 
     def forward(self, x, cos, sin):      # (B, S, D), or (B, S/tp, D) with SP
-        x = self.enter(x)                # one f (or all-gather) for q, k and v together: (B, S, D)
+        x = self.f(x)                    # f, once for q, k and v: (B, S, D) on every rank
         B, S, _ = x.shape
-        q = F.linear(x, self.wq.weight).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H/tp, S, hd)
-        k = F.linear(x, self.wk.weight).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K/tp or 1, S, hd)
-        v = F.linear(x, self.wv.weight).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        return self.wo(causal_attention(q, k, v, cos, sin))   # (B, S, H/tp·hd) -> g -> (B, S, D) or (B, S/tp, D)
+        q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H/tp, S, hd)
+        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K/tp or 1, S, hd)
+        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        y = self.wo(causal_attention(q, k, v, cos, sin))   # (B, S, H/tp·hd) -> (B, S, D), a partial sum
+        return self.g(y)                 # g: (B, S, D), or (B, S/tp, D) with SP
 
 
-class ParallelSwiGLU(_TPInput):
+class ParallelSwiGLU(TPRegion):
     """down(silu(gate(x)) · up(x)): gate and up split by columns, down by rows; F/tp hidden units here."""
 
     def __init__(self, dense, group, sequence_parallel=False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.w_gate = ColumnParallelLinear(dense.w_gate.weight, group, sequence_parallel)   # (F/tp, D)
-        self.w_up = ColumnParallelLinear(dense.w_up.weight, group, sequence_parallel)       # (F/tp, D)
-        self.w_down = RowParallelLinear(dense.w_down.weight, group, sequence_parallel)      # (D, F/tp)
+        # f and g are written out in forward, once for the whole MLP: the linears only multiply.
+        self.w_gate = ColumnParallelLinear(dense.w_gate.weight, group, sequence_parallel, apply_f=False)  # (F/tp, D)
+        self.w_up = ColumnParallelLinear(dense.w_up.weight, group, sequence_parallel, apply_f=False)      # (F/tp, D)
+        self.w_down = RowParallelLinear(dense.w_down.weight, group, sequence_parallel, apply_g=False)     # (D, F/tp)
 
-    def forward(self, x):                # (B, S, D) or (B, S/tp, D)
-        x = self.enter(x)                # one f (or all-gather) shared by gate and up: (B, S, D)
-        hidden = F.silu(self.w_gate.local(x)) * self.w_up.local(x)                       # (B, S, F/tp)
-        return self.w_down(hidden)                                                       # g / reduce-scatter
+    def forward(self, x):                # (B, S, D), or (B, S/tp, D) with SP
+        x = self.f(x)                    # f, once for gate and up: (B, S, D) on every rank
+        hidden = F.silu(self.w_gate(x)) * self.w_up(x)     # (B, S, F/tp)
+        y = self.w_down(hidden)          # (B, S, D), a partial sum
+        return self.g(y)                 # g: (B, S, D), or (B, S/tp, D) with SP
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(TPRegion):
     """Rows [r·V/tp, (r+1)·V/tp) of the table on rank r. A token outside this range looks up a dummy
     row whose output is zeroed; summing over ranks (g, or a reduce-scatter along the sequence with SP)
     then gives every token the one row that some rank holds."""
@@ -149,16 +182,14 @@ class VocabParallelEmbedding(nn.Module):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.sequence_parallel = group, sequence_parallel
         self.vocab_start = rank * weight.shape[0] // size
-        self.weight = _mark(nn.Parameter(_shard(weight, 0, rank, size)), 0, 1)   # (V/tp, D)
+        self.weight = mark_layout(nn.Parameter(_shard(weight, 0, rank, size)), 0, 1)   # (V/tp, D)
 
     def forward(self, tokens):           # (B, S) ints in [0, V)
         local = tokens - self.vocab_start
         inside = (local >= 0) & (local < self.weight.shape[0])                   # (B, S) bool
         out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)  # (B, S, D)
         out = out * inside.unsqueeze(-1).to(out.dtype)                            # foreign tokens: zero rows, zero grads
-        if self.sequence_parallel:
-            return ops.reduce_scatter_to_sequence_parallel_region(out, self.group)   # (B, S/tp, D)
-        return ops.reduce_from_tp_region(out, self.group)                            # (B, S, D)
+        return self.g(out)               # g: (B, S, D), or (B, S/tp, D) with SP
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
