@@ -36,7 +36,7 @@ def probe(sp: bool, out: str):
     from common.distributed import init_distributed
     from common.mesh import Mesh
     from common.model import PRESETS, build_model, count_parameters
-    tp_lib = import_module("02_tensor_parallel.tensor_parallel")
+    tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")
     calls = []
     for fn_name in ("all_reduce", "all_gather_into", "reduce_scatter_into"):
         original = getattr(comm, fn_name)
@@ -52,13 +52,13 @@ def probe(sp: bool, out: str):
     rt = init_distributed("cpu")
     mesh = Mesh(rt.rank, rt.world_size, tp=rt.world_size)
     cfg, B, S = PRESETS["tiny"], 4, 64
-    model = tp_lib.parallelize_model(build_model(cfg, 1337), mesh.group("tp"), sp)
+    model = tensor_parallel.parallelize_model(build_model(cfg, 1337), mesh.group("tp"), sp)
     x, y = TextData(None, S, 1337).global_batch(1, B)
     h = model.embed(x)
     for layer in model.layers:
         h = layer(h, model.rope_cos, model.rope_sin)
-    tp_lib.tp_loss_sum(model.head(h), y, mesh.group("tp")).backward()
-    tp_lib.sync_tp_gradients(model, mesh.group("tp"))
+    tensor_parallel.tp_loss_sum(model.head(h), y, mesh.group("tp")).backward()
+    tensor_parallel.sync_tp_gradients(model, mesh.group("tp"))
     sizes = [None] * rt.world_size
     dist.all_gather_object(sizes, sum(p.numel() * 4 for p in model.parameters()))
     if rt.rank == 0:

@@ -13,10 +13,13 @@ DTensor decides the collectives from the placements, so the code says *what* is 
 library derives *where* f and g go: the opposite of this chapter's hand-written layers. Its
 collectives bypass common.comm, so this path reports no comm_bytes. Replicated KV heads (K < tp)
 have no ready-made style; this path needs the KV heads to split evenly.
+
+`DTensorTrainer` wraps it all in the verbs of tp_trainer.TPTrainer, so train_tp.py's loop runs it
+unchanged.
 """
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
@@ -24,10 +27,45 @@ from common import comm
 from common.errors import require
 from common.model import loss_sum
 
+from .tp_trainer import TPTrainer
 
-def tp_mesh_from_group(tp_group, device) -> DeviceMesh:
-    """A one-dimensional DeviceMesh over an existing TP group (so DP stays on our own groups)."""
-    return DeviceMesh.from_group(tp_group, device_type=device.type)
+
+class DTensorTrainer(TPTrainer):
+    """TPTrainer's verbs with PyTorch's DTensor in place of this chapter's layers. Only what DTensor
+    does differently is written here: the sharding plan, the loss, the gradients' layouts."""
+
+    def parallelize(self, model, sequence_parallel: bool):
+        mesh = DeviceMesh.from_group(self.tp_group, device_type=self.device.type)   # DP stays on our groups
+        return parallelize_with_dtensor(model, mesh, sequence_parallel)
+
+    def forward_backward(self, x, y, sync: bool = True):
+        with loss_parallel():            # the cross-entropy on vocabulary-sharded logits, backward included
+            return super().forward_backward(x, y, sync)
+
+    def loss_sum(self, logits, targets):
+        return loss_sum(logits, targets)       # (B, S, V) DTensor, Shard(-1): never gathered
+
+    def sync_gradients(self) -> None:
+        settle_grads(self.model)                       # DTensor's gradient layouts (SP norms: all-reduce)
+        allreduce_dp(self.model, self.dp_group)        # data parallelism over our own group
+
+    def counted_here(self, p) -> bool:
+        """A sharded parameter counted by every rank (each its shard), a replicated one by TP rank 0."""
+        return (isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)) or self.tp_rank == 0
+
+    @staticmethod
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def to_full(self, name, t):
+        return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+    def to_local(self, name, full):
+        """A full tensor laid out like the parameter `name` (for AdamW moments on resume)."""
+        p = self.params[name]
+        if not isinstance(p, DTensor):
+            return full
+        return distribute_tensor(full.to(p.device_mesh.device_type), p.device_mesh, p.placements)
 
 
 def parallelize_with_dtensor(model, mesh: DeviceMesh, sequence_parallel: bool = False):
@@ -59,15 +97,6 @@ def parallelize_with_dtensor(model, mesh: DeviceMesh, sequence_parallel: bool = 
     return model
 
 
-def dtensor_loss_sum(logits, targets):
-    """Summed cross-entropy on vocabulary-sharded DTensor logits (call inside `loss_parallel()`)."""
-    return loss_sum(logits, targets)
-
-
-def local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def settle_grads(model) -> None:
     """Give each gradient its parameter's layout. DTensor leaves some as they came out of backward:
     the embedding's as Replicate (the whole V×D table on every rank), SP norms' as Partial (each
@@ -79,36 +108,9 @@ def settle_grads(model) -> None:
 
 
 def allreduce_dp(model, dp_group) -> None:
-    """Data parallelism over our own group: all-reduce each local gradient shard."""
+    """Data parallelism over our own group: all-reduce each local gradient shard (chapter 01's naive
+    all-reduce, on the DTensors' local tensors)."""
     if dist.get_world_size(dp_group) > 1:
         for p in model.parameters():
             if p.grad is not None:
-                comm.all_reduce(local(p.grad), group=dp_group, name="dp")
-
-
-def owned_local_grads(model, tp_rank):
-    """Local gradient shards this rank counts in the global norm (replicated ones on tp rank 0 only)."""
-    out = []
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        sharded = isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
-        if sharded or tp_rank == 0:
-            out.append(local(p.grad))
-    return out
-
-
-def full_tensor(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
-
-
-def like_param(p, full):
-    """A full tensor laid out like parameter p (for AdamW moments on resume)."""
-    if not isinstance(p, DTensor):
-        return full
-    from torch.distributed.tensor import distribute_tensor
-    return distribute_tensor(full.to(p.device_mesh.device_type), p.device_mesh, p.placements)
-
-
-__all__ = ["tp_mesh_from_group", "parallelize_with_dtensor", "dtensor_loss_sum", "loss_parallel", "allreduce_dp", "settle_grads",
-           "owned_local_grads", "full_tensor", "like_param", "local"]
+                comm.all_reduce(DTensorTrainer.local(p.grad), group=dp_group, name="dp")
