@@ -37,7 +37,7 @@ out_dir = Path(tempfile.mkdtemp(prefix="nb02_"))
 # columns, norms are whole on every rank.
 
 # %%
-tp_lib = import_module("02_tensor_parallel.tensor_parallel")
+tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")
 cfg = PRESETS["tiny"]
 full_shapes = {"tok_emb.weight": (cfg.vocab_size, cfg.dim), "layers.0.attn.wq.weight": (cfg.dim, cfg.dim),
                "layers.0.attn.wk.weight": (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
@@ -45,7 +45,7 @@ full_shapes = {"tok_emb.weight": (cfg.vocab_size, cfg.dim), "layers.0.attn.wq.we
                "layers.0.mlp.w_down.weight": (cfg.dim, cfg.ffn_hidden), "layers.0.attn_norm.weight": (cfg.dim,),
                "lm_head.weight": (cfg.vocab_size, cfg.dim)}
 for name, shape in full_shapes.items():
-    dim = tp_lib.split_dim(name)
+    dim = tensor_parallel.split_dim(name)
     local = list(shape)
     if dim is not None:
         local[dim] //= N

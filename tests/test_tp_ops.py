@@ -30,7 +30,7 @@ def _randn(*shape, seed=0):
 # --- operators: closed forms at N ranks ---------------------------------------------------------------
 
 def check_operators():
-    ops, _, _ = _libs()
+    tp_operators, _, _ = _libs()
     group, N, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     tri = N * (N + 1) / 2                                       # Σ_r (r+1)
     full = _randn(2, 4 * N, 3, seed=1)                          # (B, S, D) with S divisible by N
@@ -38,28 +38,28 @@ def check_operators():
 
     # f: identity forward; backward sums every rank's gradient: (r+1)·1 -> Σ(r+1)
     x = torch.full((2, 3), float(r), requires_grad=True)
-    y = ops.copy_to_tp_region(x, group)
+    y = tp_operators.copy_to_tp_region(x, group)
     assert torch.equal(y, x.detach())
     y.backward(torch.full((2, 3), r + 1.0))
     assert torch.allclose(x.grad, torch.full((2, 3), tri))
 
     # g: sums (r+1) over ranks forward; backward passes the gradient unchanged
     x = torch.full((2, 3), r + 1.0, requires_grad=True)
-    y = ops.reduce_from_tp_region(x, group)
+    y = tp_operators.reduce_from_tp_region(x, group)
     assert torch.allclose(y, torch.full((2, 3), tri))
     y.backward(torch.full((2, 3), 10.0 * r))
     assert torch.equal(x.grad, torch.full((2, 3), 10.0 * r))
 
     # all-gather along the sequence forward, reduce-scatter backward
     x = mine.clone().requires_grad_()
-    y = ops.gather_from_sequence_parallel_region(x, group)
+    y = tp_operators.gather_from_sequence_parallel_region(x, group)
     assert torch.equal(y, full)
     y.backward(full * (r + 1))                                   # Σ_r (r+1)·full, my chunk
     assert torch.allclose(x.grad, mine * tri)
 
     # reduce-scatter forward (Σ (r+1)·full, my chunk), all-gather backward
     x = (full * (r + 1)).requires_grad_()
-    y = ops.reduce_scatter_to_sequence_parallel_region(x, group)
+    y = tp_operators.reduce_scatter_to_sequence_parallel_region(x, group)
     assert torch.allclose(y, mine * tri)
     y.backward(torch.full_like(y, float(r)))                     # gathered: chunk j holds j
     want = torch.cat([torch.full_like(mine, float(j)) for j in range(N)], dim=1)
@@ -67,7 +67,7 @@ def check_operators():
 
     # scatter (split) forward, all-gather backward
     x = full.clone().requires_grad_()
-    y = ops.scatter_to_sequence_parallel_region(x, group)
+    y = tp_operators.scatter_to_sequence_parallel_region(x, group)
     assert torch.equal(y, mine)
     y.backward(torch.ones_like(y) * r)
     assert torch.equal(x.grad, want)
@@ -75,12 +75,12 @@ def check_operators():
     # last dim: gather forward, split backward; split forward, gather backward
     last = _randn(3, 2 * N, seed=2)
     x = last.chunk(N, -1)[r].clone().requires_grad_()
-    y = ops.gather_from_last_dim(x, group)
+    y = tp_operators.gather_from_last_dim(x, group)
     assert torch.equal(y, last)
     y.backward(last * 2)
     assert torch.equal(x.grad, last.chunk(N, -1)[r] * 2)
     x = last.clone().requires_grad_()
-    y = ops.split_to_last_dim(x, group)
+    y = tp_operators.split_to_last_dim(x, group)
     assert torch.equal(y, last.chunk(N, -1)[r])
     y.backward(torch.full_like(y, float(r)))
     assert torch.equal(x.grad, torch.cat([torch.full((3, 2), float(j)) for j in range(N)], dim=-1))
@@ -110,16 +110,16 @@ def _twin(dense_fn, par_fn, x_full, into, out):
         torch.testing.assert_close(xp.grad, _mine(xd.grad, into), **TOL)
 
 
-def _grads_match(dense, par, tp_lib, prefix=""):
+def _grads_match(dense, par, tensor_parallel, prefix=""):
     N, r = dist.get_world_size(), dist.get_rank()
     dense_grads = {n: p.grad for n, p in dense.named_parameters()}
     for n, p in par.named_parameters():
-        want = tp_lib.tp_to_local(prefix + n, dense_grads[n], r, N, getattr(par, "total_kv_heads", None))
+        want = tensor_parallel.tp_to_local(prefix + n, dense_grads[n], r, N, getattr(par, "total_kv_heads", None))
         torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m: f"{n}: {m}")
 
 
 def check_layers(sp: bool):
-    _, L, tp_lib = _libs()
+    _, tp_layers, tensor_parallel = _libs()
     group, N, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     B, S, D, Fh = 2, 4 * N, 16, 8 * N
@@ -129,11 +129,11 @@ def check_layers(sp: bool):
     # column (gathered and split output), row
     for gather in (True, False):
         dense = torch.nn.Linear(D, Fh, bias=False)
-        par = L.ColumnParallelLinear(dense.weight, group, sp, gather_output=gather)
+        par = tp_layers.ColumnParallelLinear(dense.weight, group, sp, gather_output=gather)
         _twin(dense, par, x, seq, "full" if gather else "last")
         torch.testing.assert_close(par.weight.grad, dense.weight.grad.chunk(N, 0)[r], **TOL)
     dense = torch.nn.Linear(Fh, D, bias=False)
-    par = L.RowParallelLinear(dense.weight, group, sp)
+    par = tp_layers.RowParallelLinear(dense.weight, group, sp)
     _twin(dense, par, _randn(B, S, Fh, seed=4), "last", seq)
     torch.testing.assert_close(par.weight.grad, dense.weight.grad.chunk(N, 1)[r], **TOL)
 
@@ -142,15 +142,15 @@ def check_layers(sp: bool):
     cos, sin = rope_tables(cfg)
     x = _randn(B, S, 32, seed=5)
     for dense in (Attention(cfg), SwiGLU(cfg)):
-        par = (L.ParallelAttention if isinstance(dense, Attention) else L.ParallelSwiGLU)(dense, group, sp)
+        par = (tp_layers.ParallelAttention if isinstance(dense, Attention) else tp_layers.ParallelSwiGLU)(dense, group, sp)
         call_d = (lambda m: (lambda t: m(t, cos, sin))) if isinstance(dense, Attention) else (lambda m: m)
         _twin(call_d(dense), call_d(par), x, seq, seq)
-        _grads_match(dense, par, tp_lib)
+        _grads_match(dense, par, tensor_parallel)
 
     # embedding: tokens in; output (B, S, D) or its sequence shard
     V = 8 * N
     emb = torch.nn.Embedding(V, D)
-    par = L.VocabParallelEmbedding(emb.weight, group, sp)
+    par = tp_layers.VocabParallelEmbedding(emb.weight, group, sp)
     tokens = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(6))
     _twin(emb, par, tokens, "full", seq)
     torch.testing.assert_close(par.weight.grad, emb.weight.grad.chunk(N, 0)[r], **TOL)
@@ -159,7 +159,7 @@ def check_layers(sp: bool):
 
 def check_kv_replicated():
     """n_kv_heads=2 at tp=4: every KV head held by two ranks, gradients summed over them."""
-    _, L, tp_lib = _libs()
+    _, tp_layers, tensor_parallel = _libs()
     group, N, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     cfg = ModelConfig(dim=32, n_heads=8, n_kv_heads=2, max_seq_len=64)
     assert cfg.n_kv_heads < N
@@ -168,24 +168,24 @@ def check_kv_replicated():
     dense = Attention(cfg)
     for sp in (False, True):
         dense.zero_grad(set_to_none=True)
-        par = L.ParallelAttention(dense, group, sp)
+        par = tp_layers.ParallelAttention(dense, group, sp)
         assert par.kv_replicas == N // 2 and par.wk.weight.shape == (cfg.head_dim, 32)
         seq = "seq" if sp else "full"
         _twin(lambda t: dense(t, cos, sin), lambda t: par(t, cos, sin), _randn(2, 4 * N, 32, seed=8), seq, seq)
-        tp_lib.sync_replicated_kv_grads(par, group)
-        _grads_match(dense, par, tp_lib)
+        tensor_parallel.sync_replicated_kv_grads(par, group)
+        _grads_match(dense, par, tensor_parallel)
         # round trip: tp_to_full of the local shards gives the dense weight back
         for name in ("wk.weight", "wv.weight", "wq.weight", "wo.weight"):
             local = par.get_parameter(name)
-            torch.testing.assert_close(tp_lib.tp_to_full(name, local, group, 2), dense.get_parameter(name))
+            torch.testing.assert_close(tensor_parallel.tp_to_full(name, local, group, 2), dense.get_parameter(name))
         # replicated heads counted once in the norm
-        owned = [p.grad for p in par.parameters() if p.grad is not None and tp_lib.counted_here(p, r)]
+        owned = [p.grad for p in par.parameters() if p.grad is not None and tensor_parallel.counted_here(p, r)]
         assert len(owned) == (4 if r % par.kv_replicas == 0 else 2)
     return True
 
 
 def check_vocab_parallel_loss():
-    _, L, tp_lib = _libs()
+    _, tp_layers, tensor_parallel = _libs()
     group, N, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     B, S, V = 3, 5, 16 * N
     logits = _randn(B, S, V, seed=9) * 4
@@ -194,7 +194,7 @@ def check_vocab_parallel_loss():
     ref = F.cross_entropy(full.flatten(0, 1), targets.flatten(), reduction="sum")
     ref.backward()
     local = logits.chunk(N, -1)[r].clone().requires_grad_()
-    loss = tp_lib.tp_loss_sum(local, targets, group)
+    loss = tensor_parallel.tp_loss_sum(local, targets, group)
     torch.testing.assert_close(loss, ref.detach(), **TOL)
     (loss * 0.5).backward()
     torch.testing.assert_close(local.grad, 0.5 * full.grad.chunk(N, -1)[r], **TOL)
@@ -203,14 +203,14 @@ def check_vocab_parallel_loss():
 
 def check_partial_stage(sp: bool):
     """A middle pipeline stage: no embedding, no head, only blocks 2 and 5 (named as in the full model)."""
-    _, _, tp_lib = _libs()
+    _, _, tensor_parallel = _libs()
     from common.model import build_model
     group, N = dist.group.WORLD, dist.get_world_size()
     cfg = PRESETS["tiny"]
     dense, stage = build_model(cfg, 3), build_model(cfg, 3)
     stage.tok_emb = stage.norm = stage.lm_head = None
     stage.layers = torch.nn.ModuleDict({"2": stage.layers[2], "5": stage.layers[5]})
-    tp_lib.parallelize_model(stage, group, sp)
+    tensor_parallel.parallelize_model(stage, group, sp)
     assert {n.split(".")[1] for n in dict(stage.named_parameters())} == {"2", "5"}
     h = _randn(2, 4 * N, cfg.dim, seed=11)
     want = h
@@ -220,7 +220,7 @@ def check_partial_stage(sp: bool):
     for i in ("2", "5"):
         got = stage.layers[i](got, stage.rope_cos, stage.rope_sin)
     torch.testing.assert_close(got, _mine(want, "seq") if sp else want, rtol=1e-5, atol=1e-5)
-    full = tp_lib.full_state_dict(stage, group)
+    full = tensor_parallel.full_state_dict(stage, group)
     for name, t in full.items():
         torch.testing.assert_close(t, dense.get_parameter(name))
     return True
@@ -239,22 +239,22 @@ def check_partial_stage(sp: bool):
     (PRESETS["tiny"], 4, 30, False, None),                                   # no SP: any length
 ])
 def test_check_tp_config(cfg, tp, seq, sp, words):
-    tp_lib = _libs()[2]
+    tensor_parallel = _libs()[2]
     if words is None:
-        tp_lib.check_tp_config(cfg, tp, seq, sp)
+        tensor_parallel.check_tp_config(cfg, tp, seq, sp)
         return
     with pytest.raises(ConfigError, match=words) as err:
-        tp_lib.check_tp_config(cfg, tp, seq, sp)
+        tensor_parallel.check_tp_config(cfg, tp, seq, sp)
     assert "use a" in str(err.value)                    # the message names the fix
 
 
 def test_tp_to_local_inverts_split():
-    tp_lib = _libs()[2]
+    tensor_parallel = _libs()[2]
     full = torch.arange(8 * 6.0).view(8, 6)
     for name, dim in (("layers.0.attn.wq.weight", 0), ("layers.3.mlp.w_down.weight", 1),
                       ("layers.0.attn_norm.weight", None)):
-        parts = [tp_lib.tp_to_local(name, full, r, 2) for r in range(2)]
+        parts = [tensor_parallel.tp_to_local(name, full, r, 2) for r in range(2)]
         assert torch.equal(full if dim is None else torch.cat(parts, dim), full)
     # replicated KV: 2 heads of 4 rows over tp=4 -> ranks 0,1 hold head 0; ranks 2,3 head 1
-    parts = [tp_lib.tp_to_local("attn.wk.weight", full, r, 4, n_kv_heads=2) for r in range(4)]
+    parts = [tensor_parallel.tp_to_local("attn.wk.weight", full, r, 4, n_kv_heads=2) for r in range(4)]
     assert torch.equal(parts[1], full[:4]) and torch.equal(parts[2], full[4:])
