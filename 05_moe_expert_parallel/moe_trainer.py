@@ -123,5 +123,5 @@ class ExpertParallelTrainer:
         (the router biases and the dense weights come with each, identical)."""
         return consolidate_on_rank0(self.model, self.optimizer, self.named, is_writer=self.mesh.coord("dp") == 0)
 
-    def load_optimizer_state(self, states: dict) -> None:
+    def load_optim_state(self, states: dict) -> None:
         load_optim_state_by_name(self.optimizer, self.named, states)

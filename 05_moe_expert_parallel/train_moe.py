@@ -75,31 +75,11 @@ def main(argv=None) -> list[dict]:
     expert_parallel.parallelize_experts(model, mesh.group("ep"))
     trainer = moe_trainer.ExpertParallelTrainer(model, mesh, args, cfg, rt.device)
     if resume:
-        trainer.load_optimizer_state(resume["optim"])
+        trainer.load_optim_state(resume["optim"])
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
-    memory = trainer.memory()
-    T_rank = args.global_batch // rt.world_size * args.seq_len            # tokens per rank per step
-    log.config_table(f"mixture of experts — EP {ep} × DP {rt.world_size // ep}", {
-        "world size": f"{rt.world_size} = DP {rt.world_size // ep} × EP {ep}",
-        "device / backend": f"{rt.device} / {rt.backend}",
-        "mesh (dp, ep)": "\n" + mesh.describe(),
-        "experts per rank": ", ".join(f"ep={j}: {list(expert_parallel.local_experts(cfg.n_experts, j, ep))}"
-                                      for j in range(ep)) if cfg.n_experts else "- (dense model)",
-        "gradient all-reduce": f"dense over all {rt.world_size} ranks; experts over the DP group "
-                               f"(same experts): {mesh.lines(0)}",
-        "model": f"{args.model}: {count_parameters(cfg):,} parameters, {count_parameters(cfg, active=True):,} "
-                 f"active per token ({cfg.n_experts} experts, top-{cfg.top_k})" if cfg.n_experts else
-                 f"{args.model}: {count_parameters(cfg):,} parameters (dense)",
-        "parameters on this rank": f"{format_bytes(memory['param_bytes'])}, of which experts "
-                                   f"{format_bytes(memory['expert_param_bytes'])}",
-        "routing": (f"{'dropless' if args.capacity_factor is None else f'capacity factor {args.capacity_factor}'}, "
-                    f"aux α={args.aux_loss_coef}, z β={args.z_loss_coef}, bias γ={args.router_bias_rate}"),
-        "all-to-all rows per exchange": f"≈ (ep-1)/ep·T·k = {(ep - 1) / ep * T_rank * cfg.top_k:,.0f} of "
-                                        f"{cfg.dim} floats sent per rank, 4 exchanges per layer per step",
-        "global batch": f"{args.global_batch} seq × {args.seq_len} tokens; {args.global_batch // rt.world_size} "
-                        f"seq per rank in {args.microbatches} micro-batch(es)",
-        "resumed from step": start or "-"})
+    log.config_table(f"mixture of experts — EP {ep} × DP {mesh.size('dp')}",
+                     layout_rows(args, cfg, mesh, rt, trainer.memory(), start))
     if rt.world_size == 1:
         log.print("world size 1: the single-device reference. More ranks: "
                   "torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py [--ep 2]")
@@ -142,6 +122,32 @@ def main(argv=None) -> list[dict]:
     log.finish(load_rows(log.history[-1]) if log.history and cfg.n_experts else None)
     shutdown(rt)
     return log.history
+
+
+def layout_rows(args, cfg, mesh, rt, memory: dict, start: int) -> dict:
+    """The configuration table printed at start: the grid, who holds which experts, who sums what."""
+    ep, dp, world = mesh.size("ep"), mesh.size("dp"), rt.world_size
+    T_rank = args.global_batch // world * args.seq_len            # tokens per rank per step
+    moe = cfg.n_experts > 0
+    return {
+        "world size": f"{world} = DP {dp} × EP {ep}",
+        "device / backend": f"{rt.device} / {rt.backend}",
+        "mesh (dp, ep)": "\n" + mesh.describe(),
+        "experts per rank": ", ".join(f"ep={j}: {list(expert_parallel.local_experts(cfg.n_experts, j, ep))}"
+                                      for j in range(ep)) if moe else "- (dense model)",
+        "gradient all-reduce": f"dense over all {world} ranks; experts over the DP group (same experts): "
+                               f"{mesh.lines(0)}",
+        "model": f"{args.model}: {count_parameters(cfg):,} parameters, {count_parameters(cfg, active=True):,} "
+                 f"active per token" + (f" ({cfg.n_experts} experts, top-{cfg.top_k})" if moe else " (dense)"),
+        "parameters on this rank": f"{format_bytes(memory['param_bytes'])}, of which experts "
+                                   f"{format_bytes(memory['expert_param_bytes'])}",
+        "routing": ("dropless" if args.capacity_factor is None else f"capacity factor {args.capacity_factor}")
+                   + f", aux α={args.aux_loss_coef}, z β={args.z_loss_coef}, bias γ={args.router_bias_rate}",
+        "all-to-all rows per exchange": f"≈ (ep-1)/ep·T·k = {(ep - 1) / ep * T_rank * cfg.top_k:,.0f} of "
+                                        f"{cfg.dim} floats sent per rank, 4 exchanges per layer per step",
+        "global batch": f"{args.global_batch} seq × {args.seq_len} tokens; {args.global_batch // world} "
+                        f"seq per rank in {args.microbatches} micro-batch(es)",
+        "resumed from step": start or "-"}
 
 
 def load_rows(row: dict) -> dict:

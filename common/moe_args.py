@@ -50,7 +50,8 @@ def check_moe_args(args, cfg: ModelConfig, world: int, ep: int) -> None:
     """Every MoE flag's domain and every divisibility expert parallelism needs."""
     for flag, value in (("--aux-loss-coef", args.aux_loss_coef), ("--z-loss-coef", args.z_loss_coef),
                         ("--router-bias-rate", args.router_bias_rate)):
-        require(math.isfinite(value) and value >= 0, f"{flag} must be a finite number ≥ 0, got {value}; use 0 to turn it off")
+        require(math.isfinite(value) and value >= 0,
+                f"{flag} must be a finite number ≥ 0, got {value}; use 0 to turn it off")
     if args.capacity_factor is not None:
         require(math.isfinite(args.capacity_factor) and args.capacity_factor > 0,
                 f"--capacity-factor must be a finite number > 0, got {args.capacity_factor}; "

@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from common.errors import ConfigError
 from common.model import (PRESETS, ModelConfig, MoEFeedForward, SwiGLU, Transformer, build_model, count_parameters,
@@ -152,7 +151,8 @@ def test_parameter_counts_total_and_active():
             model = Transformer(cfg)
         assert count_parameters(cfg) == sum(p.numel() for p in model.parameters())
         expert = sum(p.numel() for p in model.layers[0].mlp.experts[0].parameters())
-        assert count_parameters(cfg) - count_parameters(cfg, active=True) == cfg.n_layers * (cfg.n_experts - cfg.top_k) * expert
+        idle = cfg.n_layers * (cfg.n_experts - cfg.top_k) * expert          # the experts a token does not use
+        assert count_parameters(cfg) - count_parameters(cfg, active=True) == idle
     # tiny-moe computes what tiny computes, plus its routers: the same active MLP size
     assert count_parameters(PRESETS["tiny-moe"], active=True) - count_parameters(PRESETS["tiny"]) == 8 * 128 * 8
 
