@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) 02_tensor_parallel/bench_tp.py
 	$(PY) 03_pipeline_parallel/bench_pp.py
 	$(PY) 04_3d_combined/bench_3d.py
+	$(PY) 05_moe_expert_parallel/bench_moe.py
 
 # Each notebooks/*.py (jupytext percent format) becomes notebooks/*.ipynb, executed through the kernel
 # so it opens with its outputs and plots; the plots are also saved as PNGs under notebooks/figures/.
