@@ -3,15 +3,19 @@
 One spawned group per world size (1, 2, 4) runs, in order: the all-to-all operator against closed-form
 values; the expert-parallel layer against the single-device layer (outputs and gradients); the (dp, ep)
 mesh against torch's DeviceMesh; train_moe.py in every routing mode (dropless, capacity factor, bias
-balancing) at EP 2, EP 4 and EP 2 × DP 2; resume into another --ep; and bad input on every rank.
+balancing) at EP 2, EP 4 and EP 2 × DP 2; resume into another --ep; and bad input on every rank (and
+once under the real launcher).
 """
 import copy
+import os
+import subprocess
+import sys
 from importlib import import_module
 from pathlib import Path
 
 import pytest
 
-from harness import losses, max_rel_diff, ok, run_group
+from harness import ROOT, losses, max_rel_diff, ok, run_group
 
 TRAIN = "05_moe_expert_parallel.train_moe:main"
 BASE = ["--steps", "10", "--seq-len", "32", "--global-batch", "8", "--quiet"]
@@ -222,3 +226,15 @@ def test_bad_input_fails_on_every_rank_with_one_message(groups, kind):
     messages = {message for _, message in per_rank}
     assert all(status == "config_error" for status, _ in per_rank), per_rank
     assert len(messages) == 1 and BAD[kind][1] in messages.pop()
+
+
+def test_bad_ep_under_torchrun():
+    """A real launch: one clear line (from rank 0), a non-zero exit, no traceback from our code."""
+    script = ROOT / "05_moe_expert_parallel" / "train_moe.py"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), "--ep", "4", "--steps", "1", "--quiet"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "error: --ep 4 does not divide the world size 2" in proc.stderr, proc.stderr
+    assert proc.stderr.count("error: ") == 1, proc.stderr
+    assert 'train_moe.py", line' not in proc.stderr and "moe_args.py" not in proc.stderr
