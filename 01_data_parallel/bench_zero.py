@@ -32,18 +32,19 @@ def worker(args):
     import torch.distributed as dist
     from common.distributed import init_distributed
     rt = init_distributed("cpu", 120)
-    zero, dp = import_module("01_data_parallel.train_zero"), import_module("01_data_parallel.train_dp")
+    train_zero = import_module("01_data_parallel.train_zero")
+    train_dp = import_module("01_data_parallel.train_dp")
     shape = ["--model", args.model, "--seq-len", str(args.seq_len), "--global-batch", str(args.global_batch),
              "--quiet"]
     out = {"world": rt.world_size, "memory": {}, "throughput": {}}
     for impl in ("ours", "torch"):
         for s in (1, 2, 3):
-            hist = zero.main(shape + ["--steps", "2", "--zero-stage", str(s), "--impl", impl])
+            hist = train_zero.main(shape + ["--steps", "2", "--zero-stage", str(s), "--impl", impl])
             out["memory"][f"{impl}-{s}"] = hist[-1]
     if rt.world_size > 1:
-        configs = {f"{impl}-{s}": (zero.main, ["--zero-stage", str(s), "--impl", impl])
+        configs = {f"{impl}-{s}": (train_zero.main, ["--zero-stage", str(s), "--impl", impl])
                    for s in (1, 2, 3) for impl in ("ours", "torch")}
-        configs["dp-bucketed"] = (dp.main, ["--impl", "bucketed"])
+        configs["dp-bucketed"] = (train_dp.main, ["--impl", "bucketed"])
         times = {k: [] for k in configs}
         for _ in range(args.repeats):
             for name, (fn, flags) in configs.items():

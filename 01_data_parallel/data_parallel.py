@@ -15,13 +15,21 @@ Two versions of the same idea:
 
 The loss is the *sum* over tokens divided by the global token count, so the all-reduce sums
 (it does not average) the gradients.
+
+`train_dp.py` drives either through the step protocol (common/step_protocol.py): `NaiveDP` and
+`BucketedDP` at the bottom of this file are the small trainers that expose its verbs, and
+`ForwardBackward`, the verb every trainer of the chapter shares, is there too (ZeRO's trainers and
+PyTorch's adapters, torch_dp.py and zero_torch.py, reuse it).
 """
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn as nn
 
 from common import comm
+from common.model import loss_sum
+from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr
+from common.training import load_optim_state_by_name, optim_state_by_name
 
 
 def allreduce_gradients(model: nn.Module, group) -> None:
@@ -73,7 +81,7 @@ class AsyncGradAllReduce:
     (chapter 04: when a pipeline stage has run its last backward of the step).
 
     launch(params)  copy their gradients into one flat buffer (a bucket), start an async all-reduce, return
-    finish()        wait for every launch and copy the sums back into .grad
+    wait()          wait for every launch and copy the sums back into .grad
     Bytes are those of the naive all-reduce (the same tensors, summed once), in fewer messages."""
 
     def __init__(self, group):
@@ -156,26 +164,103 @@ class BucketedDataParallel(nn.Module):
         self._hooks_fired = 0
 
 
-def counted_allreduce_hook(group, bucket):
-    """A DDP communication hook: sum (DDP's default averages) and count the bytes like ours."""
-    work = comm.all_reduce(bucket.buffer(), group=group, name="dp", async_op=True)
-    if work is None:                       # world size 1: nothing to wait for
-        fut = torch.futures.Future()
-        fut.set_result(bucket.buffer())
-        return fut
-    return work.get_future().then(lambda fut: fut.value()[0])
+# --- the step protocol ----------------------------------------------------------------------------
+
+class ForwardBackward:
+    """`forward_backward`, the verb that every trainer of this chapter shares: the whole model runs on
+    this rank's rows. A trainer says how the model runs (`forward`), what keeps a backward from
+    communicating while more micro-batches follow (`no_sync`), and how backward starts (`backward`)."""
+
+    def __init__(self, tokens_per_step: int, bf16: bool = False):
+        self.tokens_per_step, self.bf16 = tokens_per_step, bf16
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, sync: bool = True) -> torch.Tensor:
+        """x, y: (B/N/micro-batches, S), this rank's rows of one micro-batch. Returns its loss, detached."""
+        with (nullcontext() if sync else self.no_sync()), \
+                torch.autocast(x.device.type, torch.bfloat16, enabled=self.bf16):
+            loss = loss_sum(self.forward(x), y) / self.tokens_per_step   # this micro-batch's share of the mean
+            self.backward(loss)
+        return loss.detach()
+
+    def no_sync(self):
+        """Gradient accumulation: a context in which backward only adds into .grad (default: nothing to
+        hold back, because this trainer's backward communicates nothing, or must: ZeRO 2 and 3)."""
+        return nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def comm_bytes(self) -> dict:
+        """This step's bytes on the wire as common/comm.py counted them: sent + received, and sent."""
+        return {"comm_bytes": comm.COUNTER.total(), "comm_bytes_sent": sum(comm.COUNTER.sent.values())}
 
 
-def wrap_model(model: nn.Module, impl: str, group, bucket_mb: float) -> nn.Module:
-    """The model as `--impl` trains it: naive (the model itself, replicas synced by a broadcast),
-    bucketed (ours, overlapped), or torch (DistributedDataParallel with our byte-counting hook)."""
-    if impl == "bucketed":
-        return BucketedDataParallel(model, group, bucket_mb)
-    if impl == "torch":
-        from torch.nn.parallel import DistributedDataParallel
-        ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb)
-        ddp.register_comm_hook(group, counted_allreduce_hook)
-        return ddp
-    broadcast_parameters(model, group)
-    return model
+class Replicas(ForwardBackward):
+    """Every rank holds the whole model, the whole gradient and the whole AdamW: M(1+1+α) bytes.
+    Everything but the gradient sync, which is what NaiveDP, BucketedDP and DDP do differently.
+    `module` is what forward runs: the model, or a wrapper around it that hooks its gradients."""
 
+    def __init__(self, model: nn.Module, module: nn.Module, optimizer, tokens_per_step: int, bf16: bool = False):
+        super().__init__(tokens_per_step, bf16)
+        self.model, self.module, self.optimizer = model, module, optimizer
+        self.named = list(model.named_parameters())
+
+    def forward(self, x):
+        return self.module(x)                                            # (B, S) -> (B, S, V)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        # Every replica now holds the full gradient: its norm is already global, no collective needed.
+        return clip_by_global_norm([p.grad for p in self.model.parameters()], max_norm)
+
+    def step(self) -> None:
+        self.optimizer.step()                     # the same update on every replica: they stay equal
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+
+    def memory(self) -> dict:
+        params = list(self.model.parameters())
+        return {"param_bytes": _bytes(params), "grad_bytes": _bytes(p.grad for p in params if p.grad is not None),
+                "optim_bytes": optim_bytes(self.optimizer)}
+
+    def full_state(self):
+        """(model state, AdamW state by name): every replica holds it whole."""
+        return self.model.state_dict(), optim_state_by_name(self.optimizer, self.named)
+
+    def load_optim_state(self, states: dict) -> None:
+        load_optim_state_by_name(self.optimizer, self.named, states)
+
+
+class NaiveDP(Replicas):
+    """`--impl naive`: backward runs undisturbed, then every gradient is all-reduced, one by one."""
+
+    def __init__(self, model, group, lr: float, weight_decay: float, tokens_per_step: int, bf16: bool = False):
+        broadcast_parameters(model, group)
+        super().__init__(model, model, build_adamw(model.named_parameters(), lr, weight_decay),
+                         tokens_per_step, bf16)
+        self.group = group
+
+    def sync_gradients(self) -> None:
+        allreduce_gradients(self.model, self.group)     # after backward, one collective per tensor
+
+
+class BucketedDP(Replicas):
+    """`--impl bucketed`: the all-reduce of each bucket starts during backward (BucketedDataParallel)."""
+
+    def __init__(self, model, group, lr: float, weight_decay: float, tokens_per_step: int, bf16: bool = False,
+                 bucket_mb: float = 25.0):
+        super().__init__(model, BucketedDataParallel(model, group, bucket_mb),
+                         build_adamw(model.named_parameters(), lr, weight_decay), tokens_per_step, bf16)
+
+    def no_sync(self):
+        return self.module.no_sync()              # only the last micro-batch's backward sends buckets
+
+    def sync_gradients(self) -> None:
+        self.module.sync_gradients()              # wait for the buckets' all-reduces, started in backward
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

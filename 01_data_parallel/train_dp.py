@@ -7,7 +7,6 @@
 The DP degree is the world size. The same flags give the same losses in every case.
 """
 import sys
-from contextlib import nullcontext
 from importlib import import_module
 from pathlib import Path
 
@@ -22,12 +21,12 @@ from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import require, run_main
 from common.mesh import Mesh
 from common.metrics import RunLog, format_bytes
-from common.model import PRESETS, build_model, count_parameters, loss_sum
-from common.optim import build_adamw, clip_by_global_norm, lr_at, set_lr
-from common.training import (StepTimer, global_sum, load_optim_state_by_name, optim_state_by_name,
-                             resume_state, run_identity, should_save)
+from common.model import PRESETS, build_model, count_parameters
+from common.optim import lr_at
+from common.training import StepTimer, global_sum, resume_state, run_identity, should_save
 
-dp_lib = import_module("01_data_parallel.data_parallel")
+data_parallel = import_module("01_data_parallel.data_parallel")
+torch_dp = import_module("01_data_parallel.torch_dp")
 
 
 def parse_args(argv=None):
@@ -55,14 +54,13 @@ def main(argv=None) -> list[dict]:
 
     # --- the model: a full replica on every rank -------------------------------------------------
     model = build_model(cfg, args.seed, rt.device)
-    named = list(model.named_parameters())
-    optimizer = build_adamw(named, args.lr, args.weight_decay)
     start = 0
     if resume:
         model.load_state_dict(resume["model"], strict=True)
-        load_optim_state_by_name(optimizer, named, resume["optim"])
         start = resume["step"]
-    wrapped = dp_lib.wrap_model(model, args.impl, dp_group, args.bucket_mb)   # naive | bucketed | DDP
+    trainer = build_trainer(args, model, dp_group)            # naive | bucketed | DDP, the same verbs
+    if resume:
+        trainer.load_optim_state(resume["optim"])
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
     M = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -82,39 +80,42 @@ def main(argv=None) -> list[dict]:
     for step in range(start + 1, args.steps + 1):
         comm.COUNTER.reset()
         lr = lr_at(step, args.lr, args.warmup, args.steps)
-        set_lr(optimizer, lr)
+        trainer.set_lr(lr)
         with StepTimer(rt.device) as timer:
             x, y = data.global_batch(step, args.global_batch)                 # (global_batch, S)
             x, y = shard_rows(x, dp_rank, dp), shard_rows(y, dp_rank, dp)     # (global_batch/dp, S)
             x, y = x.to(rt.device), y.to(rt.device)
             local_loss = torch.zeros((), device=rt.device)
             for mb in range(args.microbatches):
-                last = mb == args.microbatches - 1
                 xm, ym = shard_rows(x, mb, args.microbatches), shard_rows(y, mb, args.microbatches)
-                # Gradient accumulation: only the last micro-batch's backward communicates.
-                no_sync = wrapped.no_sync() if (not last and args.impl != "naive") else nullcontext()
-                with no_sync, torch.autocast(rt.device.type, torch.bfloat16, enabled=args.dtype == "bf16"):
-                    loss = loss_sum(wrapped(xm), ym) / tokens_per_step    # this micro-batch's share of the mean
-                    loss.backward()
-                local_loss += loss.detach()
-            if args.impl == "naive":
-                dp_lib.allreduce_gradients(model, dp_group)                # after backward, one by one
-            elif args.impl == "bucketed":
-                wrapped.sync_gradients()                             # wait for the buckets
-            # Every replica now holds the full gradient: its norm is already global.
-            grad_norm = clip_by_global_norm([p.grad for p in model.parameters()], args.clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
+                # Gradient accumulation: only the last micro-batch's backward communicates (sync=True).
+                local_loss += trainer.forward_backward(xm, ym, sync=mb == args.microbatches - 1)
+            trainer.sync_gradients()        # naive: all-reduce every gradient now; bucketed, DDP: wait
+            grad_norm = trainer.clip_grad_norm(args.clip)   # every replica holds the full gradient
+            trainer.step()
+            trainer.zero_grad()
         loss_value = global_sum(local_loss, dp_group)
         log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
-                     comm_bytes=comm.COUNTER.total(), comm_bytes_sent=sum(comm.COUNTER.sent.values()))
-        if should_save(args, step) and rt.is_main:
-            path = checkpoint.save(args.checkpoint_dir, step, model.state_dict(),
-                                   optim_state_by_name(optimizer, named), run_identity(args))
-            log.note(f"checkpoint saved: {path}")
+                     **trainer.comm_bytes(), **trainer.memory())
+        if should_save(args, step):
+            model_state, optim_state = trainer.full_state()
+            if rt.is_main:
+                path = checkpoint.save(args.checkpoint_dir, step, model_state, optim_state, run_identity(args))
+                log.note(f"checkpoint saved: {path}")
     log.finish()
     shutdown(rt)
     return log.history
+
+
+def build_trainer(args, model, group):
+    """The trainer of `--impl`, chosen once: ours (data_parallel.py) or PyTorch's DDP (torch_dp.py)."""
+    kw = dict(lr=args.lr, weight_decay=args.weight_decay, tokens_per_step=args.global_batch * args.seq_len,
+              bf16=args.dtype == "bf16")
+    if args.impl == "naive":
+        return data_parallel.NaiveDP(model, group, **kw)
+    if args.impl == "bucketed":
+        return data_parallel.BucketedDP(model, group, bucket_mb=args.bucket_mb, **kw)
+    return torch_dp.TorchDDP(model, group, bucket_mb=args.bucket_mb, **kw)
 
 
 if __name__ == "__main__":

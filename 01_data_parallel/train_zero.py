@@ -7,7 +7,6 @@
 The DP degree is the world size. Every stage gives the same losses as train_dp.py with the same flags.
 """
 import sys
-from contextlib import nullcontext
 from importlib import import_module
 from pathlib import Path
 
@@ -22,12 +21,13 @@ from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import require, run_main
 from common.mesh import Mesh
 from common.metrics import RunLog, format_bytes
-from common.model import PRESETS, build_model, count_parameters, loss_sum
-from common.optim import clip_by_global_norm, lr_at, set_lr
+from common.model import PRESETS, build_model, count_parameters
+from common.optim import lr_at
 from common.training import StepTimer, global_sum, run_identity, should_save
 
-zs = import_module("01_data_parallel.zero_sharding")
-z3 = import_module("01_data_parallel.zero_stage3")
+zero_sharding = import_module("01_data_parallel.zero_sharding")
+zero_stage3 = import_module("01_data_parallel.zero_stage3")
+zero_torch = import_module("01_data_parallel.zero_torch")
 
 FORMULAS = {0: "M(1+1+α)", 1: "2M + αM/N", 2: "M + (1+α)M/N", 3: "(1+1+α)M/N"}
 
@@ -70,26 +70,12 @@ def main(argv=None) -> list[dict]:
     start = resume["step"] if resume else 0
     if resume:
         model.load_state_dict(resume["model"], strict=True)
-    stage, ours = args.zero_stage, args.impl == "ours"
-    wrapped = model
-    if ours and stage in (1, 2):
-        zero = zs.ZeroOptimizer(list(model.named_parameters()), dp_group, args.lr, args.weight_decay,
-                                stage=stage, units=zs.model_units(model))
-    elif ours:
-        zero = z3.ZeroStage3(model, zs.model_units(model), dp_group, args.lr, args.weight_decay,
-                             prefetch=not args.no_prefetch)
-    elif stage == 1:
-        zt = import_module("01_data_parallel.zero_torch")
-        wrapped, optimizer = zt.build_zero1(model, dp_group, args.lr, args.weight_decay)
-    else:
-        zt = import_module("01_data_parallel.zero_torch")
-        optimizer = zt.wrap_fsdp2(model, dp_group, rt.device, stage)
-        for g, wd in zip(optimizer.param_groups, (args.weight_decay, 0.0)):
-            g["weight_decay"] = wd
-    if resume and ours:
-        zs.load_optim_pieces(zero.units, zero.pieces, zero.optimizer, resume["optim"])
+    trainer = build_trainer(args, model, dp_group, rt.device)   # stage 1 | 2 | 3, ours or PyTorch's
+    if resume:
+        trainer.load_optim_state(resume["optim"])
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    stage, ours = args.zero_stage, args.impl == "ours"
     impl = "by hand" if ours else ("ZeroRedundancyOptimizer + DDP" if stage == 1 else
                                    f"FSDP2 fully_shard, reshard_after_forward={stage == 3}")
     log.config_table(f"ZeRO stage {stage} — {impl}", {
@@ -109,48 +95,26 @@ def main(argv=None) -> list[dict]:
     for step in range(start + 1, args.steps + 1):
         comm.COUNTER.reset()
         lr = lr_at(step, args.lr, args.warmup, args.steps)
-        if ours:
-            zero.set_lr(lr)
-            if stage == 3:
-                zero.peak_param_bytes = zero.alive_bytes     # the peak is per step
-        else:
-            set_lr(optimizer, lr)
+        trainer.set_lr(lr)
         with StepTimer(rt.device) as timer:
             x, y = data.global_batch(step, args.global_batch)                 # (global_batch, S)
             x, y = shard_rows(x, dp_rank, dp), shard_rows(y, dp_rank, dp)     # (global_batch/N, S)
             x, y = x.to(rt.device), y.to(rt.device)
             local_loss = torch.zeros((), device=rt.device)
             for mb in range(args.microbatches):
-                last = mb == args.microbatches - 1
                 xm, ym = shard_rows(x, mb, args.microbatches), shard_rows(y, mb, args.microbatches)
-                no_sync = wrapped.no_sync() if (not last and not ours and stage == 1) else nullcontext()
-                with no_sync, torch.autocast(rt.device.type, torch.bfloat16, enabled=args.dtype == "bf16"):
-                    logits = forward_stage3(model, zero, xm) if ours and stage == 3 else wrapped(xm)
-                    loss = loss_sum(logits, ym) / tokens_per_step
-                    fsdp_mean = dp if not ours and stage > 1 else 1   # FSDP2 averages: undo it
-                    (loss * fsdp_mean).backward()   # stage 2/3: reduce-scatters start here, unit by unit
-                local_loss += loss.detach()
-            if ours:
-                zero.sync_gradients()    # 1: all-reduce; 2, 3: wait for the reduce-scatters
-                grad_norm = zero.clip_grad_norm(args.clip)   # squares of my shard, summed over DP
-                zero.step()                # AdamW on my shard (+ all-gather of the params in 1, 2)
-                zero.zero_grad()
-            else:
-                grad_norm = (zt.clip_fsdp2(model, args.clip, dp_group) if stage > 1 else
-                             clip_by_global_norm([p.grad for p in model.parameters()], args.clip))
-                optimizer.step()
-                memory = zt.measured_memory(model, optimizer)        # grads still there: measure now
-                optimizer.zero_grad(set_to_none=stage > 1)
+                # stage 2, 3: each unit's reduce-scatter starts in backward, as soon as its gradient exists
+                local_loss += trainer.forward_backward(xm, ym, sync=mb == args.microbatches - 1)
+            trainer.sync_gradients()    # 1: all-reduce; 2, 3: wait for the reduce-scatters
+            grad_norm = trainer.clip_grad_norm(args.clip)   # squares of my shard, summed over DP
+            trainer.step()              # AdamW on my shard (+ all-gather of the params in 1, 2)
+            trainer.zero_grad()
+        memory = trainer.memory()
         loss_value = global_sum(local_loss, dp_group)
-        if ours:
-            memory = zero.memory()
-        counted = ours or stage == 1       # FSDP2's collectives bypass our counter
         log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
-                     zero_stage=stage, world_size=dp, **memory,
-                     comm_bytes=comm.COUNTER.total() if counted else None,
-                     comm_bytes_sent=sum(comm.COUNTER.sent.values()) if counted else None)
+                     zero_stage=args.zero_stage, world_size=dp, **memory, **trainer.comm_bytes())
         if should_save(args, step):
-            model_state, optim_state = zero.full_state()     # a collective: every rank takes part
+            model_state, optim_state = trainer.full_state()     # a collective: every rank takes part
             if rt.is_main:
                 path = checkpoint.save(args.checkpoint_dir, step, model_state, optim_state, identity(args))
                 log.note(f"checkpoint saved: {path}")
@@ -160,12 +124,19 @@ def main(argv=None) -> list[dict]:
     return log.history
 
 
-def forward_stage3(model, zero, tokens):
-    """The model's forward, unit by unit, each unit's weights gathered just in time (zero.run)."""
-    h = zero.run(0, model.embed, tokens)                                     # (B, S, D)
-    for i, layer in enumerate(model.layers):
-        h = zero.run(1 + i, layer, h, model.rope_cos, model.rope_sin)        # (B, S, D)
-    return zero.run(1 + len(model.layers), model.head, h)                   # (B, S, V)
+def build_trainer(args, model, group, device):
+    """The trainer of `--zero-stage` and `--impl`, chosen once: ours (zero_sharding.py for stages 1 and
+    2, zero_stage3.py for 3) or PyTorch's (zero_torch.py). Each exposes the same verbs."""
+    kw = dict(lr=args.lr, weight_decay=args.weight_decay, tokens_per_step=args.global_batch * args.seq_len,
+              bf16=args.dtype == "bf16")
+    if args.impl == "torch" and args.zero_stage == 1:
+        return zero_torch.TorchZero1(model, group, **kw)
+    if args.impl == "torch":
+        return zero_torch.TorchFSDP2(model, group, device, args.zero_stage, **kw)
+    if args.zero_stage == 3:
+        return zero_stage3.ZeroStage3(model, zero_sharding.model_units(model), group, prefetch=not args.no_prefetch,
+                                      **kw)
+    return zero_sharding.ZeroDataParallel(model, group, stage=args.zero_stage, **kw)
 
 
 def formula_bytes(stage: int, M: float, N: int, alpha: float = 2.0) -> float:

@@ -30,7 +30,7 @@ import torch.nn as nn
 from common import comm
 from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr
 
-_DTYPE_BYTES = 4   # fp32 everywhere in this chapter (no mixed-precision master copies)
+from .data_parallel import ForwardBackward
 
 
 class FlatUnit:
@@ -129,7 +129,7 @@ class ZeroOptimizer:
 
         opt = ZeroOptimizer(named_params, dp_group, lr, weight_decay, stage=1)
         loss.backward()                 # stage 2: gradients are reduce-scattered during backward
-        opt.sync_gradients()          # stage 1: all-reduce; stage 2: wait for the reduce-scatters
+        opt.sync_gradients()            # stage 1: all-reduce; stage 2: wait for the reduce-scatters
         norm = opt.clip_grad_norm(1.0)  # global norm from the shards (+ groups=[tp, pp] if sharded there)
         opt.step()                      # AdamW on my shard, then all-gather the updated parameters
         opt.zero_grad()
@@ -146,7 +146,7 @@ class ZeroOptimizer:
         world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
         units = units if units is not None else units_by_size(list(named_params))
         self.units, self.params, self.flat_params, self.flat_grads, self.shard_grads = [], [], [], [], []
-        pieces = []
+        self.pieces = []                   # (name, nn.Parameter viewing a slice of my shard), for AdamW
         for unit_name, named in units:
             unit = FlatUnit(unit_name, named, world, rank)
             params = [p for _, p in named]
@@ -165,14 +165,13 @@ class ZeroOptimizer:
                 shard_grad = torch.zeros(unit.chunk, dtype=flat.dtype, device=flat.device)  # (padded/N,)
                 for p in params:
                     p.register_post_accumulate_grad_hook(self._on_grad_ready)
-            pieces += shard_pieces(unit, flat[unit.lo:unit.hi], shard_grad)
+            self.pieces += shard_pieces(unit, flat[unit.lo:unit.hi], shard_grad)
             self.units.append(unit)
             self.params.append(params)
             self.flat_params.append(flat)
             self.flat_grads.append(flat_grad)
             self.shard_grads.append(shard_grad)
-        self.pieces = pieces
-        self.optimizer = build_adamw(pieces, lr, weight_decay)
+        self.optimizer = build_adamw(self.pieces, lr, weight_decay)
         self.unit_of = {p: i for i, ps in enumerate(self.params) for p in ps}
         self._ready = [0] * len(self.units)
         self.reduce_scatter = GradientReduceScatter(self.units, self.shard_grads, group, name)   # stage 2
@@ -230,8 +229,8 @@ class ZeroOptimizer:
     # --- accounting and checkpoints --------------------------------------------------------------
     def memory(self) -> dict:
         """Bytes held at rest by this rank (padding included)."""
-        padded = sum(u.padded for u in self.units) * _DTYPE_BYTES
-        chunk = sum(u.chunk for u in self.units) * _DTYPE_BYTES
+        padded = sum(f.numel() * f.element_size() for f in self.flat_params)     # (padded,) per unit
+        chunk = sum(g.numel() * g.element_size() for g in self.shard_grads)      # (padded/N,) per unit
         return {"param_bytes": padded, "grad_bytes": padded if self.stage == 1 else chunk,
                 "optim_bytes": optim_bytes(self.optimizer), "peak_param_bytes": padded}
 
@@ -241,12 +240,24 @@ class ZeroOptimizer:
                  for n, t in zip(u.names, u.split(flat))}
         return model, gather_optim_state(self.units, self.pieces, self.optimizer, self.group, self.comm_name)
 
-    def load_full_state(self, model: dict, optim: dict) -> None:
-        with torch.no_grad():
-            for u, flat in zip(self.units, self.flat_params):
-                for n, t in zip(u.names, u.split(flat)):
-                    t.copy_(model[n])
-        load_optim_pieces(self.units, self.pieces, self.optimizer, optim)
+    def load_optim_state(self, states: dict) -> None:
+        """Resume: AdamW's saved full moments (by name), each piece takes its slice."""
+        load_optim_pieces(self.units, self.pieces, self.optimizer, states)
+
+
+class ZeroDataParallel(ZeroOptimizer, ForwardBackward):
+    """ZeRO 1 or 2 over a whole model, with every verb of the step protocol (train_zero.py): forward and
+    backward run the model as it is (its parameters now read the flat buffers); the rest is above."""
+
+    def __init__(self, model, group, lr: float, weight_decay: float, stage: int, tokens_per_step: int,
+                 bf16: bool = False):
+        ZeroOptimizer.__init__(self, list(model.named_parameters()), group, lr, weight_decay, stage=stage,
+                               units=model_units(model))
+        ForwardBackward.__init__(self, tokens_per_step, bf16)
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)                                             # (B, S) -> (B, S, V)
 
 
 def gather_optim_state(units, pieces, optimizer, group, name="dp") -> dict:
@@ -285,8 +296,3 @@ def load_optim_pieces(units, pieces, optimizer, states: dict) -> None:
                 optimizer.state[p] = {"step": s["step"].clone(),
                                       "exp_avg": s["exp_avg"].reshape(-1)[ta:tb].to(p.device).clone(),
                                       "exp_avg_sq": s["exp_avg_sq"].reshape(-1)[ta:tb].to(p.device).clone()}
-
-
-def ZeroStage1Optimizer(named_params, dp_group, lr: float, weight_decay: float, units=None):
-    """ZeRO stage 1 as a reusable piece (chapter 04 runs it over the DP group of a DP×TP×PP mesh)."""
-    return ZeroOptimizer(named_params, dp_group, lr, weight_decay, stage=1, units=units)

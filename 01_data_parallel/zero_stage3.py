@@ -26,7 +26,8 @@ import torch
 from common import comm
 from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr
 
-zs = __import__("importlib").import_module("01_data_parallel.zero_sharding")
+from . import zero_sharding
+from .data_parallel import ForwardBackward
 
 
 class _GatherParams(torch.autograd.Function):
@@ -52,18 +53,22 @@ class _Saved:
         self.u, self.size, self.stride, self.offset = u, t.size(), t.stride(), t.storage_offset()
 
 
-class ZeroStage3:
-    def __init__(self, model, units, group, lr: float, weight_decay: float, prefetch: bool = True,
-                 name: str = "dp"):
+class ZeroStage3(ForwardBackward):
+    """ZeRO stage 3 over a model whose units are zero_sharding.model_units(model), with every verb of the
+    step protocol (train_zero.py). `prefetch`: start the next unit's all-gather before this one runs."""
+
+    def __init__(self, model, units, group, lr: float, weight_decay: float, tokens_per_step: int,
+                 bf16: bool = False, prefetch: bool = True, name: str = "dp"):
+        super().__init__(tokens_per_step, bf16)
         self.model, self.group, self.prefetch, self.comm_name = model, group, prefetch, name
         world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
         self.units, self.shards, self.shard_grads, self.slots, pieces = [], [], [], [], []
         for unit_name, named in units:
-            unit = zs.FlatUnit(unit_name, named, world, rank)
+            unit = zero_sharding.FlatUnit(unit_name, named, world, rank)
             flat = unit.flatten([p.detach() for _, p in named])             # (padded,) once, at start
             shard = torch.nn.Parameter(flat[unit.lo:unit.hi].clone())         # (padded/N,) kept at rest
             shard_grad = torch.zeros_like(shard)                              # (padded/N,)
-            pieces += zs.shard_pieces(unit, shard.data, shard_grad)
+            pieces += zero_sharding.shard_pieces(unit, shard.data, shard_grad)
             self.units.append(unit)
             self.shards.append(shard)
             self.shard_grads.append(shard_grad)
@@ -78,7 +83,7 @@ class ZeroStage3:
         self._work = [None] * n            # in-flight all-gathers
         self._by_ptr = {}                  # storage address of a gathered buffer -> unit
         self._needs_backward = [False] * n  # did autograd save any of its weights?
-        self.reduce_scatter = zs.GradientReduceScatter(self.units, self.shard_grads, group, name)
+        self.reduce_scatter = zero_sharding.GradientReduceScatter(self.units, self.shard_grads, group, name)
         self.alive_bytes = self.peak_param_bytes = 0
 
     # --- gathering and freeing --------------------------------------------------------------------
@@ -111,6 +116,14 @@ class ZeroStage3:
             self._full[u] = None
 
     # --- forward ------------------------------------------------------------------------------------
+    def forward(self, tokens):
+        """The model's forward, unit by unit, each unit's weights gathered just in time (`run`)."""
+        model = self.model
+        h = self.run(0, model.embed, tokens)                                    # (B, S) -> (B, S, D)
+        for i, layer in enumerate(model.layers):
+            h = self.run(1 + i, layer, h, model.rope_cos, model.rope_sin)       # (B, S, D)
+        return self.run(1 + len(model.layers), model.head, h)                  # (B, S, V)
+
     def run(self, u: int, fn, *args):
         """Forward of unit u: gather its weights, prefetch u+1's, run `fn`, free the weights."""
         weights = _GatherParams.apply(self, u, self.shards[u])
@@ -153,6 +166,7 @@ class ZeroStage3:
         self.reduce_scatter.launch(u, full)     # (padded,) -> my (padded/N,) shard
 
     def sync_gradients(self) -> None:
+        """Wait for the reduce-scatters that backward started, unit by unit (my shard of each sum)."""
         self.reduce_scatter.wait()
         for u in range(len(self.units)):        # nothing may stay gathered between steps
             if self._work[u] is not None:
@@ -161,7 +175,7 @@ class ZeroStage3:
             self._free(u)
         self._needs_backward = [False] * len(self.units)
 
-    # --- the update (same interface as zero_sharding.ZeroOptimizer) ---------------------------------
+    # --- the update (the same verbs as zero_sharding.ZeroOptimizer) ---------------------------------
     def clip_grad_norm(self, max_norm: float) -> float:
         grads = [p.grad for _, p in self.pieces]
         return clip_by_global_norm(grads, max_norm, groups=(self.group,))
@@ -177,24 +191,25 @@ class ZeroStage3:
             g.zero_()
 
     def memory(self) -> dict:
+        """Bytes at rest (shards), and the most gathered at once since the last call (one step)."""
         chunk = sum(s.numel() * s.element_size() for s in self.shards)
+        peak, self.peak_param_bytes = self.peak_param_bytes, self.alive_bytes      # the peak is per step
         return {"param_bytes": chunk, "grad_bytes": chunk, "optim_bytes": optim_bytes(self.optimizer),
-                "peak_param_bytes": self.peak_param_bytes}
+                "peak_param_bytes": peak}
 
     def full_state(self):
-        model, out = {}, {}
+        """(model state, AdamW state by name): the single-device checkpoint, on every rank."""
+        model = {}
         for u, unit in enumerate(self.units):
             flat = torch.empty(unit.padded, device=self.shards[u].device)      # (padded,)
             comm.all_gather_into(flat, self.shards[u].detach(), group=self.group, name=self.comm_name)
             model.update({n: t.clone() for n, t in zip(unit.names, unit.split(flat.cpu()))})
-        out = zs.gather_optim_state(self.units, self.pieces, self.optimizer, self.group, self.comm_name)
+        out = zero_sharding.gather_optim_state(self.units, self.pieces, self.optimizer, self.group, self.comm_name)
         return model, out
 
-    def load_full_state(self, model: dict, optim: dict) -> None:
-        with torch.no_grad():
-            for unit, shard in zip(self.units, self.shards):
-                shard.copy_(unit.flatten([model[n] for n in unit.names])[unit.lo:unit.hi])
-        zs.load_optim_pieces(self.units, self.pieces, self.optimizer, optim)
+    def load_optim_state(self, states: dict) -> None:
+        """Resume: AdamW's saved full moments (by name), each piece takes its slice."""
+        zero_sharding.load_optim_pieces(self.units, self.pieces, self.optimizer, states)
 
 
 def _slot(model, name: str):

@@ -1,4 +1,5 @@
-"""PyTorch's own sharded data parallelism, set up to train exactly like ours (for comparison only).
+"""PyTorch's own sharded data parallelism behind the verbs of ours, set up to train exactly like
+ours (for comparison only; train_zero.py --impl torch).
 
   stage 1  torch.distributed.optim.ZeroRedundancyOptimizer over DistributedDataParallel. It shards
            the optimizer state by *whole tensors* (each tensor is owned by one rank, assigned
@@ -11,48 +12,84 @@
 
 FSDP2 averages gradients over ranks (divides the reduce-scatter by N); our loss is already divided
 by the global token count and wants a sum. FSDP2's `set_gradient_divide_factor(1.0)` needs the
-PREMUL_SUM reduction, which gloo lacks, so the training loop multiplies the loss by N instead
+PREMUL_SUM reduction, which gloo lacks, so `TorchFSDP2.backward` multiplies the loss by N instead
 (exact for N a power of two; otherwise a round-off of ~1e-7).
+
+Bytes on the wire: DDP's all-reduce goes through our counting hook (torch_dp.py);
+ZeroRedundancyOptimizer's broadcasts and FSDP2's collectives bypass common/comm.py and are not counted.
 """
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
-from common.optim import build_adamw, clip_by_global_norm, decays
+from common.optim import build_adamw, clip_by_global_norm, decays, set_lr
 
-dp_lib = __import__("importlib").import_module("01_data_parallel.data_parallel")
-
-
-def wrap_fsdp2(model, group, device, stage: int):
-    """Shard the model in place with FSDP2; returns the AdamW over its DTensor parameters."""
-    mesh = DeviceMesh.from_group(group, device.type)
-    keep = stage == 2              # reshard_after_forward=False ≈ stage 2
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=not keep)
-    fully_shard(model, mesh=mesh, reshard_after_forward=not keep)
-    return build_adamw(model.named_parameters(), 0.0, 0.0)
+from .data_parallel import ForwardBackward
+from .torch_dp import TorchDDP
 
 
-def build_zero1(model, group, lr: float, weight_decay: float, bucket_mb: float = 25.0):
-    """DDP (counted all-reduce, summing) + ZeroRedundancyOptimizer with our AdamW settings."""
-    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb)
-    ddp.register_comm_hook(group, dp_lib.counted_allreduce_hook)
-    named = list(model.named_parameters())
-    decay = [p for n, p in named if decays(n)]
-    opt = ZeroRedundancyOptimizer(decay, optimizer_class=torch.optim.AdamW, process_group=group, lr=lr,
-                                  betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay, foreach=False)
-    opt.add_param_group({"params": [p for n, p in named if not decays(n)], "weight_decay": 0.0})
-    return ddp, opt
+class TorchZero1(TorchDDP):
+    """Stage 1: DDP (counted all-reduce, summing) + ZeroRedundancyOptimizer with our AdamW settings."""
+
+    def __init__(self, model, group, lr: float, weight_decay: float, tokens_per_step: int, bf16: bool = False,
+                 bucket_mb: float = 25.0):
+        super().__init__(model, group, lr, weight_decay, tokens_per_step, bf16, bucket_mb)
+        decay = [p for n, p in self.named if decays(n)]      # in place of the replicas' plain AdamW
+        self.optimizer = ZeroRedundancyOptimizer(decay, optimizer_class=torch.optim.AdamW, process_group=group,
+                                                 lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay,
+                                                 foreach=False)
+        self.optimizer.add_param_group({"params": [p for n, p in self.named if not decays(n)], "weight_decay": 0.0})
+
+    def memory(self) -> dict:
+        return measured_memory(self.model, self.optimizer)
 
 
-def clip_fsdp2(model, max_norm: float, group) -> float:
-    """Global norm over DTensor gradients: each rank's local shard counts once, summed over DP."""
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-             for p in model.parameters() if p.grad is not None]
-    return clip_by_global_norm(grads, max_norm, groups=(group,))
+class TorchFSDP2(ForwardBackward):
+    """Stages 2 and 3: FSDP2 shards the model in place; its hooks all-gather and reduce-scatter."""
+
+    def __init__(self, model, group, device, stage: int, lr: float, weight_decay: float, tokens_per_step: int,
+                 bf16: bool = False):
+        super().__init__(tokens_per_step, bf16)
+        mesh = DeviceMesh.from_group(group, device.type)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=stage == 3)   # False ≈ stage 2
+        fully_shard(model, mesh=mesh, reshard_after_forward=stage == 3)
+        self.model, self.group, self.world = model, group, dist.get_world_size(group)
+        self.optimizer = build_adamw(model.named_parameters(), lr, weight_decay)     # over DTensor shards
+        self.measured = {}
+
+    def forward(self, x):
+        return self.model(x)                                             # (B, S) -> (B, S, V)
+
+    def backward(self, loss):
+        (loss * self.world).backward()      # FSDP2 divides the summed gradients by N: undo it
+
+    def sync_gradients(self) -> None:
+        pass                    # FSDP2 waited for its reduce-scatters before backward returned
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global norm over DTensor gradients: each rank's local shard counts once, summed over DP."""
+        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        return clip_by_global_norm(grads, max_norm, groups=(self.group,))
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.measured = measured_memory(self.model, self.optimizer)   # the gradients still exist: measure now
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+
+    def memory(self) -> dict:
+        return self.measured
+
+    def comm_bytes(self) -> dict:
+        return {"comm_bytes": None, "comm_bytes_sent": None}     # FSDP2's collectives bypass our counter
 
 
 def _local(t):

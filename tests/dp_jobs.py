@@ -34,29 +34,22 @@ def gradients_after_one_step(argv: list, reference_path: str | None = None):
     Returns the flattened gradient (world size 1), or, given the reference file, the largest absolute
     difference from it and the reference's largest magnitude (so the result stays a few bytes).
     """
-    dp_lib = import_module("01_data_parallel.data_parallel")
     train_dp = import_module("01_data_parallel.train_dp")
     from common.data import TextData, shard_rows
     from common.distributed import init_distributed, shutdown
-    from common.model import PRESETS, build_model, loss_sum
+    from common.model import PRESETS, build_model
 
     args = train_dp.parse_args(argv)
     rt = init_distributed("cpu")
-    group, rank, world = torch.distributed.group.WORLD, rt.rank, rt.world_size
+    rank, world = rt.rank, rt.world_size
     model = build_model(PRESETS[args.model], args.seed)
-    wrapped = dp_lib.wrap_model(model, args.impl, group, args.bucket_mb)
+    trainer = train_dp.build_trainer(args, model, torch.distributed.group.WORLD)
     x, y = TextData(args.data, args.seq_len, args.seed).global_batch(1, args.global_batch)
     x, y = shard_rows(x, rank, world), shard_rows(y, rank, world)
     for mb in range(args.microbatches):
-        last = mb == args.microbatches - 1
         xm, ym = shard_rows(x, mb, args.microbatches), shard_rows(y, mb, args.microbatches)
-        ctx = wrapped.no_sync() if (not last and args.impl != "naive") else _nothing()
-        with ctx:
-            (loss_sum(wrapped(xm), ym) / (args.global_batch * args.seq_len)).backward()
-    if args.impl == "naive":
-        dp_lib.allreduce_gradients(model, group)
-    elif args.impl == "bucketed":
-        wrapped.sync_gradients()
+        trainer.forward_backward(xm, ym, sync=mb == args.microbatches - 1)
+    trainer.sync_gradients()
     flat = torch.cat([p.grad.flatten() for p in model.parameters()])
     shutdown(rt)
     if reference_path is None:
@@ -65,20 +58,12 @@ def gradients_after_one_step(argv: list, reference_path: str | None = None):
     return {"max_abs_diff": (flat - ref).abs().max().item(), "max_abs_ref": ref.abs().max().item()}
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def bucket_launches(bucket_mb: float) -> dict:
     """One backward with small buckets: when did each bucket's all-reduce start?"""
-    dp_lib = import_module("01_data_parallel.data_parallel")
+    data_parallel = import_module("01_data_parallel.data_parallel")
     from common.model import PRESETS, build_model, loss_sum
     model = build_model(PRESETS["tiny"], 1)
-    wrapped = dp_lib.BucketedDataParallel(model, torch.distributed.group.WORLD, bucket_mb)
+    wrapped = data_parallel.BucketedDataParallel(model, torch.distributed.group.WORLD, bucket_mb)
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     loss_sum(wrapped(tokens), tokens).backward()
     wrapped.sync_gradients()

@@ -46,10 +46,11 @@ def stage3_frees_gathered_weights() -> dict:
     import torch.distributed as dist
     from importlib import import_module
     from common.model import PRESETS, build_model
-    zs, z3 = import_module("01_data_parallel.zero_sharding"), import_module("01_data_parallel.zero_stage3")
-    train = import_module("01_data_parallel.train_zero")
+    zero_sharding = import_module("01_data_parallel.zero_sharding")
+    zero_stage3 = import_module("01_data_parallel.zero_stage3")
     model = build_model(PRESETS["tiny"], 1)
-    zero = z3.ZeroStage3(model, zs.model_units(model), dist.group.WORLD, 1e-3, 0.1)
+    zero = zero_stage3.ZeroStage3(model, zero_sharding.model_units(model), dist.group.WORLD, 1e-3, 0.1,
+                                  tokens_per_step=2 * 16)
     refs, issue = [], zero._issue_gather
 
     def spy(u):
@@ -58,7 +59,7 @@ def stage3_frees_gathered_weights() -> dict:
         if new:
             refs.append((u, weakref.ref(zero._full[u])))
     zero._issue_gather = spy
-    out = train.forward_stage3(model, zero, torch.randint(0, 256, (2, 16)))
+    out = zero.forward(torch.randint(0, 256, (2, 16)))
     after_forward = alive(refs)
     refs.clear()
     out.float().pow(2).mean().backward()
