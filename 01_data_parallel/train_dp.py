@@ -63,6 +63,7 @@ def main(argv=None) -> list[dict]:
         trainer.load_optim_state(resume["optim"])
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
     M = sum(p.numel() * p.element_size() for p in model.parameters())
     log.config_table(f"data parallel — {args.impl}", {
         "world size (= DP degree)": rt.world_size, "device / backend": f"{rt.device} / {rt.backend}",

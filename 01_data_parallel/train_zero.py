@@ -75,6 +75,7 @@ def main(argv=None) -> list[dict]:
         trainer.load_optim_state(resume["optim"])
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
     stage, ours = args.zero_stage, args.impl == "ours"
     impl = "by hand" if ours else ("ZeroRedundancyOptimizer + DDP" if stage == 1 else
                                    f"FSDP2 fully_shard, reshard_after_forward={stage == 3}")

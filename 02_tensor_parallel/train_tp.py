@@ -82,6 +82,7 @@ def main(argv=None) -> list[dict]:
         trainer.load_optim_state(resume["optim"])
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
     param_bytes = trainer.memory()["param_bytes"]
     M = count_parameters(cfg) * 4
     B, S, D = args.global_batch // dp // args.microbatches, args.seq_len, cfg.dim

@@ -103,6 +103,7 @@ def main(argv=None, schedule=None) -> list[dict]:
                             rt.device, timeline)
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
     log.config_table(f"pipeline parallel — {args.schedule} ({args.impl})", {
         "world size": f"{rt.world_size} = dp {dp} × pp {pp}", "device / backend": f"{rt.device} / {rt.backend}",
         "model": f"{args.model}: {count_parameters(cfg):,} parameters, {cfg.n_layers} layers",

@@ -89,6 +89,7 @@ def main(argv=None) -> list[dict]:
                                        resume and resume["optim"])
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
     log.config_table("3D parallel pretraining", {
         "world size": f"{rt.world_size} = dp {args.dp} × pp {args.pp} × tp {args.tp}"
                       + (" (+ sequence parallel)" if args.sequence_parallel else ""),

@@ -1,7 +1,8 @@
 """What a run reports: the JSON Lines metrics file and the rich console, both from global rank 0.
 
 One object per optimizer step, at least: step (1 for the first), loss (mean cross-entropy over every
-token of the step's global batch, before the update), lr, tokens, step_time_s, tokens_per_s.
+token of the step's global batch, before the update), lr, tokens, step_time_s, tokens_per_s, and
+mfu (model FLOPs utilisation, common/mfu.py) once the script has called `track_mfu`.
 Chapters add their own keys through `log_step(**extra)`.
 """
 import json
@@ -11,6 +12,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from common import mfu
 
 
 class RunLog:
@@ -25,6 +28,18 @@ class RunLog:
             self.file = open(metrics_path, "w")
         self.progress = None
         self.t0 = time.perf_counter()
+        self.flops_per_token = self.peak_flops = None
+
+    def track_mfu(self, cfg, seq_len: int, dtype: str, rt) -> None:
+        """Report `mfu` from now on: the model's FLOPs per token (cfg, seq_len) against the peak of
+        every device of the run `rt` (a Runtime). Only rank 0 reports, so only rank 0 looks the
+        peak up (on a CPU: measures it, the first time on this machine)."""
+        if self.is_main:
+            self.set_flops(mfu.flops_per_token(cfg, seq_len), mfu.peak_flops_total(rt.device, dtype, rt.world_size))
+
+    def set_flops(self, flops_per_token: float, peak_flops_total: float) -> None:
+        """mfu = flops_per_token × tokens_per_s ÷ peak_flops_total, in every row from now on."""
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops_total
 
     def print(self, *args, **kwargs):
         if self.show:
@@ -50,6 +65,8 @@ class RunLog:
     def log_step(self, step: int, loss: float, lr: float, tokens: int, step_time_s: float, **extra) -> dict:
         row = {"step": step, "loss": loss, "lr": lr, "tokens": tokens, "step_time_s": step_time_s,
                "tokens_per_s": tokens / step_time_s if step_time_s > 0 else 0.0, **extra}
+        if self.peak_flops:
+            row["mfu"] = self.flops_per_token * row["tokens_per_s"] / self.peak_flops
         self.history.append(row)
         if self.file:
             self.file.write(json.dumps(row) + "\n")
@@ -80,6 +97,9 @@ class RunLog:
         table.add_row("loss first → last", f"{self.history[0]['loss']:.4f} → {self.history[-1]['loss']:.4f}")
         table.add_row("median step time", f"{median * 1e3:.1f} ms")
         table.add_row("median tokens/s", f"{self.history[0]['tokens'] / median:,.0f}")
+        if self.peak_flops:
+            table.add_row("median MFU", f"{self.flops_per_token * self.history[0]['tokens'] / median / self.peak_flops:.2%}"
+                          f" of {self.peak_flops / 1e9:,.0f} GFLOP/s peak")
         table.add_row("wall time", f"{time.perf_counter() - self.t0:.1f} s")
         for k, v in (extra_rows or {}).items():
             table.add_row(str(k), str(v))
