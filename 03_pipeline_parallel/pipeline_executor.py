@@ -129,9 +129,9 @@ class PipelineExecutor:
             return
         t = self._now()
         self.sends.append((tensor, comm.send(tensor.detach(), dst=self.ranks[dst], group=self.group, name="pp")))
-        self._span("send", t, mb=key[1], stage=key[2])
+        self._span("send", t, mb=key[1], stage=key[2], what=key[0])   # posting the isend: its own span
 
-    # --- timeline ------------------------------------------------------------------------------
+    # --- timeline: F/B/W spans hold compute only; posting a send and waiting for a recv are their own ---
     def _now(self):
         return self.timeline.now() if self.timeline else 0.0
 
@@ -159,8 +159,8 @@ class PipelineExecutor:
         self.peak = max(self.peak, self.live)
         if stage.last:
             self.loss += out.detach().float()
-        else:
-            self._send(("act", a.mb, a.stage + 1), (a.stage + 1) % self.p, out)
+            return None
+        return ("act", a.mb, a.stage + 1), (a.stage + 1) % self.p, out          # sent by `run`
 
     def _backward(self, a, grad_out, split: bool):
         st, stage = self.state[(a.mb, a.stage)], self.specs[a.stage]
@@ -170,7 +170,7 @@ class PipelineExecutor:
             self._release(a)
             grad_in = None if stage.first else st["inp"].grad
         elif stage.first:                               # nobody waits for d loss / d tokens: all in W
-            return
+            return None
         else:                                           # B of zero bubble: dW of linear layers waits
             with self.store.deferring() as pending:
                 torch.autograd.backward(st["out"], grad_out, inputs=[st["inp"]] + self.b_params[a.stage])
@@ -179,8 +179,9 @@ class PipelineExecutor:
             st["pending"], kept = pending, self._bytes(t for _, x, dy in pending for t in (x, dy))
             self.live += kept - st["bytes"]
             st["bytes"] = kept
-        if not stage.first:
-            self._send(("grad", a.mb, a.stage - 1), (a.stage - 1) % self.p, grad_in)   # (mb, S, D)
+        if stage.first:
+            return None
+        return ("grad", a.mb, a.stage - 1), (a.stage - 1) % self.p, grad_in        # (mb, S, D), sent by `run`
 
     def _weights(self, a):
         st = self.state[(a.mb, a.stage)]
@@ -225,19 +226,24 @@ class PipelineExecutor:
         for i, a in enumerate(actions):
             if i + 1 < len(actions):
                 self._post_ahead(actions[i + 1])        # start the next message's transfer now
-            received = self._receive(a)
+            received = self._receive(a)                 # a "recv" span if it has to wait
             t = self._now()
             if a.kind == "F":
-                self._forward(a, received, tokens[a.mb], targets[a.mb])
+                outgoing = self._forward(a, received, tokens[a.mb], targets[a.mb])
             elif a.kind == "B":
-                self._backward(a, received, split)
+                outgoing = self._backward(a, received, split)
             else:
                 self._weights(a)
-            self._span(a.kind, t, mb=a.mb, stage=a.stage)
+                outgoing = None                         # W sends nothing
+            self._span(a.kind, t, mb=a.mb, stage=a.stage)  # compute only ...
+            if outgoing is not None:
+                self._send(*outgoing)                   # ... the isend is a "send" span of its own
             if on_stage_grads_ready and last_grad_action[a.stage] == i:
                 on_stage_grads_ready(a.stage)
+        t = self._now()
         for _, work in self.sends:                      # the buffers must outlive their isend
             work.wait()
+        self._span("send", t, wait="all")               # blocked until every send of the step is done
         assert not self.state and not self.posted, "schedule left work unfinished"
         return {"loss": self.loss, "peak_activation_bytes": self.peak}
 

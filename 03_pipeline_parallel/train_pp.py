@@ -123,7 +123,7 @@ def main(argv=None, schedule=None) -> list[dict]:
         log.print("world size 1: a one-stage pipeline (the reference). More stages: "
                   "torchrun --nproc_per_node=4 03_pipeline_parallel/train_1f1b.py")
 
-    dist.barrier()                                   # a common time origin for the timeline
+    dist.barrier()                                   # every rank starts the first step together
     log.start(start + 1)
     for step in range(start + 1, args.steps + 1):
         comm.COUNTER.reset()
@@ -155,7 +155,8 @@ def main(argv=None, schedule=None) -> list[dict]:
         if rt.is_main:
             write_chrome_trace(args.timeline, events, {
                 "schedule": args.schedule, "impl": args.impl, "pp": pp, "dp": dp, "microbatches": m,
-                "virtual_stages": v, "theory_bubble": pipeline_schedules.theory_bubble(args.schedule, pp, m, v)})
+                "virtual_stages": v, "theory_bubble": pipeline_schedules.theory_bubble(args.schedule, pp, m, v),
+                **timeline.clock_metadata()})
             log.note(f"timeline written: {args.timeline} (open in ui.perfetto.dev or plot_timeline.py)")
     last = log.history[-1] if log.history else {}
     log.finish({"bubble fraction (last step)": f"{last.get('bubble_fraction', 0):.3f}",

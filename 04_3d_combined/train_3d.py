@@ -162,7 +162,8 @@ def main(argv=None) -> list[dict]:
             write_chrome_trace(args.timeline, events, {
                 "schedule": args.schedule, "dp": args.dp, "tp": args.tp, "pp": args.pp, "microbatches": m,
                 "virtual_stages": args.virtual_stages,
-                "theory_bubble": pipeline_schedules.theory_bubble(args.schedule, args.pp, m, args.virtual_stages)})
+                "theory_bubble": pipeline_schedules.theory_bubble(args.schedule, args.pp, m, args.virtual_stages),
+                **timeline.clock_metadata()})
             log.note(f"timeline written: {args.timeline} (plot: python 03_pipeline_parallel/plot_timeline.py)")
     log.finish()
     if args.sample_tokens and rt.is_main and log.history and not args.quiet:

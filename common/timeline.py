@@ -1,65 +1,134 @@
 """Timeline recorder: what each rank did when, as a Chrome / Perfetto trace.
 
-Every rank records spans (kind, start, end, plus labels such as the micro-batch) with its own clock,
-measured from a common origin: `begin_step()` is called right after a barrier, so the ranks' step
-origins agree to within the barrier's skew (microseconds on one machine). At the end the spans are
-gathered to rank 0 (`gather`), which writes one JSON file that chrome://tracing or ui.perfetto.dev
-open directly (one row per rank), and that `load_trace` reads back for plotting.
+Every rank records spans (kind, start, end, plus labels such as the micro-batch). A timeline is only
+worth drawing if all ranks stamp their spans on ONE clock; otherwise a stage can appear to start a
+micro-batch before the previous stage has finished it.
 
-Kinds used by the pipeline chapter: F, B, W (compute), send, recv (time blocked waiting for a peer),
-idle (gaps between compute inside a step, derived when writing), optimizer.
+One clock. Every rank reads `time.monotonic_ns()`: on Linux that is CLOCK_MONOTONIC, one counter kept
+by the kernel for the whole machine, so the ranks of one machine (one kernel: same boot id) already
+share it and need no correction. Ranks on other machines have their own counter with its own zero.
+When a Timeline is created, each rank estimates its offset to rank 0's clock by ping-pong over the
+default group (Cristian's algorithm): rank r stamps t0, sends, rank 0 replies with its own time T,
+rank r stamps t1; then T ≈ (t0 + t1)/2 + offset, with an error of at most half the round trip. Of a
+few rounds the one with the shortest round trip is kept. The offset is applied only to ranks whose
+kernel differs from rank 0's; on one machine it is still estimated and recorded (it should be ~0,
+within the round trip), as a check of the method.
+
+No origin is taken per rank (a barrier releases the ranks at slightly different moments, so an
+origin taken "right after the barrier" differs per rank: that skewed the old timelines by up to
+70 ms on a loaded machine). Times stay absolute until `gather` brings every rank's spans to rank 0,
+which shifts them so that the earliest span of any rank starts at 0, and `write_chrome_trace`
+writes one JSON file that chrome://tracing or ui.perfetto.dev open directly (one row per rank), and
+that `load_trace` reads back for plotting.
+
+Kinds used by the pipeline chapter: F, B, W (compute), send (posting an isend, and the wait for
+all sends at the end of the step), recv (time blocked waiting for a message), idle (gaps between
+compute inside a step, derived when writing). The bubble is idle = not inside F, B or W.
 """
 import json
+import platform
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 COMPUTE = ("F", "B", "W")
+CLOCK = "time.monotonic_ns (CLOCK_MONOTONIC on Linux: one clock per machine)"
+
+
+def machine_clock_id() -> str:
+    """Ranks with the same id read the same monotonic clock: the kernel's boot id on Linux."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return platform.node()
+
+
+def estimate_offset_to_rank0(rounds: int = 8) -> dict:
+    """Each rank's offset to rank 0's monotonic clock, by ping-pong (collective over the default group).
+
+    Rank 0 answers every other rank in turn, `rounds` times. Returns this rank's
+    {"offset_s": rank 0's clock − mine, "rtt_s": the shortest round trip (bound on the error × 2),
+     "same_clock": same kernel as rank 0, so the offset is not applied}.
+    Small messages on the default group: bookkeeping, not counted in comm_bytes."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {"offset_s": 0.0, "rtt_s": 0.0, "same_clock": True}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids = [machine_clock_id()]
+    dist.broadcast_object_list(ids, src=0)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.zeros(1, dtype=torch.int64, device=device)
+    if rank == 0:
+        for peer in range(1, world):
+            for _ in range(rounds):
+                dist.recv(t, src=peer)
+                t.item()                                 # (on a GPU: wait until it has arrived)
+                t.fill_(time.monotonic_ns())
+                dist.send(t, dst=peer)
+        return {"offset_s": 0.0, "rtt_s": 0.0, "same_clock": True}
+    best = None
+    for _ in range(rounds):
+        t0 = time.monotonic_ns()
+        dist.send(t, dst=0)
+        dist.recv(t, src=0)
+        theirs = t.item()
+        t1 = time.monotonic_ns()
+        if best is None or t1 - t0 < best[1]:
+            best = (theirs - (t0 + t1) // 2, t1 - t0)
+    return {"offset_s": best[0] / 1e9, "rtt_s": best[1] / 1e9, "same_clock": ids[0] == machine_clock_id()}
 
 
 class Timeline:
+    """Per-rank span recorder. Creating one is collective when a process group exists (clock offset)."""
+
     def __init__(self, rank: int, enabled: bool = True):
         self.rank, self.enabled = rank, enabled
         self.events: list[dict] = []
-        self.step, self.origin = 0, time.perf_counter()
-        self._step_t0 = 0.0
+        self.step = 0
+        self.clock = estimate_offset_to_rank0()
+        # seconds to add to my clock to read rank 0's: 0 on rank 0's machine (one kernel, one clock)
+        self.shift = 0.0 if self.clock["same_clock"] else self.clock["offset_s"]
+        self.clock.update(rank=rank, applied_s=self.shift)
+        self.clocks: list[dict] = [self.clock]           # every rank's, on rank 0 after `gather`
 
     def begin_step(self, step: int) -> None:
-        """Mark the start of a step (call right after a barrier so every rank's mark is the same moment)."""
+        """Label the spans that follow with `step` (no clock origin is taken here: see the docstring)."""
         self.step = step
-        self._step_t0 = time.perf_counter()
-        if step == 1 or not self.events:
-            self.origin = self._step_t0
 
     def now(self) -> float:
-        return time.perf_counter()
+        """Seconds on the common clock (rank 0's monotonic clock)."""
+        return time.monotonic_ns() / 1e9 + self.shift
 
     def add(self, kind: str, start: float, end: float, **args) -> None:
         if self.enabled:
-            self.events.append({"rank": self.rank, "step": self.step, "kind": kind,
-                                "start": start - self.origin, "end": end - self.origin, **args})
-
-    @contextmanager
-    def span(self, kind: str, **args):
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(kind, t, time.perf_counter(), **args)
+            self.events.append({"rank": self.rank, "step": self.step, "kind": kind, "start": start, "end": end, **args})
 
     def step_events(self, step: int | None = None) -> list[dict]:
         step = self.step if step is None else step
         return [e for e in self.events if e["step"] == step]
 
     def gather(self, group=None, dst: int = 0) -> list[dict] | None:
-        """Every rank's events on global rank `dst` (None elsewhere). Collective over `group`."""
+        """Every rank's events on global rank `dst` (None elsewhere), shifted so that the earliest span
+        of any rank starts at 0; `self.clocks` then holds every rank's clock estimate. Collective."""
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
-            return list(self.events)
+            return shift_to_zero(list(self.events))
         out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
-        dist.gather_object(self.events, out, dst=dst, group=group)
-        return [e for evs in out for e in evs] if out is not None else None
+        dist.gather_object((self.events, self.clock), out, dst=dst, group=group)
+        if out is None:
+            return None
+        self.clocks = [clock for _, clock in out]
+        return shift_to_zero([e for evs, _ in out for e in evs])
+
+    def clock_metadata(self) -> dict:
+        """What the trace's metadata says about its clock (after `gather`, for every rank)."""
+        return {"clock": CLOCK, "clock_offsets": self.clocks}
+
+
+def shift_to_zero(events: list[dict]) -> list[dict]:
+    """The origin chosen after gathering: the earliest start over all ranks becomes 0."""
+    t0 = min((e["start"] for e in events), default=0.0)
+    return [{**e, "start": e["start"] - t0, "end": e["end"] - t0} for e in events]
 
 
 def busy_and_span(events: list[dict], kinds=COMPUTE) -> tuple[dict, dict]:
@@ -78,8 +147,10 @@ def busy_and_span(events: list[dict], kinds=COMPUTE) -> tuple[dict, dict]:
 def bubble_fraction(events: list[dict], step: int | None = None) -> float:
     """Idle share of the pipeline: 1 - Σ_ranks compute / (ranks × step length), averaged over steps.
 
-    The step length is the time from the earliest compute start to the latest compute end over all
-    ranks (the part of the step the schedule is responsible for; the optimizer is left out).
+    Compute is the time inside F, B and W spans; everything else (waiting for a message, sending,
+    Python between actions) is idle. The step length is the time from the earliest compute start to
+    the latest compute end over all ranks (the part of the step the schedule is responsible for;
+    the optimizer is left out).
     """
     busy, span = busy_and_span(events)
     steps = sorted({s for s, _ in busy}) if step is None else [step]
