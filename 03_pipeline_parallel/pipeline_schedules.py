@@ -139,8 +139,12 @@ def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     """The textbook bubble fraction (equal F, B costs per stage; zero-bubble: B = W = F)."""
     if name == "interleaved":
         return (p - 1) / (v * m + p - 1)
-    if name == "zb-h1":                           # idle (p-1)·(F+B-W) = (p-1)·1 of 3m + (p-1) slots
-        return (p - 1) / (3 * m + p - 1)
+    if name == "zb-h1":
+        # m ≥ p: rank 0 idles (p-1)·(F+B-W) = p-1 slots of a 3m + (p-1) slot step.
+        # m < p: the pipe never fills. The last rank alternates F and B, so the backwards reach rank 0
+        # one every two slots: its step is the first round trip (2p slots), two per further
+        # micro-batch and its last W, 2m + 2p - 1 slots. Both: (p-1) + 2m + max(m, p).
+        return 1 - 3 * m / (2 * m + p - 1 + max(m, p))
     return (p - 1) / (m + p - 1)
 
 
