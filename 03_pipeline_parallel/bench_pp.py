@@ -81,7 +81,6 @@ def report(all_results: dict, tmp: Path, quick: bool) -> None:
     from common.timeline import load_trace
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     OUT.mkdir(exist_ok=True)
     lines = ["# Chapter 03 — pipeline benchmark", "",
              "Machine: 2-core CPU, gloo, torch CPU; `tiny` model (8 layers), 128 tokens per sequence. "
@@ -90,9 +89,9 @@ def report(all_results: dict, tmp: Path, quick: bool) -> None:
     # --- bubble -----------------------------------------------------------------------------------
     lines += ["## Bubble fraction, 1F1B, measured vs theory (p-1)/(m+p-1)", "",
               "| p | m | measured (median of steps 2..) | theory | simulated (unit costs) |", "|---|---|---|---|---|"]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    curves = {}
     for p, res in sorted(all_results.items()):
-        ms, meas = [], []
+        ms, meas = curves.setdefault(p, ([], []))
         for label, rows in res.items():
             if label.startswith("bubble"):
                 m = int(label.split("m=")[1])
@@ -101,16 +100,7 @@ def report(all_results: dict, tmp: Path, quick: bool) -> None:
                 sim = pipeline_schedules.simulate(pipeline_schedules.build_schedule("1f1b", p, m), p)["bubble"]
                 theory = pipeline_schedules.theory_bubble("1f1b", p, m)
                 lines.append(f"| {p} | {m} | {meas[-1]:.3f} | {theory:.3f} | {sim:.3f} |")
-        ax.plot(ms, meas, "o-", label=f"measured p={p}")
-        ax.plot(ms, [pipeline_schedules.theory_bubble("1f1b", p, m) for m in ms], "--", label=f"theory p={p}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("micro-batches m")
-    ax.set_ylabel("bubble fraction")
-    ax.set_title("1F1B bubble (2-core CPU, gloo)", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(OUT / "bubble.png", dpi=110)
-    plt.close(fig)
+    plot_timeline.plot_bubble(curves, OUT / "bubble.png", "1F1B bubble (2-core CPU, gloo)")
     lines += ["", "![bubble](bubble.png)", ""]
     # --- memory -----------------------------------------------------------------------------------
     lines += ["## Peak activation memory per stage, m = 8 (bytes autograd saved for backward; for ZB-H1 also "
