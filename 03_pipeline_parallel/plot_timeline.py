@@ -74,7 +74,8 @@ def draw(ax, events: list[dict], meta: dict, unit: str = "ms") -> float:
     bubble = bubble_fraction(events)
     title = (f"{meta.get('schedule')} ({meta.get('impl', 'ours')}): p={p} m={meta.get('microbatches')}"
              + (f" v={v}" if v > 1 else "")
-             + f" — bubble measured {bubble:.3f}, theory {meta.get('theory_bubble', float('nan')):.3f}")
+             + f" — bubble {'simulated' if meta.get('impl') == 'simulated' else 'measured'} {bubble:.3f},"
+             + f" theory {meta.get('theory_bubble', float('nan')):.3f}")
     ax.set_title(title, fontsize=9, loc="left")
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks) + 0.6, min(ranks) - 0.6)        # rank 0 on top
