@@ -22,7 +22,7 @@ from common.training import consolidate_on_rank0, load_optim_state_by_name
 
 from .expert_parallel import is_expert_param
 
-dp_lib = import_module("01_data_parallel.data_parallel")
+data_parallel = import_module("01_data_parallel.data_parallel")
 
 
 def counted_here(name: str, mesh) -> bool:
@@ -47,8 +47,8 @@ class ExpertParallelTrainer:
             p.grad = torch.zeros_like(p)
         self.optimizer = build_adamw(self.named, args.lr, args.weight_decay)
         # Chapter 01's flat-buffer all-reduce, once per group: dense over the world, experts over DP.
-        self.dense_sync = dp_lib.AsyncGradAllReduce(dist.group.WORLD)
-        self.expert_sync = dp_lib.AsyncGradAllReduce(mesh.group("dp"))
+        self.dense_sync = data_parallel.AsyncGradAllReduce(dist.group.WORLD)
+        self.expert_sync = data_parallel.AsyncGradAllReduce(mesh.group("dp"))
         self.layers = moe_layers(model)
         self.options = routing_options(args, args.global_batch, args.seq_len)
         for layer in self.layers:

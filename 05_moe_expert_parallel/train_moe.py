@@ -78,6 +78,7 @@ def main(argv=None) -> list[dict]:
         trainer.load_optim_state(resume["optim"])
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py: active experts)
     log.config_table(f"mixture of experts — EP {ep} × DP {mesh.size('dp')}",
                      layout_rows(args, cfg, mesh, rt, trainer.memory(), start))
     if rt.world_size == 1:
