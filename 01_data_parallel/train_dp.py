@@ -15,15 +15,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `com
 import torch
 
 from common import checkpoint, comm
-from common.cli import base_parser, check_common
+from common.cli import POSITIVE_REAL, base_parser, check_common
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
-from common.errors import require, run_main
+from common.errors import run_main
 from common.mesh import Mesh
 from common.metrics import RunLog, format_bytes
 from common.model import PRESETS, build_model, count_parameters
 from common.optim import lr_at
-from common.training import StepTimer, global_sum, resume_state, run_identity, should_save
+from common.training import StepTimer, global_sum, resume_state, run_identity, should_save, stop_if_not_finite
 
 data_parallel = import_module("01_data_parallel.data_parallel")
 torch_dp = import_module("01_data_parallel.torch_dp")
@@ -35,11 +35,10 @@ def parse_args(argv=None):
                    help="naive: all-reduce after backward; bucketed: overlapped buckets; torch: DDP")
     # DDP's own default is 25 MB: the whole tiny model (6.3 MB) would be one bucket, sent only when
     # backward is over, with nothing left to overlap. 1 MB gives the tiny model 6 buckets.
-    p.add_argument("--bucket-mb", type=float, default=25.0,
+    p.add_argument("--bucket-mb", type=POSITIVE_REAL, default=25.0,
                    help="bucket size for bucketed and torch DDP (tiny is 6.3 MB: try 1 to see several buckets)")
     args = p.parse_args(argv)
     check_common(args, dp=env_world_size())
-    require(args.bucket_mb > 0, "--bucket-mb must be positive")
     return args
 
 
@@ -67,6 +66,7 @@ def main(argv=None) -> list[dict]:
     M = sum(p.numel() * p.element_size() for p in model.parameters())
     log.config_table(f"data parallel — {args.impl}", {
         "world size (= DP degree)": rt.world_size, "device / backend": f"{rt.device} / {rt.backend}",
+        "data": data.describe(),
         "model": f"{args.model}: {count_parameters(cfg):,} parameters ({format_bytes(M)} fp32)",
         "global batch": f"{args.global_batch} seq × {args.seq_len} tokens = {args.global_batch * args.seq_len:,} tokens",
         "per rank": f"{args.global_batch // dp} seq in {args.microbatches} micro-batch(es)",
@@ -96,6 +96,7 @@ def main(argv=None) -> list[dict]:
             trainer.step()
             trainer.zero_grad()
         loss_value = global_sum(local_loss, dp_group)
+        stop_if_not_finite(step, loss_value, grad_norm, args)
         log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
                      **trainer.comm_bytes(), **trainer.memory())
         if should_save(args, step):

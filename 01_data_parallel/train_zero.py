@@ -23,7 +23,7 @@ from common.mesh import Mesh
 from common.metrics import RunLog, format_bytes
 from common.model import PRESETS, build_model, count_parameters
 from common.optim import lr_at
-from common.training import StepTimer, global_sum, run_identity, should_save
+from common.training import StepTimer, global_sum, resume_state, run_identity, should_save, stop_if_not_finite
 
 zero_sharding = import_module("01_data_parallel.zero_sharding")
 zero_stage3 = import_module("01_data_parallel.zero_stage3")
@@ -59,10 +59,7 @@ def main(argv=None) -> list[dict]:
     dp_group, dp_rank, dp = mesh.group("dp"), mesh.coord("dp"), mesh.size("dp")
     data = TextData(args.data, args.seq_len, args.seed)
     cfg = PRESETS[args.model]
-    resume = None
-    if args.resume:   # every rank loads and checks it, so every rank fails alike
-        resume = checkpoint.load(checkpoint.latest_path(args.checkpoint_dir), identity(args))
-        torch.set_rng_state(resume["rng"])
+    resume = resume_state(args, identity(args))      # every rank loads and checks it, so every rank fails alike
 
     # --- the model: built whole from the seed on every rank, then sharded --------------------------
     model = build_model(cfg, args.seed, rt.device)
@@ -81,6 +78,7 @@ def main(argv=None) -> list[dict]:
                                    f"FSDP2 fully_shard, reshard_after_forward={stage == 3}")
     log.config_table(f"ZeRO stage {stage} — {impl}", {
         "world size (= DP degree N)": rt.world_size, "device / backend": f"{rt.device} / {rt.backend}",
+        "data": data.describe(),
         "model": f"{args.model}: {count_parameters(cfg):,} parameters, M = {format_bytes(M)} fp32",
         "global batch": f"{args.global_batch} seq × {args.seq_len} tokens, {args.global_batch // dp} per rank",
         "memory per rank (formula, α=2)": f"{FORMULAS[stage]} = {format_bytes(formula_bytes(stage, M, dp))} "
@@ -112,6 +110,7 @@ def main(argv=None) -> list[dict]:
             trainer.zero_grad()
         memory = trainer.memory()
         loss_value = global_sum(local_loss, dp_group)
+        stop_if_not_finite(step, loss_value, grad_norm, args)
         log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
                      zero_stage=args.zero_stage, world_size=dp, **memory, **trainer.comm_bytes())
         if should_save(args, step):

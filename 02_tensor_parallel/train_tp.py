@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `com
 import torch
 
 from common import checkpoint, comm
-from common.cli import base_parser, check_common
+from common.cli import POSITIVE_INT, base_parser, check_common
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import require, run_main
@@ -26,7 +26,7 @@ from common.mesh import Mesh
 from common.metrics import RunLog, format_bytes
 from common.model import PRESETS, build_model, count_parameters
 from common.optim import lr_at
-from common.training import StepTimer, global_sum, resume_state, run_identity, should_save
+from common.training import StepTimer, global_sum, resume_state, run_identity, should_save, stop_if_not_finite
 
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")
 tp_trainer = import_module("02_tensor_parallel.tp_trainer")
@@ -35,7 +35,7 @@ dtensor_tp = import_module("02_tensor_parallel.dtensor_tp")
 
 def parse_args(argv=None):
     p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the world size); "
+    p.add_argument("--tp", type=POSITIVE_INT, default=None, help="tensor-parallel degree (default: the world size); "
                                                         "world/tp ranks of data parallelism around it")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="norms and residuals on sequence shards; all-gather / reduce-scatter instead of all-reduce")
@@ -48,7 +48,7 @@ def tp_degree(args, world: int) -> int:
     """The TP degree (--tp, default: the world size), after every check that needs no communication:
     ranks raise the same ConfigError, naming the fix, before any collective."""
     tp = world if args.tp is None else args.tp
-    require(tp >= 1 and world % tp == 0,
+    require(world % tp == 0,
             f"--tp {tp} does not divide the world size {world}; use a --tp that divides {world} "
             f"(e.g. --tp {world}) or launch a multiple of {max(tp, 1)} ranks with torchrun --nproc_per_node")
     check_common(args, dp=world // tp)
@@ -88,6 +88,7 @@ def main(argv=None) -> list[dict]:
     B, S, D = args.global_batch // dp // args.microbatches, args.seq_len, cfg.dim
     log.config_table(f"tensor parallel — {args.impl}{' + sequence parallel' if args.sequence_parallel else ''}", {
         "world size": f"{rt.world_size} = DP {dp} × TP {tp}", "device / backend": f"{rt.device} / {rt.backend}",
+        "data": data.describe(),
         "mesh (dp, tp)": "\n" + mesh.describe(),
         "model": f"{args.model}: {count_parameters(cfg):,} parameters ({format_bytes(M)} fp32)",
         "parameters per rank": f"{format_bytes(param_bytes)} (full/tp = {format_bytes(M / tp)})",
@@ -118,6 +119,7 @@ def main(argv=None) -> list[dict]:
             trainer.step()
             trainer.zero_grad()
         loss_value = global_sum(local_loss, dp_group)
+        stop_if_not_finite(step, loss_value, grad_norm, args)
         by_group = comm.COUNTER.by_group()
         log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
                      comm_bytes=comm.COUNTER.total(), comm_bytes_tp=by_group.get("tp", 0),

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from common import checkpoint, comm
-from common.cli import base_parser, check_common, default_pipeline_microbatches
+from common.cli import OUTPUT_FILE, POSITIVE_INT, base_parser, check_common, pipeline_microbatches
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import require, run_main
@@ -39,24 +39,31 @@ torch_pipelining = import_module("03_pipeline_parallel.torch_pipelining")       
 
 
 def parse_args(argv=None, schedule=None):
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--pp", type=int, default=None, help="pipeline stages (ranks); default: the world size")
-    p.add_argument("--schedule", default=schedule or "1f1b", choices=pipeline_schedules.SCHEDULES)
-    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved only)")
+    p = base_parser(__doc__.splitlines()[0], pipeline=True)
+    p.add_argument("--pp", type=POSITIVE_INT, default=None,
+                   help="pipeline stages (ranks) (default: the world size; 4 with --print-schedule)")
+    if schedule is None:
+        p.add_argument("--schedule", default="1f1b", choices=pipeline_schedules.SCHEDULES,
+                       help="gpipe: all forwards, then all backwards; 1f1b: one forward, one backward; interleaved: "
+                            "1f1b over --virtual-stages chunks per rank; zb-h1: backward split into B and W")
+    else:            # train_gpipe.py / train_1f1b.py: the schedule is the script's name
+        p.add_argument("--schedule", default=schedule, choices=[schedule],
+                       help=f"fixed to {schedule} by this script; train_pp.py --schedule runs the others")
+    p.add_argument("--virtual-stages", type=POSITIVE_INT, default=1, help="model chunks per rank (interleaved only)")
     p.add_argument("--impl", default="ours", choices=["ours", "torch"],
                    help="ours: pipeline_executor.py; torch: torch.distributed.pipelining, same stages")
-    p.add_argument("--timeline", default=None, help="write every rank's events as a Chrome trace JSON here")
+    p.add_argument("--timeline", type=OUTPUT_FILE, default=None,
+                   help="write every rank's events as a Chrome trace JSON here (default: none)")
     p.add_argument("--print-schedule", action="store_true", help="draw the per-rank schedule as text and exit")
-    p.set_defaults(microbatches=None)   # default: 2 × pp (see default_pipeline_microbatches)
     args = p.parse_args(argv)
     world = env_world_size()
-    args.pp = args.pp or (world if not args.print_schedule else 4)
-    require(args.pp >= 1 and (args.print_schedule or world % args.pp == 0),
+    if args.pp is None:
+        args.pp = world if not args.print_schedule else 4
+    require(args.print_schedule or world % args.pp == 0,
             f"--pp {args.pp} does not divide the world size {world}; use a divisor of {world} "
             f"or launch with --nproc_per_node={args.pp}")
-    require(args.virtual_stages >= 1, "--virtual-stages must be at least 1")
     dp = 1 if args.print_schedule else world // args.pp
-    default_pipeline_microbatches(args, dp, args.pp)
+    args.microbatches = pipeline_microbatches(args, dp, args.pp)
     check_common(args, dp=dp)
     if args.impl == "torch":
         require(args.microbatches >= args.pp * args.virtual_stages or args.schedule == "gpipe",
@@ -106,6 +113,7 @@ def main(argv=None, schedule=None) -> list[dict]:
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
     log.config_table(f"pipeline parallel — {args.schedule} ({args.impl})", {
         "world size": f"{rt.world_size} = dp {dp} × pp {pp}", "device / backend": f"{rt.device} / {rt.backend}",
+        "data": data.describe(),
         "model": f"{args.model}: {count_parameters(cfg):,} parameters, {cfg.n_layers} layers",
         "micro-batches": f"m = {m} of {mb_rows} seq × {args.seq_len} tokens (per data-parallel rank)",
         "virtual stages": v,
@@ -142,6 +150,7 @@ def main(argv=None, schedule=None) -> list[dict]:
             trainer.zero_grad()
         memory = trainer.memory()
         loss_value = global_sum(local_loss, dist.group.WORLD)   # only last-stage ranks hold a loss
+        stop_if_not_finite(step, loss_value, grad_norm, args)
         stats = pipeline_trainer.step_stats(timeline, memory["peak_activation_bytes"], pp_group, pp, rt.device)
         log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
                      comm_bytes=comm.COUNTER.total(), comm_bytes_pp=comm.COUNTER.total("pp"), **stats)

@@ -18,17 +18,18 @@ import torch.distributed as dist
 from rich.table import Table
 
 from common import checkpoint, comm
-from common.cli import base_parser, check_common, default_pipeline_microbatches
+from common.cli import (NON_NEGATIVE_INT, OUTPUT_FILE, POSITIVE_INT, base_parser, check_common,
+                        pipeline_microbatches)
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
-from common.errors import require, run_main
+from common.errors import run_main
 from common.generate import sample
 from common.mesh import Mesh
 from common.metrics import RunLog
 from common.model import PRESETS, count_parameters, loss_sum
 from common.optim import lr_at
 from common.timeline import Timeline, write_chrome_trace
-from common.training import StepTimer, global_sum, resume_state, run_identity, should_save
+from common.training import StepTimer, global_sum, resume_state, run_identity, should_save, stop_if_not_finite
 
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")          # chapter 02: the TP loss
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: schedules
@@ -39,26 +40,24 @@ trainer_3d = import_module("04_3d_combined.trainer_3d")                        #
 
 
 def parse_args(argv=None):
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: what is left)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: 2 if possible)")
-    p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: 2 if possible)")
+    p = base_parser(__doc__.splitlines()[0], pipeline=True)
+    p.add_argument("--dp", type=POSITIVE_INT, default=None, help="data-parallel degree (default: what is left)")
+    p.add_argument("--tp", type=POSITIVE_INT, default=None, help="tensor-parallel degree (default: 2 if possible)")
+    p.add_argument("--pp", type=POSITIVE_INT, default=None, help="pipeline stages (default: 2 if possible)")
     p.add_argument("--schedule", default="1f1b", choices=pipeline_schedules.SCHEDULES, help="pipeline schedule")
-    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
+    p.add_argument("--virtual-stages", type=POSITIVE_INT, default=1, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--sequence-parallel", action="store_true", help="TP with sequence parallelism")
     p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1],
                    help="1: shard AdamW's state over the DP group (chapter 01's ZeRO-1)")
-    p.add_argument("--val-every", type=int, default=25, help="validation loss every N steps (0: only at the end)")
-    p.add_argument("--val-batches", type=int, default=2, help="global batches in one validation")
-    p.add_argument("--sample-tokens", type=int, default=200, help="bytes of text to generate at the end (0: none)")
-    p.add_argument("--timeline", default=None, help="write every rank's pipeline events as a Chrome trace JSON here")
-    p.set_defaults(microbatches=None)   # default: 2 × pp (see default_pipeline_microbatches)
+    p.add_argument("--val-every", type=NON_NEGATIVE_INT, default=25, help="validation loss every N steps (0: only at the end)")
+    p.add_argument("--val-batches", type=POSITIVE_INT, default=2, help="global batches in one validation")
+    p.add_argument("--sample-tokens", type=NON_NEGATIVE_INT, default=200, help="bytes of text to generate at the end (0: none)")
+    p.add_argument("--timeline", type=OUTPUT_FILE, default=None,
+                   help="write every rank's pipeline events as a Chrome trace JSON here (default: none)")
     args = p.parse_args(argv)
     world = env_world_size()
     args.dp, args.tp, args.pp = parallel_3d.default_degrees(world, args.dp, args.tp, args.pp)
-    default_pipeline_microbatches(args, args.dp, args.pp)
-    require(args.virtual_stages >= 1, "--virtual-stages must be at least 1")
-    require(args.val_every >= 0 and args.val_batches >= 1, "--val-every must be ≥ 0 and --val-batches ≥ 1")
+    args.microbatches = pipeline_microbatches(args, args.dp, args.pp)
     check_common(args, dp=args.dp)
     return args
 
@@ -93,7 +92,7 @@ def main(argv=None) -> list[dict]:
     log.config_table("3D parallel pretraining", {
         "world size": f"{rt.world_size} = dp {args.dp} × pp {args.pp} × tp {args.tp}"
                       + (" (+ sequence parallel)" if args.sequence_parallel else ""),
-        "device / backend": f"{rt.device} / {rt.backend}",
+        "device / backend": f"{rt.device} / {rt.backend}", "data": data.describe(),
         "model": f"{args.model}: {count_parameters(cfg):,} parameters, {cfg.n_layers} layers",
         "optimizer": "ZeRO-1 over the DP group (chapter 01)" if args.zero_stage else "AdamW on each rank's piece",
         "pipeline": f"{args.schedule}, {m} micro-batch(es) of {mb_rows} seq, {args.virtual_stages} virtual stage(s), "
@@ -144,6 +143,7 @@ def main(argv=None) -> list[dict]:
             trainer.zero_grad()
         memory = trainer.memory()
         loss_value = global_sum(local_loss, dist.group.WORLD)                  # last stage, tp rank 0
+        stop_if_not_finite(step, loss_value, grad_norm, args)
         # the step's traffic, by group (counted before validation adds its forward-only sends)
         extra = {"comm_bytes": comm.COUNTER.total(), **{f"comm_bytes_{g}": comm.COUNTER.total(g) for g in ("dp", "tp", "pp")}}
         extra["optim_bytes"] = memory["optim_bytes"]

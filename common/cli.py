@@ -1,67 +1,250 @@
-"""The command line every training script shares: the same flag names and defaults everywhere.
+"""The command line every training script shares: the same flags, defaults and domains everywhere.
 
 Because the defaults are the same in every chapter, the same flags describe the same run whatever
 script runs it: `train_dp.py --steps 10` and `train_tp.py --steps 10` train the same model on the same
 batches and print the same losses. Each script adds the degrees it teaches with `parser.add_argument`.
+
+Every flag declares its *domain* where it is defined: `type=POSITIVE_INT`, `type=TEXT_FILE`, ... (a
+`Domain`), or `choices=[...]`. argparse calls the domain on the text the user typed, inside
+`parse_args`, so a value outside it is refused on every rank before any process group exists, with one
+line that names the flag, the value and the fix (a ConfigError: `run_main` prints it, exit code 2).
+Paths are checked the same way: a data file must be a readable, non-empty UTF-8 text file; an output
+directory or file must be creatable and writable. That is found out now, not at the first checkpoint
+after the training time is spent. A test walks every flag of every train_*.py through its domain.
 """
 import argparse
+import math
+import os
+import shlex
+from pathlib import Path
 
+from common.data import DEFAULT_CORPUS, check_length
 from common.errors import ConfigError, require
 from common.model import PRESETS, describe_size
 
 
-class _Parser(argparse.ArgumentParser):
+class Domain:
+    """The values one flag accepts. `check(text)` returns the value or raises `Refused(why, fix)`;
+    the parser tells the domain its flag's name and default, so every message can name them."""
+
+    def __init__(self, kind: str, check, low=None, high=None, flag: str = "", default=None):
+        self.kind, self.check, self.low, self.high = kind, check, low, high
+        self.flag, self.default = flag, default
+
+    def named(self, flag: str, default) -> "Domain":
+        return Domain(self.kind, self.check, self.low, self.high, flag, default)
+
+    def __call__(self, text: str):
+        try:
+            return self.check(self, text)
+        except Refused as refused:
+            why, fix = refused.args
+            raise ConfigError(f"{self.flag} {shlex.quote(text)}: {why}; {fix}") from None
+
+    def example(self) -> str:
+        """The fix for a number out of range: the default, or how to get it."""
+        if self.default is None:
+            return f"leave {self.flag} out to use its default"
+        return f"e.g. {self.flag} {self.default} (the default)"
+
+
+class Refused(Exception):
+    """(why the value is refused, how to fix it)"""
+
+
+# --- numbers ------------------------------------------------------------------------------------------
+
+def _whole(domain: Domain, text: str) -> int:
+    rule = f"a whole number ≥ {domain.low}" + (f" and ≤ {domain.high}" if domain.high is not None else "")
+    try:
+        value = int(text)
+    except ValueError:
+        raise Refused(f"must be {rule}", domain.example()) from None
+    if value < domain.low or (domain.high is not None and value > domain.high):
+        raise Refused(f"must be {rule}", domain.example())
+    return value
+
+
+def _real(domain: Domain, text: str) -> float:
+    low = f"> {domain.low:g}" if domain.kind.startswith("real>") else f"≥ {domain.low:g}"
+    rule = f"a finite number {low}" + (f" and ≤ {domain.high:g}" if domain.high is not None else "")
+    try:
+        value = float(text)
+    except ValueError:
+        raise Refused(f"must be {rule}", domain.example()) from None
+    if not (math.isfinite(value) and value >= domain.low and (value > domain.low or "≥" in low)
+            and (domain.high is None or value <= domain.high)):
+        raise Refused(f"must be {rule}", domain.example())
+    return value
+
+
+def whole(low: int, high: int | None = None) -> Domain:
+    return Domain(f"int≥{low}", _whole, low, high)
+
+
+def real(low: float, strict: bool, high: float | None = None) -> Domain:
+    return Domain(f"real{'>' if strict else '≥'}{low:g}", _real, low, high)
+
+
+POSITIVE_INT, NON_NEGATIVE_INT = whole(1), whole(0)
+POSITIVE_REAL, NON_NEGATIVE_REAL = real(0, strict=True), real(0, strict=False)
+# A collective timeout also bounds the start-up rendezvous, and ranks start seconds apart on a busy
+# machine: below 10 s the start itself fails; above a day, Python's timedelta arithmetic gives up.
+TIMEOUT_S = real(10, strict=False, high=86_400)
+
+
+# --- paths --------------------------------------------------------------------------------------------
+
+def _text_file(domain: Domain, text: str) -> str:
+    fix = f"pass {domain.flag} PATH to a UTF-8 text file, or leave {domain.flag} out (the bundled corpus)"
+    path = Path(text)
+    if not path.exists():
+        raise Refused("does not exist", fix)
+    if path.is_dir():
+        raise Refused("is a directory, not a text file", fix)
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise Refused(f"cannot be read ({err.strerror})", fix) from None
+    if not raw:
+        raise Refused("the file is empty", fix)
+    if b"\0" in raw:
+        raise Refused(f"holds NUL bytes (the first at byte {raw.index(0)}): a binary file, not text", fix)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise Refused(f"is not UTF-8 text (invalid byte at offset {err.start})", fix) from None
+    return text
+
+
+def _writable(domain: Domain, text: str, want_dir: bool) -> str:
+    """A directory / file we can create or write, probed without creating anything."""
+    what = "a directory (created if missing)" if want_dir else "a file path (its folders are created if missing)"
+    fix = f"give {domain.flag} {what} in a writable place"
+    path = Path(text)
+    if not text:
+        raise Refused("is empty", fix)
+    if path.exists():
+        if want_dir and not path.is_dir():
+            raise Refused("is a file, not a directory", fix)
+        if not want_dir and path.is_dir():
+            raise Refused("is a directory, not a file", fix)
+        if not os.access(path, os.W_OK):
+            raise Refused("is not writable", fix)
+        return text
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise Refused(f"{str(parent)!r} is a file, so nothing can be created under it", fix)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise Refused(f"cannot be created: {str(parent)!r} is not writable", fix)
+    return text
+
+
+def _preset(domain: Domain, text: str) -> str:
+    if text not in PRESETS:
+        raise Refused("unknown preset", f"choose one of {', '.join(PRESETS)}")
+    return text
+
+
+TEXT_FILE = Domain("text file", _text_file)
+OUTPUT_DIR = Domain("output directory", lambda d, t: _writable(d, t, want_dir=True))
+OUTPUT_FILE = Domain("output file", lambda d, t: _writable(d, t, want_dir=False))
+PRESET = Domain("preset", _preset)
+
+
+# --- the parser ---------------------------------------------------------------------------------------
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help already states its default rule."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.nargs == 0 or "default" in text or action.default is argparse.SUPPRESS:
+            return text                       # on/off switches, and flags whose help says the rule
+        return text + " (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
     def error(self, message):           # one clear line and exit code 2, like every other bad input
+        if message.endswith("expected one argument"):      # `--lr -inf`: argparse reads -inf as a flag
+            message += f" (a value that starts with '-' is written {message.split()[1].rstrip(':')}=VALUE)"
         raise ConfigError(f"{message} (see --help)")
 
+    def parse_known_args(self, args=None, namespace=None):
+        for action in self._actions:    # each domain learns its flag's name and default
+            if isinstance(action.type, Domain) and not action.type.flag:
+                action.type = action.type.named(action.option_strings[0], action.default)
+        return super().parse_known_args(args, namespace)
 
-def base_parser(description: str) -> argparse.ArgumentParser:
+
+def base_parser(description: str, pipeline: bool = False) -> Parser:
+    """The shared flags. `pipeline`: the script runs a pipeline, whose --microbatches default is a rule."""
     presets = ", ".join(f"{n} ({describe_size(c)})" for n, c in PRESETS.items())
-    p = _Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=50, help="optimizer steps to run")
-    p.add_argument("--seed", type=int, default=1337, help="seed for weights and batches")
-    p.add_argument("--model", default="tiny", help=f"model preset: {presets}")
-    p.add_argument("--global-batch", type=int, default=16,
+    p = Parser(description=description, formatter_class=_HelpFormatter)
+    p.add_argument("--steps", type=POSITIVE_INT, default=50, help="optimizer steps to run")
+    p.add_argument("--seed", type=whole(0, 2**32 - 1), default=1337, help="seed for weights and batches")
+    p.add_argument("--model", type=PRESET, default="tiny", help=f"model preset: {presets}")
+    p.add_argument("--global-batch", type=POSITIVE_INT, default=16,
                    help="sequences per optimizer step, summed over all data-parallel ranks")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--microbatches", type=int, default=1,
-                   help="micro-batches per step on each data-parallel rank (gradient accumulation / pipeline)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup", type=int, default=10, help="linear warmup steps before the cosine decay")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
-    p.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm (0: off)")
+    p.add_argument("--seq-len", type=whole(2), default=128, help="tokens per sequence (at most the preset's max_seq_len)")
+    if pipeline:
+        p.add_argument("--microbatches", type=POSITIVE_INT, default=None,
+                       help="micro-batches per step on each data-parallel rank (default: the largest count ≤ 2·pp "
+                            "that splits the rank's rows; interleaved: a multiple of pp)")
+    else:
+        p.add_argument("--microbatches", type=POSITIVE_INT, default=1,
+                       help="micro-batches per step on each data-parallel rank (gradient accumulation)")
+    p.add_argument("--lr", type=POSITIVE_REAL, default=3e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup", type=NON_NEGATIVE_INT, default=10, help="linear warmup steps before the cosine decay")
+    p.add_argument("--weight-decay", type=NON_NEGATIVE_REAL, default=0.1, help="AdamW weight decay (matrices only)")
+    p.add_argument("--clip", type=NON_NEGATIVE_REAL, default=1.0, help="clip gradients to this global norm (0: off)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype (bf16 = autocast)")
-    p.add_argument("--data", default=None, help="a UTF-8 text file to train on (default: bundled corpus)")
-    p.add_argument("--metrics", default=None, help="write one JSON object per step to this .jsonl file")
-    p.add_argument("--checkpoint-dir", default=None, help="directory for checkpoints")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: only at the end)")
+    p.add_argument("--data", type=TEXT_FILE, default=None,
+                   help=f"a UTF-8 text file to train on (default: the bundled corpus, common/corpus/{DEFAULT_CORPUS.name})")
+    p.add_argument("--metrics", type=OUTPUT_FILE, default=None,
+                   help="write one JSON object per step to this .jsonl file (default: none)")
+    p.add_argument("--checkpoint-dir", type=OUTPUT_DIR, default=None, help="directory for checkpoints (default: none)")
+    p.add_argument("--checkpoint-every", type=NON_NEGATIVE_INT, default=0, help="save every N steps (0: only at the end)")
     p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --checkpoint-dir")
-    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective waits for a peer")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    p.add_argument("--timeout", type=TIMEOUT_S, default=60.0,
+                   help="seconds a collective (and the start-up rendezvous) waits for a peer")
     p.add_argument("--quiet", action="store_true", help="no console output (tests)")
     return p
 
 
 def check_common(args, dp: int = 1) -> None:
-    """Checks every script needs. `dp` is the data-parallel degree the batch is split over."""
-    require(args.model in PRESETS, f"unknown --model {args.model!r}; choose one of {', '.join(PRESETS)}")
-    require(args.steps >= 1, "--steps must be at least 1")
-    require(args.seq_len >= 2, "--seq-len must be at least 2")
+    """Checks across flags that every script needs. `dp` is the data-parallel degree the batch is split over."""
     require(args.seq_len <= PRESETS[args.model].max_seq_len,
             f"--seq-len {args.seq_len} exceeds the {args.model} preset's max_seq_len "
             f"{PRESETS[args.model].max_seq_len}; use a shorter --seq-len")
-    require(args.microbatches >= 1, "--microbatches must be at least 1")
     require(args.global_batch % (dp * args.microbatches) == 0,
             f"--global-batch {args.global_batch} does not split over {dp} data-parallel rank(s) × "
             f"{args.microbatches} micro-batch(es); use a multiple of {dp * args.microbatches}")
-    require(args.checkpoint_every >= 0, "--checkpoint-every must be ≥ 0")
     require(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir")
+    data = Path(args.data) if args.data else DEFAULT_CORPUS
+    check_length(data, data.stat().st_size, args.seq_len)       # bytes = tokens (byte-level tokenizer)
 
 
-def default_pipeline_microbatches(args, dp: int, pp: int) -> None:
-    """Scripts with a pipeline leave --microbatches unset by default and take 2·pp micro-batches, so
-    the schedule has work to overlap (1 when the batch does not split so). The losses do not depend
-    on the micro-batch count: only the bubble and the activation memory do."""
-    if args.microbatches is None:
-        args.microbatches = 2 * pp if args.global_batch % (dp * 2 * pp) == 0 else 1
-
+def pipeline_microbatches(args, dp: int, pp: int) -> int:
+    """The micro-batch count of a pipeline run: --microbatches if given, else the largest count ≤ 2·pp
+    that splits the rows of each data-parallel rank, so the schedule has work to overlap. The
+    interleaved schedule also needs a multiple of pp; a count that cannot work is refused with one that
+    does. The losses do not depend on the micro-batch count: only the bubble and the memory do."""
+    if args.global_batch % dp:
+        return args.microbatches or 1        # check_common refuses the batch split, with its own fix
+    rows, step = args.global_batch // dp, pp if args.schedule == "interleaved" else 1
+    fits = [m for m in range(step, rows + 1, step) if rows % m == 0]
+    if args.microbatches is not None and args.microbatches % step == 0:
+        return args.microbatches
+    if args.microbatches is None and [m for m in fits if m <= 2 * pp]:
+        return max(m for m in fits if m <= 2 * pp)
+    given = "" if args.microbatches is None else f", got --microbatches {args.microbatches}"
+    need = (f"the interleaved schedule needs --microbatches to be a multiple of --pp ({pp}) that splits the "
+            f"{rows} sequences of each data-parallel rank{given}")
+    if fits:
+        raise ConfigError(f"{need}; use --microbatches {' or '.join(str(m) for m in fits[:3])}")
+    batch = -(-args.global_batch // (dp * pp)) * dp * pp          # the next multiple of dp·pp
+    raise ConfigError(f"{need}, and none does; use --global-batch {batch} --microbatches {pp}")

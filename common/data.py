@@ -26,18 +26,33 @@ def decode(tokens) -> str:
     return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
+def held_out(n_tokens: int, seq_len: int) -> int:
+    """Tokens at the end of the text kept for validation: 5%, and at least one sequence."""
+    return max(seq_len + 1, int(n_tokens * VALID_FRACTION))
+
+
+def check_length(path, n_tokens: int, seq_len: int) -> None:
+    """The text must hold a training window and a validation window of seq_len + 1 tokens each."""
+    require(n_tokens - held_out(n_tokens, seq_len) > seq_len + 1,
+            f"data file {str(path)!r} has {n_tokens} bytes: too short for --seq-len {seq_len}; "
+            "use a longer text or a shorter --seq-len")
+
+
 class TextData:
     def __init__(self, path: str | None, seq_len: int, seed: int):
         path = Path(path) if path else DEFAULT_CORPUS
         require(path.is_file(), f"data file {str(path)!r} does not exist; pass --data PATH to a text file "
                                 "(or leave --data out to use the bundled corpus)")
-        tokens = encode(path.read_text(encoding="utf-8", errors="replace"))     # (N,) ints in [0, 256)
-        n_valid = max(seq_len + 1, int(len(tokens) * VALID_FRACTION))
-        require(len(tokens) - n_valid > seq_len + 1,
-                f"data file {str(path)!r} has {len(tokens)} bytes: too short for --seq-len {seq_len}; "
-                "use a longer text or a shorter --seq-len")
+        tokens = encode(path.read_text(encoding="utf-8"))     # (N,) ints in [0, 256); the CLI checked it is UTF-8
+        check_length(path, len(tokens), seq_len)
+        n_valid = held_out(len(tokens), seq_len)
         self.train, self.valid = tokens[:-n_valid], tokens[-n_valid:]
         self.seq_len, self.seed, self.path = seq_len, seed, path
+
+    def describe(self) -> str:
+        """Which text this run trains on, for the configuration table."""
+        shown = f"common/corpus/{self.path.name}" if self.path == DEFAULT_CORPUS else str(self.path)
+        return f"{shown}: {len(self.train) + len(self.valid):,} tokens, the last {len(self.valid):,} held out"
 
     def global_batch(self, step: int, batch_size: int, split: str = "train"):
         """Inputs and next-token targets of the whole global batch at `step`: two (batch_size, S) tensors."""

@@ -48,8 +48,12 @@ def run_main(main) -> None:
         exit_now(2)  # skip interpreter teardown: a half-initialised process group must not block exit
     except KeyboardInterrupt:
         exit_now(130)
-    except RuntimeError as err:
+    except (MemoryError, RuntimeError) as err:
         text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if isinstance(err, MemoryError) or "out of memory" in text or "can't allocate memory" in text:
+            print(f"error [rank {rank}]: out of memory ({text[:160]}); use a smaller --model, --global-batch "
+                  "or --seq-len, more --microbatches, or more ranks", file=sys.stderr, flush=True)
+            exit_now(1)
         if _looks_like_peer_failure(text):
             text = text.split("] ", 1)[-1].split(". This is typically")[0][:160]   # drop the backend's file:line
             print(f"error [rank {rank}]: lost contact with another rank ({text}); "

@@ -1,14 +1,17 @@
 """Small pieces of the training loop that every chapter's script shares.
 
 The loop itself stays in each chapter's train_*.py, in plain sight; what is here is bookkeeping:
-the run's identity for checkpoints, AdamW state by parameter name, and the global loss value.
+the run's identity for checkpoints, AdamW state by parameter name, the global loss value, and the
+guard that stops a run whose loss or gradient norm is no longer a number.
 """
+import math
 import time
 
 import torch
 import torch.distributed as dist
 
 from common import checkpoint
+from common.errors import ConfigError, require
 from common.model import PRESETS
 
 
@@ -67,13 +70,43 @@ def load_optim_state_by_name(optimizer, named_params, states: dict, to_local=lam
                                   "exp_avg_sq": to_local(name, s["exp_avg_sq"]).to(p.device, p.dtype).clone()}
 
 
-def resume_state(args) -> dict | None:
-    """The checkpoint to resume from (every rank loads it, so every rank can fail alike), or None."""
+def resume_state(args, identity: dict | None = None) -> dict | None:
+    """The checkpoint to resume from (every rank loads it, so every rank can fail alike), or None.
+    `identity`: what must match (default: run_identity(args))."""
     if not args.resume:
         return None
-    state = checkpoint.load(checkpoint.latest_path(args.checkpoint_dir), run_identity(args))
+    path = checkpoint.latest_path(args.checkpoint_dir)
+    state = checkpoint.load(path, identity or run_identity(args))
+    require(state["step"] < args.steps,
+            f"the checkpoint {str(path)!r} is at step {state['step']} and --steps is {args.steps}: nothing is "
+            f"left to train; pass --steps greater than {state['step']} to train on from it")
     torch.set_rng_state(state["rng"])
     return state
+
+
+def stop_if_not_finite(step: int, loss: float, grad_norm: float, args) -> None:
+    """Stop the run at this step if its loss or gradient norm is inf or nan.
+
+    Both values are global (summed over every rank that holds a part), so every rank sees the same
+    verdict at the same step and stops without waiting for the others. Called before the step's
+    checkpoint is written, so the last checkpoint on disk is the last one with finite numbers.
+    """
+    bad = [f"the {name} is {value}" for name, value in (("loss", loss), ("gradient norm", grad_norm))
+           if not math.isfinite(value)]
+    if not bad:
+        return
+    causes = [f"the learning rate is too high for this model (--lr {args.lr:g})"]
+    fixes = [f"lower --lr (e.g. --lr {args.lr / 10:g})"]
+    if args.clip == 0:
+        causes.append("gradients are not clipped")
+        fixes.append("clip them (--clip 1.0)")
+    if args.dtype == "bf16":
+        causes.append("bf16 overflowed")
+        fixes.append("train in --dtype fp32")
+    kept = (f"; checkpoints in {args.checkpoint_dir!r} are from earlier steps, untouched"
+            if args.checkpoint_dir else "")
+    raise ConfigError(f"step {step}: {' and '.join(bad)}, so training stopped here{kept}. Likely cause: "
+                      f"{' or '.join(causes)}; fix: {', '.join(fixes)}")
 
 
 def should_save(args, step: int) -> bool:

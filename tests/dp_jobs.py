@@ -99,7 +99,7 @@ def make_bad_inputs(directory: Path) -> dict:
 # What each bad input's message must contain (it names the problem and the fix).
 BAD_INPUT_MESSAGES = {
     "batch": "use a multiple of",
-    "preset": "unknown --model 'nosuch'",
+    "preset": "--model nosuch: unknown preset",
     "data": "does not exist",
     "corrupt": "corrupt or unreadable",
     "other_model": "saved with model='tiny' but this run has model='small'",

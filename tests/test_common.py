@@ -193,10 +193,10 @@ def test_cli_defaults_and_errors():
     check_common(args, dp=4)
     with pytest.raises(ConfigError, match="see --help"):
         p.parse_args(["--dtype", "fp8"])
-    cases = [(["--model", "nosuch"], 1, "unknown --model"), (["--global-batch", "12"], 8, "use a multiple of 8"),
+    cases = [(["--model", "nosuch"], 1, "--model nosuch: unknown preset"), (["--global-batch", "12"], 8, "use a multiple of 8"),
              (["--global-batch", "16", "--microbatches", "3"], 2, "use a multiple of 6"),
              (["--seq-len", "4096"], 1, "exceeds the tiny preset"), (["--resume"], 1, "--resume needs --checkpoint-dir"),
-             (["--steps", "0"], 1, "--steps must be at least 1")]
+             (["--steps", "0"], 1, "--steps 0: must be a whole number ≥ 1")]
     for argv, dp, message in cases:
         with pytest.raises(ConfigError, match=message.replace("-", r"\-")):
             check_common(p.parse_args(argv), dp=dp)
@@ -227,7 +227,7 @@ def test_launch_builds_the_command_and_shows_a_failed_runs_error(capsys):
     assert shown(command("x/train.py", 1, [])) == "python x/train.py"
     with pytest.raises(LaunchError, match="exit code 2"):
         launch("01_data_parallel/train_dp.py", 1, ["--model", "nosuch"], quiet=True)
-    assert "error: unknown --model 'nosuch'" in capsys.readouterr().err
+    assert "error: --model nosuch: unknown preset" in capsys.readouterr().err
 
 
 def test_comm_counter():
