@@ -24,15 +24,16 @@ from common.model import PRESETS, describe_size
 
 
 class Domain:
-    """The values one flag accepts. `check(text)` returns the value or raises `Refused(why, fix)`;
-    the parser tells the domain its flag's name and default, so every message can name them."""
+    """The values one flag accepts: `rule` says which (shown by --help); `check(domain, text)` returns
+    the value or raises `Refused(why, fix)`. The parser tells the domain its flag's name and default,
+    so every message can name them."""
 
-    def __init__(self, kind: str, check, low=None, high=None, flag: str = "", default=None):
-        self.kind, self.check, self.low, self.high = kind, check, low, high
+    def __init__(self, kind: str, rule: str, check, low=None, high=None, flag: str = "", default=None):
+        self.kind, self.rule, self.check, self.low, self.high = kind, rule, check, low, high
         self.flag, self.default = flag, default
 
     def named(self, flag: str, default) -> "Domain":
-        return Domain(self.kind, self.check, self.low, self.high, flag, default)
+        return Domain(self.kind, self.rule, self.check, self.low, self.high, flag, default)
 
     def __call__(self, text: str):
         try:
@@ -54,36 +55,28 @@ class Refused(Exception):
 
 # --- numbers ------------------------------------------------------------------------------------------
 
-def _whole(domain: Domain, text: str) -> int:
-    rule = f"a whole number ≥ {domain.low}" + (f" and ≤ {domain.high}" if domain.high is not None else "")
+def _number(domain: Domain, text: str):
+    convert = int if domain.kind.startswith("int") else float
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        raise Refused(f"must be {rule}", domain.example()) from None
-    if value < domain.low or (domain.high is not None and value > domain.high):
-        raise Refused(f"must be {rule}", domain.example())
-    return value
-
-
-def _real(domain: Domain, text: str) -> float:
-    low = f"> {domain.low:g}" if domain.kind.startswith("real>") else f"≥ {domain.low:g}"
-    rule = f"a finite number {low}" + (f" and ≤ {domain.high:g}" if domain.high is not None else "")
-    try:
-        value = float(text)
-    except ValueError:
-        raise Refused(f"must be {rule}", domain.example()) from None
-    if not (math.isfinite(value) and value >= domain.low and (value > domain.low or "≥" in low)
+        raise Refused(f"must be {domain.rule}", domain.example()) from None
+    strict = domain.kind.startswith("real>")
+    if not (math.isfinite(value) and (value > domain.low if strict else value >= domain.low)
             and (domain.high is None or value <= domain.high)):
-        raise Refused(f"must be {rule}", domain.example())
+        raise Refused(f"must be {domain.rule}", domain.example())
     return value
 
 
 def whole(low: int, high: int | None = None) -> Domain:
-    return Domain(f"int≥{low}", _whole, low, high)
+    return Domain(f"int≥{low}", f"a whole number ≥ {low}" + (f" and ≤ {high}" if high is not None else ""),
+                  _number, low, high)
 
 
 def real(low: float, strict: bool, high: float | None = None) -> Domain:
-    return Domain(f"real{'>' if strict else '≥'}{low:g}", _real, low, high)
+    sign = ">" if strict else "≥"
+    return Domain(f"real{sign}{low:g}", f"a finite number {sign} {low:g}" + (f" and ≤ {high:g}" if high else ""),
+                  _number, low, high)
 
 
 POSITIVE_INT, NON_NEGATIVE_INT = whole(1), whole(0)
@@ -148,22 +141,25 @@ def _preset(domain: Domain, text: str) -> str:
     return text
 
 
-TEXT_FILE = Domain("text file", _text_file)
-OUTPUT_DIR = Domain("output directory", lambda d, t: _writable(d, t, want_dir=True))
-OUTPUT_FILE = Domain("output file", lambda d, t: _writable(d, t, want_dir=False))
-PRESET = Domain("preset", _preset)
+TEXT_FILE = Domain("text file", "a readable, non-empty UTF-8 text file", _text_file)
+OUTPUT_DIR = Domain("output directory", "a writable directory, created if missing",
+                    lambda d, t: _writable(d, t, want_dir=True))
+OUTPUT_FILE = Domain("output file", "a writable file; its folders are created if missing",
+                     lambda d, t: _writable(d, t, want_dir=False))
+PRESET = Domain("preset", "", _preset)
 
 
 # --- the parser ---------------------------------------------------------------------------------------
 
 class _HelpFormatter(argparse.HelpFormatter):
-    """Every flag's help ends with its default, unless the help already states its default rule."""
+    """Every flag's help ends with its domain and its default (unless the help states the default's rule)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.nargs == 0 or "default" in text or action.default is argparse.SUPPRESS:
-            return text                       # on/off switches, and flags whose help says the rule
-        return text + " (default: %(default)s)"
+        rule = action.type.rule if isinstance(action.type, Domain) else ""
+        says_default = action.nargs == 0 or "default" in text or action.default is argparse.SUPPRESS
+        extra = [part for part in (rule, "" if says_default else "default: %(default)s") if part]
+        return f"{text} ({'; '.join(extra)})" if extra else text
 
 
 class Parser(argparse.ArgumentParser):
@@ -202,7 +198,7 @@ def base_parser(description: str, pipeline: bool = False) -> Parser:
     p.add_argument("--clip", type=NON_NEGATIVE_REAL, default=1.0, help="clip gradients to this global norm (0: off)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype (bf16 = autocast)")
     p.add_argument("--data", type=TEXT_FILE, default=None,
-                   help=f"a UTF-8 text file to train on (default: the bundled corpus, common/corpus/{DEFAULT_CORPUS.name})")
+                   help=f"the text to train on (default: the bundled corpus, common/corpus/{DEFAULT_CORPUS.name})")
     p.add_argument("--metrics", type=OUTPUT_FILE, default=None,
                    help="write one JSON object per step to this .jsonl file (default: none)")
     p.add_argument("--checkpoint-dir", type=OUTPUT_DIR, default=None, help="directory for checkpoints (default: none)")
