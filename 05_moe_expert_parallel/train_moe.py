@@ -29,7 +29,7 @@ from common.metrics import RunLog, format_bytes
 from common.model import build_model, count_parameters
 from common.moe_args import add_moe_args, check_moe_args, expert_parallel_degree, moe_model_config
 from common.optim import lr_at
-from common.training import StepTimer, global_sum, run_identity, should_save
+from common.training import StepTimer, global_sum, resume_state, run_identity, should_save, stop_if_not_finite
 
 expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")
 moe_trainer = import_module("05_moe_expert_parallel.moe_trainer")
@@ -61,10 +61,7 @@ def main(argv=None) -> list[dict]:
     ep = expert_parallel_degree(args.ep, cfg, rt.world_size)
     mesh = Mesh(rt.rank, rt.world_size, dp=rt.world_size // ep, ep=ep)     # grid arange(world).view(dp, ep)
     data = TextData(args.data, args.seq_len, args.seed)
-    resume = None
-    if args.resume:                  # every rank loads it, so every rank can fail alike
-        resume = checkpoint.load(checkpoint.latest_path(args.checkpoint_dir), identity(args, cfg))
-        torch.set_rng_state(resume["rng"])
+    resume = resume_state(args, identity(args, cfg))       # every rank loads it, so every rank can fail alike
 
     # --- the model: build the full one from the seed (or the checkpoint), keep this rank's experts --
     model = build_model(cfg, args.seed, rt.device)
@@ -80,7 +77,7 @@ def main(argv=None) -> list[dict]:
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py: active experts)
     log.config_table(f"mixture of experts — EP {ep} × DP {mesh.size('dp')}",
-                     layout_rows(args, cfg, mesh, rt, trainer.memory(), start))
+                     layout_rows(args, cfg, mesh, rt, trainer.memory(), start) | {"data": data.describe()})
     if rt.world_size == 1:
         log.print("world size 1: the single-device reference. More ranks: "
                   "torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py [--ep 2]")
@@ -106,6 +103,7 @@ def main(argv=None) -> list[dict]:
             trainer.zero_grad()
         memory = trainer.memory()
         loss_value = global_sum(local_loss, dist.group.WORLD)
+        stop_if_not_finite(step, loss_value, grad_norm, args)
         router = trainer.router_metrics()
         by_group = comm.COUNTER.by_group()
         log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm, **router,

@@ -7,7 +7,8 @@ batches and print the same losses. Each script adds the degrees it teaches with 
 Every flag declares its *domain* where it is defined: `type=POSITIVE_INT`, `type=TEXT_FILE`, ... (a
 `Domain`), or `choices=[...]`. argparse calls the domain on the text the user typed, inside
 `parse_args`, so a value outside it is refused on every rank before any process group exists, with one
-line that names the flag, the value and the fix (a ConfigError: `run_main` prints it, exit code 2).
+line that names the flag, the value and the fix (a ConfigError: `run_main` prints it, exit code 2):
+`--lr must be a finite number > 0, got inf; e.g. --lr 0.003 (the default)`.
 Paths are checked the same way: a data file must be a readable, non-empty UTF-8 text file; an output
 directory or file must be creatable and writable. That is found out now, not at the first checkpoint
 after the training time is spent. A test walks every flag of every train_*.py through its domain.
@@ -40,6 +41,8 @@ class Domain:
             return self.check(self, text)
         except Refused as refused:
             why, fix = refused.args
+            if why.startswith("must be"):        # a number: `--lr must be a finite number > 0, got inf; ...`
+                raise ConfigError(f"{self.flag} {why}, got {shlex.quote(text)}; {fix}") from None
             raise ConfigError(f"{self.flag} {shlex.quote(text)}: {why}; {fix}") from None
 
     def example(self) -> str:

@@ -11,6 +11,7 @@ reaches the same verdict and exits with the same one-line message.
 import dataclasses
 import math
 
+from common.cli import NON_NEGATIVE_REAL, POSITIVE_INT, POSITIVE_REAL
 from common.errors import require
 from common.model import PRESETS, ModelConfig
 from common.moe_routing import RoutingOptions
@@ -18,17 +19,17 @@ from common.moe_routing import RoutingOptions
 
 def add_moe_args(parser) -> None:
     g = parser.add_argument_group("mixture of experts")
-    g.add_argument("--aux-loss-coef", type=float, default=0.01,
+    g.add_argument("--aux-loss-coef", type=NON_NEGATIVE_REAL, default=0.01,
                    help="α of the Switch/GShard balance loss α·E·Σᵢ fᵢPᵢ (per sequence and layer); 0: off")
-    g.add_argument("--z-loss-coef", type=float, default=0.001,
+    g.add_argument("--z-loss-coef", type=NON_NEGATIVE_REAL, default=0.001,
                    help="β of the router z-loss β·mean(logsumexp(logits)²) (per layer); 0: off")
-    g.add_argument("--capacity-factor", type=float, default=None,
+    g.add_argument("--capacity-factor", type=POSITIVE_REAL, default=None,
                    help="each expert takes at most ⌈CF·S·k/E⌉ slots per sequence, the rest are dropped "
                         "(default: dropless)")
-    g.add_argument("--router-bias-rate", type=float, default=0.0,
+    g.add_argument("--router-bias-rate", type=NON_NEGATIVE_REAL, default=0.0,
                    help="γ of aux-loss-free balancing: b += γ·sign(mean load − load) after each step; 0: off")
-    g.add_argument("--top-k", type=int, default=None, help="experts per token (default: the preset's)")
-    g.add_argument("--ep", type=int, default=None,
+    g.add_argument("--top-k", type=POSITIVE_INT, default=None, help="experts per token (default: the preset's)")
+    g.add_argument("--ep", type=POSITIVE_INT, default=None,
                    help="expert-parallel degree (default: the largest that divides both the world size "
                         "and the number of experts); world/ep ranks of data parallelism around it")
 
@@ -47,15 +48,7 @@ def expert_parallel_degree(ep: int | None, cfg: ModelConfig, world: int) -> int:
 
 
 def check_moe_args(args, cfg: ModelConfig, world: int, ep: int) -> None:
-    """Every MoE flag's domain and every divisibility expert parallelism needs."""
-    for flag, value in (("--aux-loss-coef", args.aux_loss_coef), ("--z-loss-coef", args.z_loss_coef),
-                        ("--router-bias-rate", args.router_bias_rate)):
-        require(math.isfinite(value) and value >= 0,
-                f"{flag} must be a finite number ≥ 0, got {value}; use 0 to turn it off")
-    if args.capacity_factor is not None:
-        require(math.isfinite(args.capacity_factor) and args.capacity_factor > 0,
-                f"--capacity-factor must be a finite number > 0, got {args.capacity_factor}; "
-                "leave it out for dropless routing")
+    """Every divisibility expert parallelism needs (each flag's own domain is checked while parsing)."""
     if not cfg.n_experts:
         for flag, given in (("--ep", args.ep is not None), ("--top-k", args.top_k is not None),
                             ("--capacity-factor", args.capacity_factor is not None),
@@ -65,7 +58,6 @@ def check_moe_args(args, cfg: ModelConfig, world: int, ep: int) -> None:
         return
     E = cfg.n_experts
     require(1 <= cfg.top_k <= E, f"--top-k {cfg.top_k} must be between 1 and the model's {E} experts")
-    require(ep >= 1, f"--ep must be ≥ 1, got {ep}")
     require(E % ep == 0, f"the model's {E} experts do not split over --ep {ep}; use an --ep that divides {E}")
     require(world % ep == 0, f"--ep {ep} does not divide the world size {world}; use an --ep that divides {world} "
                              f"or launch a multiple of {ep} ranks with torchrun --nproc_per_node")

@@ -111,7 +111,7 @@ def point_latest_at(directory, name):
     (["--dp", "2", "--tp", "1", "--pp", "1", "--global-batch", "6", "--microbatches", "2"], 2, "does not split"),
     (["--pp", "2", "--tp", "1", "--virtual-stages", "2"], 2, "virtual"),
     (["--zero-stage", "2"], 4, "invalid choice: 2"),
-    (["--val-every", "-1"], 4, "--val-every -1: must be a whole number ≥ 0"),
+    (["--val-every", "-1"], 4, "--val-every must be a whole number ≥ 0, got -1"),
 ])
 def test_bad_layouts_are_refused_before_any_communication(monkeypatch, argv, world, expected):
     """The checks are pure functions of the flags and the world size, so every rank reaches the same

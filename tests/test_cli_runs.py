@@ -33,7 +33,7 @@ def errors(stderr: str) -> list[str]:
 
 @pytest.mark.parametrize("launcher, script, argv, message", [
     (PYTHON, "02_tensor_parallel/train_tp.py", ["--data", "{binary}"], "a binary file, not text"),
-    (TORCHRUN, "04_3d_combined/train_3d.py", ["--pp", "0"], "error: --pp 0: must be a whole number ≥ 1"),
+    (TORCHRUN, "04_3d_combined/train_3d.py", ["--pp", "0"], "error: --pp must be a whole number ≥ 1, got 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, launcher, script, argv, message):
     (tmp_path / "binary.bin").write_bytes(bytes(range(256)) * 8)

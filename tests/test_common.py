@@ -196,7 +196,7 @@ def test_cli_defaults_and_errors():
     cases = [(["--model", "nosuch"], 1, "--model nosuch: unknown preset"), (["--global-batch", "12"], 8, "use a multiple of 8"),
              (["--global-batch", "16", "--microbatches", "3"], 2, "use a multiple of 6"),
              (["--seq-len", "4096"], 1, "exceeds the tiny preset"), (["--resume"], 1, "--resume needs --checkpoint-dir"),
-             (["--steps", "0"], 1, "--steps 0: must be a whole number ≥ 1")]
+             (["--steps", "0"], 1, "--steps must be a whole number ≥ 1, got 0")]
     for argv, dp, message in cases:
         with pytest.raises(ConfigError, match=message.replace("-", r"\-")):
             check_common(p.parse_args(argv), dp=dp)

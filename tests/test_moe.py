@@ -1,12 +1,12 @@
 """The single-device mixture of experts: router, balancing losses and capacity against closed-form toy
 cases; the layer against a token-by-token loop; parameter counts; the MoE flags' checks."""
-import argparse
 import math
 
 import pytest
 import torch
 import torch.nn as nn
 
+from common.cli import Parser
 from common.errors import ConfigError
 from common.model import (PRESETS, ModelConfig, MoEFeedForward, SwiGLU, Transformer, build_model, count_parameters,
                           moe_layers)
@@ -167,7 +167,7 @@ def test_dense_configs_build_the_dense_model():
 # --- the flags -------------------------------------------------------------------------------------
 
 def parse(argv, world=4):
-    p = argparse.ArgumentParser()
+    p = Parser()                                    # the scripts' parser: it tells each flag's domain its name
     p.add_argument("--model", default="tiny-moe")
     add_moe_args(p)
     args = p.parse_args(argv)
@@ -180,9 +180,9 @@ def parse(argv, world=4):
 @pytest.mark.parametrize("argv,world,message", [
     (["--ep", "3"], 6, "8 experts do not split over --ep 3"),
     (["--ep", "4"], 2, "--ep 4 does not divide the world size 2"),
-    (["--ep", "0"], 2, "--ep must be ≥ 1"),
+    (["--ep", "0"], 2, "--ep must be a whole number ≥ 1, got 0"),
     (["--top-k", "9"], 2, "--top-k 9 must be between 1 and the model's 8 experts"),
-    (["--top-k", "0"], 2, "--top-k 0 must be between 1"),
+    (["--top-k", "0"], 2, "--top-k must be a whole number ≥ 1, got 0"),
     (["--capacity-factor", "0"], 2, "--capacity-factor must be a finite number > 0"),
     (["--capacity-factor", "nan"], 2, "--capacity-factor must be a finite number > 0"),
     (["--aux-loss-coef", "-0.1"], 2, "--aux-loss-coef must be a finite number ≥ 0"),
