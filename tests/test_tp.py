@@ -3,10 +3,12 @@ and every rank holds and sends the bytes the README's formulas say.
 
 One spawned group per world size (2 and 4) runs the operator and layer checks of test_tp_ops.py,
 the training runs (TP, TP + sequence parallelism, TP × DP, DTensor, resume in another --tp) and
-the bad-input runs, in order."""
+the bad-input runs, in order; check_activation_collectives below runs in those groups too."""
 import os
 import subprocess
 import sys
+from collections import Counter
+from importlib import import_module
 
 import pytest
 
@@ -17,10 +19,10 @@ BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quie
 TRAIN = "02_tensor_parallel.train_tp:main"
 PIECES = {2: [("test_tp_ops:check_operators",), ("test_tp_ops:check_layers", False),
               ("test_tp_ops:check_layers", True), ("test_tp_ops:check_vocab_parallel_loss",),
-              ("test_tp_ops:check_partial_stage", True), ("test_tp_ops:check_activation_collectives", False)],
+              ("test_tp_ops:check_partial_stage", True), ("test_tp:check_activation_collectives", False)],
           4: [("test_tp_ops:check_operators",), ("test_tp_ops:check_layers", False),
               ("test_tp_ops:check_layers", True), ("test_tp_ops:check_vocab_parallel_loss",),
-              ("test_tp_ops:check_kv_replicated",), ("test_tp_ops:check_activation_collectives", True)]}
+              ("test_tp_ops:check_kv_replicated",), ("test_tp:check_activation_collectives", True)]}
 L, D, B, S = 8, 128, 8, 32                        # tiny preset; the runs' global batch and sequence length
 FULL_BYTES, NORM_BYTES = 1_640_576 * 4, (2 * L + 1) * D * 4     # all parameters; the replicated norm gains
 # name -> (extra flags, None for a training run | a piece of the message a bad input must get)
@@ -71,6 +73,52 @@ def _group(world, ckpt_dir):
                                     "--steps", "5"]))
         jobs.append((TRAIN, BASE + ["--tp", "1", "--checkpoint-dir", ckpt_dir, "--resume"]))
     return jobs, run_group(world, jobs)
+
+
+def check_activation_collectives(sp: bool):
+    """One forward + backward of the tiny model, every TP collective logged on this rank: 4L + 2
+    activation collectives of one B·S·D tensor each (with SP, each all-reduce becomes a reduce-scatter
+    and an all-gather), each counted at the ring formula's bytes; everything else is small."""
+    import torch
+    import torch.distributed as dist
+    from common import comm
+    from common.model import PRESETS, build_model
+    tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")
+    group, N = dist.group.WORLD, dist.get_world_size()
+    cfg, B, S = PRESETS["tiny"], 2, 16
+    calls, originals = [], {n: getattr(comm, n) for n in ("all_reduce", "all_gather_into", "reduce_scatter_into")}
+
+    def logged(name):
+        def call(*args, **kwargs):
+            full = args[1] if name == "reduce_scatter_into" else args[0]       # the full-size tensor
+            before = comm.COUNTER.total("tp")
+            out = originals[name](*args, **kwargs)
+            calls.append((name, full.numel(), comm.COUNTER.total("tp") - before))
+            return out
+        return call
+    for name in originals:
+        setattr(comm, name, logged(name))
+    try:
+        model = tensor_parallel.parallelize_model(build_model(cfg, 1), group, sp)
+        tokens = torch.randint(0, 256, (B, S + 1), generator=torch.Generator().manual_seed(0))
+        h = model.embed(tokens[:, :-1])
+        for layer in model.layers:
+            h = layer(h, model.rope_cos, model.rope_sin)
+        tensor_parallel.tp_loss_sum(model.head(h), tokens[:, 1:], group).backward()
+        tensor_parallel.sync_tp_gradients(model, group)
+    finally:
+        for name, fn in originals.items():
+            setattr(comm, name, fn)
+    bsd = B * S * cfg.dim
+    # ring formula, bytes sent + received for n = 4·B·S·D: all-reduce 2·2(N-1)/N·n, the others 2·(N-1)/N·n
+    ring = {"all_reduce": 4 * (N - 1) / N * 4 * bsd, "reduce_scatter_into": 2 * (N - 1) / N * 4 * bsd,
+            "all_gather_into": 2 * (N - 1) / N * 4 * bsd}
+    activations = [(name, nbytes) for name, numel, nbytes in calls if numel == bsd]
+    kinds = ("reduce_scatter_into", "all_gather_into") if sp else ("all_reduce",)
+    assert Counter(name for name, _ in activations) == {k: 4 * cfg.n_layers + 2 for k in kinds}, calls
+    assert all(nbytes == ring[name] for name, nbytes in activations), activations
+    assert all(numel <= bsd / 16 for _, numel, _ in calls if numel != bsd), calls
+    return True
 
 
 @pytest.mark.parametrize("world", [2, 4])

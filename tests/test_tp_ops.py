@@ -2,7 +2,6 @@
 single-device twin. The `check_*` functions run inside spawned ranks (tests/test_tp.py runs them in
 its groups of 2 and 4, next to the training runs); the `test_*` functions here need no ranks."""
 import sys
-from collections import Counter
 from importlib import import_module
 from pathlib import Path
 
@@ -224,50 +223,6 @@ def check_partial_stage(sp: bool):
     full = tensor_parallel.full_state_dict(stage, group)
     for name, t in full.items():
         torch.testing.assert_close(t, dense.get_parameter(name))
-    return True
-
-
-def check_activation_collectives(sp: bool):
-    """One forward + backward of the tiny model, every TP collective logged on this rank: 4L + 2
-    activation collectives of one B·S·D tensor each (with SP, each all-reduce becomes a reduce-scatter
-    and an all-gather), each counted at the ring formula's bytes; everything else is small."""
-    from common import comm
-    from common.model import build_model
-    _, _, tensor_parallel = _libs()
-    group, N = dist.group.WORLD, dist.get_world_size()
-    cfg, B, S = PRESETS["tiny"], 2, 16
-    calls, originals = [], {n: getattr(comm, n) for n in ("all_reduce", "all_gather_into", "reduce_scatter_into")}
-
-    def logged(name):
-        def call(*args, **kwargs):
-            full = args[1] if name == "reduce_scatter_into" else args[0]       # the full-size tensor
-            before = comm.COUNTER.total("tp")
-            out = originals[name](*args, **kwargs)
-            calls.append((name, full.numel(), comm.COUNTER.total("tp") - before))
-            return out
-        return call
-    for name in originals:
-        setattr(comm, name, logged(name))
-    try:
-        model = tensor_parallel.parallelize_model(build_model(cfg, 1), group, sp)
-        tokens = torch.randint(0, 256, (B, S + 1), generator=torch.Generator().manual_seed(0))
-        h = model.embed(tokens[:, :-1])
-        for layer in model.layers:
-            h = layer(h, model.rope_cos, model.rope_sin)
-        tensor_parallel.tp_loss_sum(model.head(h), tokens[:, 1:], group).backward()
-        tensor_parallel.sync_tp_gradients(model, group)
-    finally:
-        for name, fn in originals.items():
-            setattr(comm, name, fn)
-    bsd = B * S * cfg.dim
-    # ring formula, bytes sent + received for n = 4·B·S·D: all-reduce 2·2(N-1)/N·n, the others 2·(N-1)/N·n
-    ring = {"all_reduce": 4 * (N - 1) / N * 4 * bsd, "reduce_scatter_into": 2 * (N - 1) / N * 4 * bsd,
-            "all_gather_into": 2 * (N - 1) / N * 4 * bsd}
-    activations = [(name, nbytes) for name, numel, nbytes in calls if numel == bsd]
-    kinds = ("reduce_scatter_into", "all_gather_into") if sp else ("all_reduce",)
-    assert Counter(name for name, _ in activations) == {k: 4 * cfg.n_layers + 2 for k in kinds}, calls
-    assert all(nbytes == ring[name] for name, nbytes in activations), activations
-    assert all(numel <= bsd / 16 for _, numel, _ in calls if numel != bsd), calls
     return True
 
 
