@@ -29,7 +29,7 @@ from common.model import PRESETS, build_model, count_parameters, loss_sum
 from common.optim import build_adamw, lr_at
 from common.timeline import Timeline, write_chrome_trace
 from common.training import (StepTimer, consolidate_on_rank0, global_sum, load_optim_state_by_name,
-                             resume_state, run_identity, should_save)
+                             resume_state, run_identity, should_save, stop_if_not_finite)
 
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")   # who runs what, when
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")         # the model cut into stages
