@@ -44,23 +44,23 @@ def all_to_all_operator() -> bool:
     import torch
     import torch.distributed as dist
     from common import comm
-    dispatch = import_module("05_moe_expert_parallel.moe_dispatch")
+    moe_dispatch = import_module("05_moe_expert_parallel.moe_dispatch")
     r, n = dist.get_rank(), dist.get_world_size()
     send = [r + j + 1 for j in range(n)]
     recv = [s + r + 1 for s in range(n)]
     rows = torch.cat([torch.tensor([[float(r), float(j)]]).repeat(send[j], 1) for j in range(n)]).requires_grad_(True)
     comm.COUNTER.reset()
-    got = dispatch.all_to_all(rows, recv, send, dist.group.WORLD)
+    got = moe_dispatch.all_to_all(rows, recv, send, dist.group.WORLD)
     want = torch.cat([torch.tensor([[float(s), float(r)]]).repeat(recv[s], 1) for s in range(n)])
     assert torch.equal(got, want)
     (got * torch.arange(got.shape[0]).unsqueeze(1)).sum().backward()      # d/d row = its place on the receiver
     # bytes: the rows that leave this rank, forward (send) and backward (recv), 2 floats each
     assert comm.COUNTER.sent["ep"] == ((sum(send) - send[r]) + (sum(recv) - recv[r])) * 2 * 4
-    back = dispatch.all_to_all(torch.arange(got.shape[0], dtype=torch.float).unsqueeze(1).repeat(1, 2), send, recv,
+    back = moe_dispatch.all_to_all(torch.arange(got.shape[0], dtype=torch.float).unsqueeze(1).repeat(1, 2), send, recv,
                                dist.group.WORLD)
     assert torch.equal(rows.grad, back)
     counts = torch.arange(2 * n) + 10 * r                                  # 2 experts per rank
-    assert dispatch.exchange_counts(counts, n, dist.group.WORLD).tolist() == [[10 * s + 2 * r, 10 * s + 2 * r + 1]
+    assert moe_dispatch.exchange_counts(counts, n, dist.group.WORLD).tolist() == [[10 * s + 2 * r, 10 * s + 2 * r + 1]
                                                                               for s in range(n)]
     return True
 
