@@ -1,0 +1,148 @@
+"""Lab 02's answer key: runs every command of LAB.md and writes LAB_ANSWERS.md from what they print.
+
+    python 02_tensor_parallel/lab_answers.py          # about 4 minutes on an idle 2-core CPU
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
+from common.lab_key import ROOT, Edit, Key, table  # noqa: E402
+from common.model import PRESETS, count_parameters  # noqa: E402
+
+CH = "02_tensor_parallel"
+
+
+def first_above(result) -> str:
+    return result.line_with("first step above").split("first step above 1e-05: ")[-1]
+
+
+def main() -> None:
+    key = Key(CH, "Lab 02 — tensor parallelism")
+    cfg = PRESETS["tiny"]
+    L, D = cfg.n_layers, cfg.dim
+
+    # 1. -------------------------------------------------------------------------------------------
+    key.run("python 02_tensor_parallel/train_tp.py --steps 10 --seq-len 32 --global-batch 8 --metrics runs/lab02/tp1.jsonl --quiet")
+    key.run("torchrun --nproc_per_node=4 02_tensor_parallel/train_tp.py --steps 10 --seq-len 32 --global-batch 8 --metrics runs/lab02/tp4.jsonl --quiet")
+    key.run("torchrun --nproc_per_node=4 02_tensor_parallel/train_tp.py --steps 10 --seq-len 32 --global-batch 8 --tp 2 --metrics runs/lab02/tp2dp2.jsonl --quiet")
+    cmp = key.run("python -m common.compare_metrics runs/lab02/tp1.jsonl runs/lab02/tp4.jsonl runs/lab02/tp2dp2.jsonl", check=False)
+    rows = []
+    for name in ("tp4", "tp2dp2"):
+        w = key.worst("runs/lab02/tp1.jsonl", f"runs/lab02/{name}.jsonl")
+        step1 = abs(key.rows(f"runs/lab02/{name}.jsonl")[0]["loss"] / key.rows("runs/lab02/tp1.jsonl")[0]["loss"] - 1)
+        rows.append([name, f"{step1:.1e}", f"{w['max']:.1e} (step {w['max_step']})", w["first_above_tol"] or "none"])
+    key.section("1. Same losses, different layouts", f"""
+{table(["layout", "step 1", "max over 10 steps", "first step above 1e-5"], rows)}
+
+`compare_metrics` exit status: **{cmp.code}**. Round-off only: step 1 differs by float32
+round-off of sums in another order (TP sums partial matmuls across ranks; DP sums two halves of
+the batch), and the difference grows slowly over the steps because AdamW divides each update by
+the running RMS of the gradients: a 1e-7 difference in a gradient whose RMS is small becomes a
+larger relative difference in the weights. The root README's equivalence table shows how far it
+grows over 50 steps in fp32 and in bf16.
+
+**If step 1 differs**, the forward is wrong, before any gradient exists: the first suspects are
+the loss normalisation (a local token count instead of the global one), a missing g (an
+all-reduce of partial sums after a row-parallel layer), or a shard taken along the wrong
+dimension. A difference that starts at step 2 points at the backward: a missing f, or an
+unsynchronised replicated gradient (§4).""")
+
+    # 2. and 3. --------------------------------------------------------------------------------------
+    key.run("torchrun --nproc_per_node=2 02_tensor_parallel/train_tp.py --steps 2 --seq-len 64 --global-batch 4 --metrics runs/lab02/c2.jsonl --quiet")
+    key.run("torchrun --nproc_per_node=2 02_tensor_parallel/train_tp.py --steps 2 --seq-len 64 --global-batch 4 --sequence-parallel --metrics runs/lab02/c2sp.jsonl --quiet")
+    tp_bytes = key.rows("runs/lab02/c2.jsonl")[-1]["comm_bytes_tp"]
+    sp_bytes = key.rows("runs/lab02/c2sp.jsonl")[-1]["comm_bytes_tp"]
+    predicted = (4 * L + 2) * 2 * 4 * 64 * D * 4 + 3 * 2 * 4 * 64 * 4
+    norms = (2 * L + 1) * D * 4 * 2                       # all-reduce over N = 2: n sent + n received
+    key.section("2. Count the all-reduces", f"""
+Predicted (4L + 2) · 2·2(N−1)/N · B·S·D·4 + 3·2·2(N−1)/N·B·S·4 = {predicted:,} bytes; measured
+`comm_bytes_tp` at step 2: **{tp_bytes:,}** bytes ({'equal' if tp_bytes == predicted else f'differs by {tp_bytes - predicted:,}'}).
+
+Per block: forward, one g after attention's wo and one after the MLP's w_down; backward, one f
+before attention's column-parallel wq/wk/wv and one before the MLP's w_gate/w_up: 4L. The
+vocab-parallel embedding adds a g (forward), the column-parallel head an f (backward): + 2. The
+vocab-parallel loss all-reduces three (B, S) tensors: the max logit, the sum of exponentials and
+the target's logit.""")
+    key.section("3. Sequence parallelism: same bytes, less memory", f"""
+`comm_bytes_tp` with `--sequence-parallel`: **{sp_bytes:,}** bytes, {sp_bytes - tp_bytes:+,} against §2.
+The norms' gradient all-reduce predicts (2L + 1) · D · 4 B · 2 (sent + received at N = 2) =
+{norms:,} bytes{' — exactly the difference' if sp_bytes - tp_bytes == norms else ''}. Each all-reduce became a
+reduce-scatter + an all-gather, each moving (N−1)/N of the tensor each way: the same total. What
+shrank: the activations kept for backward around the norms, (B, S/N, D) per rank instead of
+(B, S, D).""")
+
+    # 4. -------------------------------------------------------------------------------------------
+    results = []
+    for edit, run, cmp_cmd in [
+            (Edit(f"{CH}/tp_layers.py", "return tp_operators.copy_to_tp_region(x, self.group)", "return x"),
+             "torchrun --nproc_per_node=2 02_tensor_parallel/train_tp.py --steps 3 --seq-len 32 --global-batch 8 --metrics runs/lab02/no_f.jsonl --quiet",
+             "python -m common.compare_metrics runs/lab02/tp1.jsonl runs/lab02/no_f.jsonl"),
+            (Edit(f"{CH}/tp_trainer.py", "tensor_parallel.sync_tp_gradients(self.model, self.tp_group)", "pass"),
+             "torchrun --nproc_per_node=2 02_tensor_parallel/train_tp.py --steps 3 --seq-len 32 --global-batch 8 --sequence-parallel --metrics runs/lab02/no_sync.jsonl --quiet",
+             "python -m common.compare_metrics runs/lab02/tp1.jsonl runs/lab02/no_sync.jsonl")]:
+        with key.broken(edit) as root:
+            key.run(run, root=root)
+            (root / "runs/lab02/tp1.jsonl").write_bytes((ROOT / "runs/lab02/tp1.jsonl").read_bytes())   # the good reference
+            results.append(key.run(cmp_cmd, root=root, check=False))
+    key.section("4. Break it on purpose", f"""
+(a) without f: exit status {results[0].code}, first step above 1e-5: **{first_above(results[0])}**.
+(b) without the replicated-gradient sync, under SP: exit status {results[1].code}, first step above
+1e-5: **{first_above(results[1])}**.
+
+Step 1 is equal in both: f is the identity in the forward, and the norm gains' gradients only act
+through the update, so the first loss (computed before any update) cannot see either bug. (a) f's
+backward is the all-reduce that sums each rank's contribution to the gradient of a column-parallel
+layer's input; without it every rank propagates only its own part, so every gradient below the
+first column-parallel layer is wrong and step 2's loss differs. (b) under SP each rank's norm gains
+see only its slice of the sequence, so their gradients are partial sums; without the all-reduce
+each rank updates its copy of the gains differently, the replicas of the same tensor drift apart,
+and the loss differs from step 2.""")
+
+    # 5. -------------------------------------------------------------------------------------------
+    key.run("torchrun --nproc_per_node=8 02_tensor_parallel/train_tp.py --steps 5 --seq-len 32 --global-batch 8 --metrics runs/lab02/tp8.jsonl --quiet")
+    measured = key.rows("runs/lab02/tp8.jsonl")[-1]["param_bytes"]
+    full = count_parameters(cfg) * 4
+    norms = (2 * L + 1) * D
+    kv = cfg.n_kv_heads * cfg.head_dim * D                   # wk (and wv): (K·hd, D)
+    predicted = ((count_parameters(cfg) - norms - 2 * L * kv) / 8 + norms + 2 * L * kv / cfg.n_kv_heads) * 4
+    key.section("5. Fewer KV heads than ranks", f"""
+`param_bytes` on rank 0: **{measured:,}** bytes, against full/8 = {full / 8:,.0f} bytes
+({measured / (full / 8):.3f}×). Predicted from the layout: the matrices split 8 ways, except wk and
+wv, which hold one whole KV head each (hd × D = {cfg.head_dim} × {D}) instead of half a head, and the
+{2 * L + 1} norm vectors of D, which every rank holds whole: {predicted:,.0f} bytes{' (equal)' if abs(predicted - measured) < 1 else ''}.
+
+With 4 KV heads on 8 ranks, ranks 2k and 2k+1 hold KV head k (each serves its own query heads), so
+`sync_replicated_kv_grads` sums head 0's gradient over ranks 0 and 1: each computed it from its own
+query heads only.""")
+
+    # 6. -------------------------------------------------------------------------------------------
+    rows = []
+    for cmd in ["torchrun --nproc_per_node=4 02_tensor_parallel/train_tp.py --tp 3",
+                "torchrun --nproc_per_node=4 02_tensor_parallel/train_tp.py --sequence-parallel --seq-len 30"]:
+        r = key.run(cmd, check=False)
+        assert r.code != 0 and r.error_line(), f"expected a one-line failure from: {cmd}\n{r.out[-2000:]}"
+        rows.append([f"`{cmd.split('train_tp.py ')[1]}`", r.code, r.error_line().replace("|", "\\|")])
+    key.section("6. Bad inputs", f"""
+{table(["flags", "exit code", "message"], rows)}
+
+Both are checked on every rank before any communication, so nobody waits for a peer that has
+already given up.""")
+
+    # 7. -------------------------------------------------------------------------------------------
+    key.run("torchrun --nproc_per_node=2 02_tensor_parallel/train_tp.py --steps 10 --seq-len 32 --global-batch 8 --impl torch --metrics runs/lab02/dt.jsonl --quiet")
+    dt = key.run("python -m common.compare_metrics runs/lab02/tp1.jsonl runs/lab02/dt.jsonl", check=False)
+    key.section("7. Ours vs DTensor", f"""
+`compare_metrics` exit status **{dt.code}**: {dt.line_with("dt.jsonl: max")}
+
+DTensor leaves the embedding's gradient as `Replicate` (the whole V × D table on every rank, as it
+came out of the backward of the vocab-parallel lookup) while the parameter is `Shard(0)`; the SP
+norms' gradients come out `Partial`. Computing the norm of the *local* gradients then counts the
+embedding's whole table on every rank (N times too much) and the norms' partial sums instead of
+their sum. `settle_grads` redistributes each gradient to its parameter's placement: Replicate →
+Shard is a local slice, Partial → Replicate an all-reduce. Throughput: the ratio column of
+`results/throughput.md` (from `python 02_tensor_parallel/bench_tp.py`).""")
+    key.write()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Lab 03's answer key: runs every command of LAB.md and writes LAB_ANSWERS.md from what they print.
+
+    python 03_pipeline_parallel/lab_answers.py          # about 5 minutes on an idle 2-core CPU
+"""
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
+from common.lab_key import Edit, Key, mib, table  # noqa: E402
+
+CH = "03_pipeline_parallel"
+
+
+def bubbles(out: str) -> tuple[float, float]:
+    """(theory, simulated) bubble from a --print-schedule output."""
+    theory = float(re.search(r"theory bubble ([\d.]+)", out).group(1))
+    simulated = float(re.search(r"simulated bubble ([\d.]+)", out).group(1))
+    return theory, simulated
+
+
+def in_flight(out: str) -> str:
+    return re.search(r"in flight per rank (\[.*\])", out).group(1)
+
+
+def main() -> None:
+    key = Key(CH, "Lab 03 — pipeline parallelism")
+
+    # 1. -------------------------------------------------------------------------------------------
+    out = key.run("""for pm in "4 1" "4 4" "4 16" "2 8"; do set -- $pm; python 03_pipeline_parallel/train_pp.py --pp $1 --microbatches $2 --schedule gpipe --print-schedule | sed -n '1p;$p'; done""").out
+    rows = [[*re.search(r"p=(\d+) m=(\d+)", t).groups(), f"{float(a):.3f}", f"{float(b):.3f}"]
+            for t, a, b in zip(re.findall(r"gpipe: .*", out), re.findall(r"theory bubble ([\d.]+)", out),
+                                re.findall(r"simulated bubble ([\d.]+)", out))]
+    f1b = bubbles(key.run("python 03_pipeline_parallel/train_pp.py --pp 4 --microbatches 4 --schedule 1f1b --print-schedule").out)
+    key.section("1. Predict the bubble", f"""
+{table(["p", "m", "theory (p-1)/(m+p-1)", "simulated"], rows)}
+
+1F1B at p = 4, m = 4: theory {f1b[0]:.3f}, simulated {f1b[1]:.3f}, the same as GPipe's.
+
+**Why the same bubble:** 1F1B reorders the same work, it does not remove any waiting. The first
+backward still cannot start before micro-batch 0 has crossed all p stages (p-1 forward slots of
+idling on the last ranks), and the last backward still has to travel back through p-1 stages
+(p-1 backward slots of idling on the first ranks). What 1F1B changes is *when* each backward runs,
+which is what frees memory early.""")
+
+    # 2. -------------------------------------------------------------------------------------------
+    gp_print = key.run("python 03_pipeline_parallel/train_gpipe.py --pp 4 --microbatches 8 --print-schedule").out
+    fb_print = key.run("python 03_pipeline_parallel/train_1f1b.py --pp 4 --microbatches 8 --print-schedule").out
+    key.run("torchrun --nproc_per_node=4 03_pipeline_parallel/train_gpipe.py --microbatches 8 --global-batch 8 --steps 3 --quiet --metrics runs/lab03/gpipe.jsonl")
+    key.run("torchrun --nproc_per_node=4 03_pipeline_parallel/train_1f1b.py --microbatches 8 --global-batch 8 --steps 3 --quiet --metrics runs/lab03/1f1b.jsonl")
+    gp = key.rows("runs/lab03/gpipe.jsonl")[-1]["peak_activation_bytes"]
+    fb = key.rows("runs/lab03/1f1b.jsonl")[-1]["peak_activation_bytes"]
+    per_mb = fb[0] / 4
+    key.section("2. GPipe vs 1F1B memory", f"""
+Micro-batches in flight (last line of the printed schedules): GPipe {in_flight(gp_print)}, 1F1B
+{in_flight(fb_print)}: m everywhere for GPipe, p - r on rank r for 1F1B.
+
+{table(["schedule", *[f"stage {s}" for s in range(4)]], [["gpipe", *map(mib, gp)], ["1f1b", *map(mib, fb)]])}
+
+- Stage 0, GPipe ÷ 1F1B = {gp[0] / fb[0]:.2f} (predicted 8 / 4 = 2).
+- 1F1B, stage 0 ÷ stage 3 = {fb[0] / fb[3]:.2f} (predicted 4 / 1 = 4 from the counts). One micro-batch of
+  one sequence costs about {mib(per_mb)} of saved activations on a stage of two layers
+  ({mib(fb[0])} / 4 on stage 0). Stage 3 keeps more than its one micro-batch's layers: it also
+  computes the final norm, the head and the loss, and autograd saves the logits (1 × 128 × 256
+  floats = 128 KiB) and the softmax of the cross-entropy for the backward, so the ratio is below 4.
+  Stage 0's embedding saves only the token ids.
+- GPipe's stages are all about {mib(gp[1])}: 8 micro-batches each (the last one again more, for the logits).""")
+
+    # 3. -------------------------------------------------------------------------------------------
+    il_print = key.run("python 03_pipeline_parallel/train_pp.py --pp 4 --microbatches 8 --schedule interleaved --virtual-stages 2 --print-schedule").out
+    key.run("torchrun --nproc_per_node=4 03_pipeline_parallel/train_pp.py --schedule interleaved --virtual-stages 2 --microbatches 8 --global-batch 8 --steps 3 --quiet --metrics runs/lab03/interleaved.jsonl")
+    il_bytes = key.rows("runs/lab03/interleaved.jsonl")[-1]["comm_bytes_pp"]
+    fb_bytes = key.rows("runs/lab03/1f1b.jsonl")[-1]["comm_bytes_pp"]
+    t, s = bubbles(il_print)
+    key.section("3. Interleaving", f"""
+Bubble p = 4, m = 8, v = 2: theory {t:.3f} = 3 / (2·8 + 3), simulated {s:.3f} (1F1B: 0.273). The
+price shows in the same printout: micro-batch-chunks in flight per rank {in_flight(il_print)},
+more than 1F1B's [4, 3, 2, 1] (each is half a stage, so in bytes about half as much each).
+
+`comm_bytes_pp` of rank 0 per step: 1F1B {fb_bytes:,} B, interleaved {il_bytes:,} B,
+ratio **{il_bytes / fb_bytes:.2f}**. Per micro-batch, in 1F1B rank 0 sends one activation (to rank 1)
+and receives one gradient. Interleaved, rank 0 holds chunks 0 and 4: chunk 0 sends its activation
+to rank 1 and receives its gradient back; chunk 4 receives its input from rank 3, sends its output
+to rank 1 (chunk 5), and in backward receives a gradient from rank 1 and sends one to rank 3. Six
+messages of the same (1, 128, 128) fp32 shape instead of two: 3×. Each message is 64 KiB here.""")
+
+    # 4. -------------------------------------------------------------------------------------------
+    zb_print = key.run("python 03_pipeline_parallel/train_pp.py --pp 4 --microbatches 8 --schedule zb-h1 --print-schedule").out
+    key.run("python 03_pipeline_parallel/plot_timeline.py --simulate gpipe:4:8 1f1b:4:8 zb-h1:4:8 --out runs/lab03/zb.png")
+    t, s = bubbles(zb_print)
+    key.section("4. Zero bubble", f"""
+Simulated bubbles, p = 4, m = 8: GPipe {bubbles(gp_print)[1]:.3f}, 1F1B {bubbles(fb_print)[1]:.3f}, ZB-H1
+{s:.3f} (theory {t:.3f} = (p-1)/(3m+p-1) with F = B = W: the drain carries only B's, and the W's fill
+the tail). The panel titles of `runs/lab03/zb.png` show the same three numbers.
+
+**Why rank 0 keeps no W for the end:** rank 0 is the last rank the backward wave reaches; nothing
+comes after its last B, so it simply runs its W's in order as they become available, and each W it
+postponed would only make its own step longer. Rank r finishes its last B r slots *before* rank 0
+does (the wave still has r ranks to cross), so it has r idle slots to fill: it keeps r W's back.
+
+**Why rank p-1 idles longest at the end in 1F1B:** it is the first rank the last backward leaves.
+After its last B it has nothing left to do while that backward travels through ranks p-2, ..., 0,
+that is (p-1) backward slots of idling, the longest tail; rank 0 has none at the end (its idle time
+is at the start, waiting for the first backward to come back).""")
+
+    # 5. -------------------------------------------------------------------------------------------
+    key.run("torchrun --nproc_per_node=4 03_pipeline_parallel/train_1f1b.py --microbatches 8 --steps 3 --quiet --timeline runs/lab03/1f1b.json --metrics runs/lab03/1f1b_timeline.jsonl")
+    key.run("torchrun --nproc_per_node=4 03_pipeline_parallel/train_pp.py --schedule zb-h1 --microbatches 8 --steps 3 --quiet --timeline runs/lab03/zb.json --metrics runs/lab03/zb_timeline.jsonl")
+    key.run("python 03_pipeline_parallel/plot_timeline.py runs/lab03/1f1b.json runs/lab03/zb.json --out runs/lab03/real.png")
+    b1 = key.rows("runs/lab03/1f1b_timeline.jsonl")[-1]["bubble_fraction"]
+    bz = key.rows("runs/lab03/zb_timeline.jsonl")[-1]["bubble_fraction"]
+    key.section("5. Real timelines", f"""
+Measured `bubble_fraction`, last step: 1F1B **{b1:.3f}** (theory 0.273), ZB-H1 **{bz:.3f}** (theory 0.111).
+
+**Above the theory**, on this 2-core machine. The theory assumes every stage computes at a fixed
+speed with a processor of its own. Here four ranks share two cores: in the steady state three or
+four ranks want to compute at once, each action is stretched unevenly, a late rank delays its
+neighbours, and they wait with nothing to do while the cores serve others; those waits count as
+bubble. The measured bubble is therefore time each rank waits, not capacity the machine loses (the
+chapter README's measured section shows the same at m = 8: 0.447 against 0.273). With one core or
+one GPU per rank it approaches the theory (at p = 2 on this machine it is within 0.03 up to m = 4).
+ZB-H1 lowers it less than the theory says because W is a smaller share of the backward on a CPU
+than the F = B = W assumption (the README's F/B/W durations).""")
+
+    # 6. -------------------------------------------------------------------------------------------
+    key.run("python 03_pipeline_parallel/train_pp.py --steps 10 --quiet --metrics runs/lab03/ref.jsonl")
+    il_cmd = ("torchrun --nproc_per_node=4 03_pipeline_parallel/train_pp.py --schedule interleaved --virtual-stages 2 "
+              "--microbatches 4 --steps 10 --quiet --metrics runs/lab03/il.jsonl")
+    key.run(il_cmd)
+    cmp_loss = key.run("python -m common.compare_metrics runs/lab03/ref.jsonl runs/lab03/il.jsonl", check=False)
+    cmp_grad = key.run("python -m common.compare_metrics runs/lab03/ref.jsonl runs/lab03/il.jsonl --key grad_norm",
+                       check=False)
+    edit = Edit(f"{CH}/train_pp.py", "loss_scale=tokens_per_step,", "loss_scale=tokens_per_step // m,")
+    with key.broken(edit) as broken_root:
+        key.run(il_cmd, root=broken_root)
+        bad = key.rows("runs/lab03/il.jsonl", broken_root)
+    ref = key.rows("runs/lab03/ref.jsonl")
+    loss_ratio, grad_ratio = bad[0]["loss"] / ref[0]["loss"], bad[0]["grad_norm"] / ref[0]["grad_norm"]
+    curve = max(abs(b["loss"] / loss_ratio - r["loss"]) / r["loss"] for b, r in zip(bad, ref))
+    key.section("6. Same numbers", f"""
+`compare_metrics` on `loss`: exit status {cmp_loss.code}; {cmp_loss.line_with("il.jsonl: max")}
+`compare_metrics` on `grad_norm`: exit status {cmp_grad.code}; {cmp_grad.line_with("il.jsonl: max")}
+
+Exit status 0 both times: every step within 1e-5 (the differences are float32 round-off of sums
+taken in another order, see the root README's equivalence table for how they grow with steps).
+
+**Broken on purpose** (`loss_scale=tokens_per_step // m`, m = 4): step-1 loss ÷ reference =
+**{loss_ratio:.3f}**, step-1 grad_norm ÷ reference = **{grad_ratio:.3f}**. Each micro-batch's loss is
+now the mean over its own 1/m of the tokens, and the pipeline adds the m means: the reported loss
+and every gradient are m = 4 times too large. The curve, divided by {loss_ratio:.0f}, stays within
+{curve:.1e} of the reference over 10 steps: clipping at norm 1.0 rescales both runs' gradients to the
+same norm whenever both are above it, and AdamW divides each update by the running RMS of the
+gradients, so a constant factor cancels except against `eps` (1e-8) and in the steps where only
+one of the two runs is clipped. The damage is real but quiet: the printed loss is wrong, and
+with SGD, or with micro-batches of unequal size, the training itself would differ. compare_metrics
+flags it at step 1.""")
+
+    # 7. -------------------------------------------------------------------------------------------
+    bad_runs = ["torchrun --nproc_per_node=4 03_pipeline_parallel/train_pp.py --schedule interleaved --virtual-stages 2 --microbatches 6 --global-batch 12",
+                "torchrun --nproc_per_node=4 03_pipeline_parallel/train_pp.py --schedule interleaved --virtual-stages 4 --microbatches 4",
+                "torchrun --nproc_per_node=4 03_pipeline_parallel/train_1f1b.py --virtual-stages 2",
+                "torchrun --nproc_per_node=4 03_pipeline_parallel/train_1f1b.py --microbatches 3"]
+    rows = []
+    for cmd in bad_runs:
+        r = key.run(cmd, check=False)
+        assert r.code != 0 and r.error_line(), f"expected a one-line failure from: {cmd}\n{r.out[-2000:]}"
+        rows.append([f"`{cmd.split('03_pipeline_parallel/')[1]}`", r.code, r.error_line().replace("|", "\\|")])
+    key.section("7. Bad input", f"""
+{table(["flags", "exit code", "message"], rows)}
+
+Each check runs on every rank before any communication, on the same inputs, so every rank reaches
+the same verdict and exits; rank 0 prints the line. (torchrun then prints its own failure report;
+that is the launcher's, not a traceback from the project's code.) Why the rules: interleaving sends
+micro-batches round in groups of p, so m must be a multiple of p; each stage needs at least one
+layer; one stage per rank is all GPipe/1F1B/ZB-H1 know how to schedule; and m micro-batches must
+each get a whole number of the rank's sequences.""")
+    key.write()
+
+
+if __name__ == "__main__":
+    main()

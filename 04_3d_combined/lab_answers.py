@@ -1,0 +1,174 @@
+"""Lab 04's answer key: runs every command of LAB.md and writes LAB_ANSWERS.md from what they print.
+
+    python 04_3d_combined/lab_answers.py          # about 6 minutes on an idle 2-core CPU
+"""
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
+from common.lab_key import ROOT, Edit, Key, mib, table  # noqa: E402
+from common.model import PRESETS, count_parameters  # noqa: E402
+
+CH = "04_3d_combined"
+
+
+def rank_row(out: str, rank: int) -> list[str]:
+    """The mesh table's row for `rank`: [rank, dp, pp, tp, dp group, pp group, tp group]."""
+    for line in out.splitlines():
+        cells = [c.strip() for c in re.split(r"[│|┃]", line) if c.strip()]
+        if len(cells) == 7 and cells[0] == str(rank):
+            return cells
+    raise ValueError(f"no mesh row for rank {rank} in:\n{out[-2000:]}")
+
+
+def killed_rank_seconds(key: Key) -> tuple[float, int, str]:
+    """Start the lab's long run, kill -9 one rank once training runs, time how long the rest take."""
+    cmd = "torchrun --nproc_per_node=4 04_3d_combined/train_3d.py --steps 500 --quiet"
+    assert cmd in key.lab, "LAB.md no longer starts this run"
+    env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.Popen(["bash", "-c", f"exec {cmd}"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(5)
+    ranks = []
+    for _ in range(600):                      # wait until the 4 ranks exist and have started training
+        ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        if len(ranks) == 4:
+            break
+        time.sleep(0.5)
+    time.sleep(60)                            # let them build the model and enter the loop
+    subprocess.run(["kill", "-9", ranks[1]])
+    t0 = time.perf_counter()
+    out, _ = proc.communicate(timeout=600)
+    return time.perf_counter() - t0, proc.returncode, out
+
+
+def main() -> None:
+    key = Key(CH, "Lab 04 — DP × TP × PP on one mesh")
+
+    # 1. -------------------------------------------------------------------------------------------
+    rows = []
+    for flags in ["", " --dp 1 --tp 2 --pp 4", " --dp 4 --tp 2 --pp 1"]:
+        out = key.run(f"torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --steps 1 --sample-tokens 0{flags}").out
+        row = rank_row(out, 5)
+        rows.append([f"`{flags.strip() or '(default) --dp 2 --tp 2 --pp 2'}`", f"({row[1]}, {row[2]}, {row[3]})",
+                     row[6], row[5], row[4]])
+    key.section("1. Read the grid", f"""
+Rank 5's row of the printed mesh table in each layout:
+
+{table(["layout", "(dp, pp, tp)", "tp group", "pp group", "dp group"], rows)}
+
+With `arange(8).view(dp, pp, tp)`: 5 = 4·1 + 2·0 + 1 in the default layout, so (dp, pp, tp) =
+(1, 0, 1). Its TP group varies the last index (ranks 4, 5), its PP group the middle one (5, 7), its
+DP group the first (1, 5). TP varies fastest, so a TP group is always consecutive ranks: on a real
+cluster, the GPUs of one node, where the all-reduce in every layer is cheapest.""")
+
+    # 2. -------------------------------------------------------------------------------------------
+    eight = "torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --steps 10 --quiet --metrics runs/lab04/eight.jsonl --sample-tokens 0"
+    compare = "python -m common.compare_metrics runs/lab04/one.jsonl runs/lab04/eight.jsonl"
+    key.run("python 04_3d_combined/train_3d.py --steps 10 --quiet --metrics runs/lab04/one.jsonl --sample-tokens 0")
+    key.run(eight)
+    good = key.run(compare, check=False)
+    key.run("python 04_3d_combined/plot_loss.py runs/lab04/one.jsonl runs/lab04/eight.jsonl --labels 1-rank 8-rank")
+    edit = Edit(f"{CH}/trainer_3d.py", "loss_scale=args.global_batch * args.seq_len,",
+                "loss_scale=args.global_batch * args.seq_len // args.dp,")
+    with key.broken(edit) as broken_root:
+        key.run(eight, root=broken_root)
+        (broken_root / "runs/lab04/one.jsonl").write_bytes((ROOT / "runs/lab04/one.jsonl").read_bytes())
+        bad_cmp = key.run(compare, root=broken_root, check=False)
+        bad = key.rows("runs/lab04/eight.jsonl", broken_root)
+    ref = key.rows("runs/lab04/one.jsonl")
+    ratio = bad[0]["loss"] / ref[0]["loss"]
+    curve = max(abs(b["loss"] / ratio - r["loss"]) / r["loss"] for b, r in zip(bad, ref))
+    key.section("2. Same numbers in every layout", f"""
+`{compare}`: exit status **{good.code}**; {good.line_with("eight.jsonl: max")}
+
+Equal to about 7 significant digits, not bit for bit: the 8-rank run adds the same numbers in
+another order (DP sums two half-batch gradients, TP sums partial matmuls, the pipeline sums
+micro-batch losses), and float32 addition is not associative; AdamW then lets these ~1e-7
+differences grow slowly over the steps (the root README measures how fast). `runs/lab04/loss.png`
+shows two curves on top of each other; the comparison shows by how much they differ.
+
+**Broken on purpose** (`loss_scale=args.global_batch * args.seq_len // args.dp`): step-1 loss ÷ reference =
+**{ratio:.3f}** (dp = 2: each replica's loss is now the mean over its own half of the tokens, and the
+two means are added instead of two halves of one mean); the comparison exits **{bad_cmp.code}**,
+{bad_cmp.line_with("first step above") or bad_cmp.line_with("eight.jsonl: max")}. Divided by
+{ratio:.0f}, the curve stays within {curve:.1e} of the reference over 10 steps: every gradient is
+twice too large, but clipping (norm 1.0) rescales both runs alike while both are above it, and
+AdamW divides each update by the running RMS of the gradients, so a constant factor nearly
+cancels (not exactly: `eps`, and steps where only one run is clipped). With SGD, or replicas of
+unequal size, the training itself would go wrong; here mainly the reported loss does.""")
+
+    # 3. -------------------------------------------------------------------------------------------
+    key.run("torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --steps 3 --quiet --sample-tokens 0 --metrics runs/lab04/bytes.jsonl")
+    key.run("torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --steps 3 --quiet --sample-tokens 0 --sequence-parallel --metrics runs/lab04/bytes_sp.jsonl")
+    b, sp = key.rows("runs/lab04/bytes.jsonl")[-1], key.rows("runs/lab04/bytes_sp.jsonl")[-1]
+    cfg = PRESETS["tiny"]
+    model_bytes = count_parameters(cfg) * 4
+    act = 2 * 128 * cfg.dim * 4                              # one (2, 128, 128) fp32 activation
+    dp_pred, tp_pred, pp_pred = 2 * model_bytes / 4, 4 * (4 * 4 + 1) * 2 * act, 4 * 2 * act
+    key.section("3. Who talks how much", f"""
+{table(["rank 0, step 3", "dp", "tp", "pp"],
+       [["predicted", mib(dp_pred), mib(tp_pred), mib(pp_pred)],
+        ["measured", mib(b["comm_bytes_dp"]), mib(b["comm_bytes_tp"]), mib(b["comm_bytes_pp"])],
+        ["measured, --sequence-parallel", mib(sp["comm_bytes_dp"]), mib(sp["comm_bytes_tp"]), mib(sp["comm_bytes_pp"])]])}
+
+- **dp**: rank 0 holds stage 0's TP shard, about 1/4 of the {mib(model_bytes)} model (≈ {mib(model_bytes / 4)}); an
+  all-reduce over N = 2 sends 2·(1/2)·n = n and receives n: ≈ {mib(dp_pred)} per step. (The exact value
+  differs a little: stage 0 holds the embedding, which is not exactly a quarter, and the norms are
+  whole on each TP rank.)
+- **tp**: per micro-batch, 4 all-reduces per layer (2 g forward, 2 f backward) × 4 layers + 1 for the
+  vocab-parallel embedding = 17, each of a (2, 128, 128) fp32 activation of {act // 1024} KiB, sent and
+  received (2(N-1)/N·n = n each way at N = 2): 17 × 2 × 128 KiB × 4 micro-batches = {mib(tp_pred)}.
+  TP is the largest by far: it talks in every layer, DP once per step.
+- **tp with --sequence-parallel**: each all-reduce became a reduce-scatter plus an all-gather of half
+  the volume each, so the same bytes; the small difference is the extra all-reduce of the norm
+  weights' partial gradients (the norms now see only a slice of the sequence).
+- **pp**: 4 micro-batches × (one activation sent + one gradient received) × 128 KiB = {mib(pp_pred)}.
+  Under sequence parallelism the pipeline message is the sequence shard (2, 64, 128): half.""")
+
+    # 4. -------------------------------------------------------------------------------------------
+    key.run("torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --steps 20 --quiet --sample-tokens 0 --checkpoint-dir runs/lab04/ck --checkpoint-every 10 --metrics runs/lab04/a.jsonl")
+    key.run("echo step_000010.pt > runs/lab04/ck/latest")
+    key.run("torchrun --nproc_per_node=4 04_3d_combined/train_3d.py --steps 20 --quiet --sample-tokens 0 --checkpoint-dir runs/lab04/ck --resume --dp 1 --tp 4 --pp 1 --metrics runs/lab04/b.jsonl")
+    resumed = key.run("python -m common.compare_metrics runs/lab04/a.jsonl runs/lab04/b.jsonl", check=False)
+    steps = [r["step"] for r in key.rows("runs/lab04/b.jsonl")]
+    key.section("4. Resume in another layout", f"""
+`b.jsonl` holds steps {steps[0]}–{steps[-1]}; the comparison exits **{resumed.code}**: {resumed.line_with("b.jsonl: max")}
+
+Yes, they are the same steps up to round-off (the two layouts add in different orders, as in §2).
+The checkpoint holds the **consolidated single-device state**: every parameter under its reference
+name and shape, with its AdamW moments, plus the step (which sets the learning rate), and the data
+position is a function of the step alone. Any layout can take its own slices of that: the 4-rank
+TP run shards the same tensors along its own dimensions. A checkpoint of shards would tie the
+resume to the layout that wrote it.""")
+
+    # 5. -------------------------------------------------------------------------------------------
+    rows = []
+    for cmd in ["torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --dp 2 --tp 2 --pp 4",
+                "torchrun --nproc_per_node=4 04_3d_combined/train_3d.py --tp 4 --sequence-parallel --seq-len 30"]:
+        r = key.run(cmd, check=False)
+        assert r.code != 0 and r.error_line(), f"expected a one-line failure from: {cmd}\n{r.out[-2000:]}"
+        rows.append([f"`{cmd.split('train_3d.py ')[1]}`", r.code, r.error_line().replace("|", "\\|")])
+    seconds, code, out = killed_rank_seconds(key)
+    key.section("5. Failure on purpose", f"""
+{table(["flags", "exit code", "message"], rows)}
+
+Both are caught by `parallel_3d.check_layout` on every rank before any communication: the degrees
+must multiply to the world size (2·2·4 = 16 ≠ 8), and under sequence parallelism the sequence
+(30 tokens) must split evenly over the 4 TP ranks.
+
+**Killed rank:** `kill -9` of one of the four ranks, about a minute into the run: torchrun exited
+**{seconds:.1f} s** later with exit code **{code}**. Its agent watches its worker processes; when one
+dies it sends SIGTERM to the others and reports the failed rank (`{next((line.strip() for line in out.splitlines() if "exitcode" in line), "exitcode: -9")}`). Without torchrun (ranks
+started by hand, or another node of a multi-node job), a survivor's next collective fails when the
+connection drops and it exits with `error [rank r]: lost contact with another rank`; a rank that
+hangs instead of dying trips `--timeout` (60 s) on the others.""")
+    key.write()
+
+
+if __name__ == "__main__":
+    main()

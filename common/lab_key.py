@@ -1,0 +1,135 @@
+"""What every chapter's answer-key generator (`0N_*/lab_answers.py`) stands on.
+
+A generator runs its lab's commands, exactly as LAB.md prints them, from the repository root (with
+the venv's `python` and `torchrun` first on PATH, as after `source .venv/bin/activate`), reads the
+metrics files they write, and writes LAB_ANSWERS.md next to LAB.md: each exercise's numbers from
+these runs, and the reasoning behind each "why". `make lab-answers` runs every chapter's generator.
+
+Two guards keep the lab and its key from drifting apart:
+- `Key.run(cmd)` refuses a command that LAB.md does not print (whitespace aside), so the key's
+  numbers always come from the lab's own commands;
+- `Key.broken(edits)` applies the lab's "break it on purpose" edits to a copy of the repository and
+  refuses an edit whose old text is not in the named file exactly once, or that LAB.md does not
+  print: if the code changes, the generator fails instead of the lab silently going stale.
+"""
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.compare_metrics import compare, summary
+from common.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", "*.ipynb", "figures")
+
+
+@dataclass
+class Result:
+    cmd: str
+    code: int
+    out: str          # standard output and standard error, in that order
+    seconds: float
+
+    def error_line(self) -> str:
+        """The one line a failed run prints for the user (`error: ...`), or '' if there is none."""
+        return next((line.strip() for line in self.out.splitlines() if line.strip().startswith("error:")), "")
+
+    def line_with(self, text: str) -> str:
+        return next((line.strip() for line in self.out.splitlines() if text in line), "")
+
+
+@dataclass
+class Edit:
+    """In `file`, replace `old` (which must occur exactly once) by `new`."""
+    file: str
+    old: str
+    new: str
+
+
+def squeeze(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+class Key:
+    def __init__(self, chapter: str, title: str):
+        self.chapter, self.title = chapter, title
+        self.lab = squeeze((ROOT / chapter / "LAB.md").read_text())
+        self.sections: list[str] = []
+        self.started = time.time()
+
+    # --- running the lab's commands -------------------------------------------------------------
+    def run(self, cmd: str, root: Path = ROOT, check: bool = True) -> Result:
+        """Run one of LAB.md's commands with bash from `root`; `check`: a non-zero exit is an error."""
+        assert squeeze(cmd) in self.lab, f"{self.chapter}/LAB.md does not print this command:\n{cmd}"
+        env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+               "PYTHONDONTWRITEBYTECODE": "1"}
+        print(f"$ {squeeze(cmd)}" + (f"   (in {root})" if root != ROOT else ""), flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run(["bash", "-c", cmd], cwd=root, env=env, capture_output=True, text=True)
+        result = Result(cmd, proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - t0)
+        if check and result.code != 0:
+            raise RuntimeError(f"exit code {result.code}: {cmd}\n{result.out[-3000:]}")
+        return result
+
+    @contextmanager
+    def broken(self, *edits: Edit):
+        """A copy of the repository with the lab's edits applied; yields its root."""
+        with tempfile.TemporaryDirectory(prefix=f"lab_{self.chapter[:2]}_") as tmp:
+            root = Path(tmp) / "repo"
+            shutil.copytree(ROOT, root, ignore=COPY_IGNORE)
+            for e in edits:
+                assert squeeze(e.old) in self.lab and squeeze(e.new) in self.lab, \
+                    f"{self.chapter}/LAB.md does not print the edit {e}"
+                path = root / e.file
+                text = path.read_text()
+                assert text.count(e.old) == 1, f"{e.file}: the text to replace occurs {text.count(e.old)} times:\n{e.old}"
+                path.write_text(text.replace(e.old, e.new))
+            yield root
+
+    # --- reading what the runs wrote ----------------------------------------------------------------
+    @staticmethod
+    def rows(path, root: Path = ROOT) -> list[dict]:
+        return read_metrics(root / path)
+
+    @staticmethod
+    def worst(reference, other, key: str = "loss", root: Path = ROOT, ref_root: Path = ROOT) -> dict:
+        """compare_metrics' summary of one file against a reference (max relative difference, its step)."""
+        result = compare([ref_root / reference, root / other], key)
+        return summary(next(iter(result["diffs"].values())), tol=1e-5)
+
+    # --- writing the key ------------------------------------------------------------------------------
+    def section(self, title: str, text: str) -> None:
+        self.sections.append(f"## {title}\n\n{text.strip()}\n")
+
+    def write(self) -> Path:
+        minutes = (time.time() - self.started) / 60
+        head = (f"# {self.title} — answer key\n\n"
+                f"For the instructor. Generated by `python {self.chapter}/lab_answers.py` (or `make lab-answers`),"
+                f" which ran every command of [LAB.md](LAB.md) as printed there and took the numbers below from"
+                f" those runs; do not edit by hand. Machine: {platform.machine()}, {os.cpu_count()} cores,"
+                f" Python {platform.python_version()}, {minutes:.0f} minutes. Losses, bytes and counts are the"
+                f" same on every machine; times and tokens/s are this machine's, measured while it was"
+                f" {'shared with other work' if os.getloadavg()[0] > (os.cpu_count() or 1) else 'otherwise idle'}.\n")
+        path = ROOT / self.chapter / "LAB_ANSWERS.md"
+        path.write_text(head + "\n" + "\n".join(self.sections))
+        print("written:", path, file=sys.stderr)
+        return path
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
