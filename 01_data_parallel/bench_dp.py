@@ -1,6 +1,6 @@
 """Measure data parallelism: throughput of naive, bucketed and torch DDP, and bytes per step.
 
-    python 01_data_parallel/bench_dp.py              # a few minutes on a 2-core laptop
+    python 01_data_parallel/bench_dp.py              # ~2½ minutes on a 2-core CPU
 
 Writes 01_data_parallel/results/dp_bench.md and dp_bench.json.
 For each world size N in 1, 2, 4 it launches one `torchrun --nproc_per_node=N` of this file in

@@ -1,6 +1,6 @@
 """Measure ZeRO: memory per rank against the formulas, and throughput against PyTorch's own.
 
-    python 01_data_parallel/bench_zero.py            # ~5 minutes on a 2-core laptop
+    python 01_data_parallel/bench_zero.py            # ~2½ minutes on an idle 2-core CPU
 
 Writes 01_data_parallel/results/zero_memory.md, zero_memory.png and zero_throughput.md.
 For each world size N in 1, 2, 4 it launches one `torchrun --nproc_per_node=N` of this file in

@@ -1,6 +1,6 @@
 """Throughput of every DP × TP × PP factorisation of 8 ranks, and of the same run on 1 rank.
 
-    python 04_3d_combined/bench_3d.py                 # → 04_3d_combined/results/3d_bench.md
+    python 04_3d_combined/bench_3d.py                 # → 04_3d_combined/results/3d_bench.md, ~6 min on 2 cores
     python 04_3d_combined/bench_3d.py --rounds 2 --steps 12
 
 Each layout trains the same model on the same batches (so the losses agree, checked here too);
