@@ -13,6 +13,7 @@ import matplotlib
 if "ipykernel" not in sys.modules:
     matplotlib.use("Agg")   # files, not windows: works headless (CI, SSH, notebooks run as scripts)
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from common.compare_metrics import relative_difference  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
@@ -66,6 +67,9 @@ def plot_relative_difference(ax, reference: list[dict], runs: dict, key: str = "
     ax.axhline(tol, color="red", ls="--", lw=1, label=f"tolerance {tol:g}")
     ax.set_yscale("log")
     ax.set_ylim(BIT_EQUAL_FLOOR / 2, max(10 * tol, ax.get_ylim()[1]))
+    ax.text(0.01, BIT_EQUAL_FLOOR, "bit-equal", transform=ax.get_yaxis_transform(), va="bottom",
+            fontsize=7, color="gray")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(f"relative {key} difference vs 1 device")
     ax.grid(alpha=0.3, which="both")
