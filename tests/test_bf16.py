@@ -5,15 +5,18 @@ In bf16 every matmul's result is rounded to 8 bits of mantissa (relative error u
 A layout that splits a sum rounds the parts instead of the whole: DP rounds each half-batch's weight
 gradient dW = dyᵀx before the all-reduce adds them, TP rounds each rank's partial product before g
 adds them, a pipeline rounds each micro-batch's gradient. So bf16 layouts differ from the bf16
-single device by ~1e-3 relative from the first steps (fp32: ~1e-7), and AdamW lets it grow. The
-tolerance below is stated for these few steps; the root README gives the growth over 50 steps.
-One spawned group of 2 ranks runs the three layouts; one of 1 rank the references.
+single device by more than fp32 layouts do, and on a sensitive step by far more: over 50 steps of
+the default run, 1.3e-2 at step 8 (the root README's equivalence table). For the small run below
+(6 steps, 8 × 32 tokens) the measured differences were at most 8e-5, so the stated tolerance, 2e-3,
+leaves room for other CPUs' bf16 kernels and still catches a wrong loss normalisation (a factor of
+N) or a lost gradient contribution.
+One spawned group of 2 ranks runs the three layouts; one of 1 rank the two references.
 """
 import pytest
 
 from harness import losses, max_rel_diff, ok, run_group, run_single
 
-BF16_TOL = 2e-2          # relative, over STEPS steps of the small run below
+BF16_TOL = 2e-3          # relative, over STEPS steps of the small run below (measured: ≤ 8e-5)
 STEPS = 6
 FLAGS = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet"]
 LAYOUTS = {"DP 2": ("01_data_parallel.train_dp:main", []),
@@ -31,8 +34,9 @@ def runs():
 
 
 def test_bf16_really_runs_in_bf16(runs):
-    """The reference itself moves away from fp32 by far more than round-off: autocast is on."""
-    assert max_rel_diff(runs["bf16"], runs["fp32"]) > 1e-4
+    """The same run in fp32 gives other losses (a run repeated in one dtype is bit-identical): autocast
+    is on. Measured: 9e-5 apart over these steps."""
+    assert max_rel_diff(runs["bf16"], runs["fp32"]) > 1e-6
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
