@@ -31,15 +31,6 @@ def interrupted_after_first_checkpoint(key: Key, cmd: str, pointer: Path) -> Non
     proc.wait(timeout=300)
 
 
-def bad_input_rows(key: Key, cmds: list[str], marker: str) -> list[list]:
-    rows = []
-    for cmd in cmds:
-        r = key.run(cmd, check=False)
-        assert r.code != 0 and r.error_line(), f"expected a one-line failure from: {cmd}\n{r.out[-2000:]}"
-        rows.append([f"`{cmd.split(marker)[1].strip() or '(defaults)'}`", r.code, r.error_line().replace("|", "\\|")])
-    return rows
-
-
 def part_one(key: Key) -> None:
     # D1 -------------------------------------------------------------------------------------------
     for n, launcher in ((1, "python"), (2, "torchrun --nproc_per_node=2"), (4, "torchrun --nproc_per_node=4")):
@@ -167,10 +158,10 @@ Not saved: the data position, because the global batch of step t is a function o
 and anything layout-specific (buckets, process groups), which is rebuilt from the flags.""")
 
     # D8 -------------------------------------------------------------------------------------------
-    rows = bad_input_rows(key, ["torchrun --nproc_per_node=4 01_data_parallel/train_dp.py --global-batch 10",
-                                "python 01_data_parallel/train_dp.py --model small --resume --checkpoint-dir runs/lab01/ck",
-                                "python 01_data_parallel/train_dp.py --data /nonexistent"], "train_dp.py")
-    key.section("D8 — bad input", table(["flags", "exit code", "message"], rows) + """
+    failures = key.failures(["torchrun --nproc_per_node=4 01_data_parallel/train_dp.py --global-batch 10",
+                             "python 01_data_parallel/train_dp.py --model small --resume --checkpoint-dir runs/lab01/ck",
+                             "python 01_data_parallel/train_dp.py --data /nonexistent"], "train_dp.py")
+    key.section("D8 — bad input", failures + """
 
 Each is checked on every rank before training starts (the batch split, the checkpoint's model
 identity against the flags, the data file), so every rank stops with the same message.""")
@@ -294,13 +285,13 @@ hooks around every block plus the pack/unpack of saved tensors. FSDP2 with
 so its memory *at rest* is stage 3's.""")
 
     # Z8 ----------------------------------------------------------------------------------------------
-    rows = bad_input_rows(key, ["torchrun --nproc_per_node=4 01_data_parallel/train_zero.py --zero-stage 4",
-                                "torchrun --nproc_per_node=4 01_data_parallel/train_zero.py --global-batch 6"], "train_zero.py")
+    failures = key.failures(["torchrun --nproc_per_node=4 01_data_parallel/train_zero.py --zero-stage 4",
+                             "torchrun --nproc_per_node=4 01_data_parallel/train_zero.py --global-batch 6"], "train_zero.py")
     key.run("torchrun --nproc_per_node=4 01_data_parallel/train_zero.py --zero-stage 3 --steps 4 --quiet --checkpoint-dir runs/lab01/c")
     cross = key.run("torchrun --nproc_per_node=4 01_data_parallel/train_zero.py --zero-stage 1 --steps 8 --quiet --checkpoint-dir runs/lab01/c --resume", check=False)
     outcome = (f"fails: `{cross.error_line()}` (exit code {cross.code})" if cross.code else
                "succeeds (exit code 0) and trains steps 5–8")
-    key.section("Z8 — bad input", table(["flags", "exit code", "message"], rows) + f"""
+    key.section("Z8 — bad input", failures + f"""
 
 Resuming the stage-3 checkpoint as stage 1 {outcome}. The checkpoint holds the consolidated
 single-device state (every parameter and its AdamW moments, by name), not the shards, so any stage

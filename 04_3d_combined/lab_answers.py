@@ -147,15 +147,12 @@ TP run shards the same tensors along its own dimensions. A checkpoint of shards 
 resume to the layout that wrote it.""")
 
     # 5. -------------------------------------------------------------------------------------------
-    rows = []
-    for cmd in ["torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --dp 2 --tp 2 --pp 4",
-                "torchrun --nproc_per_node=4 04_3d_combined/train_3d.py --tp 4 --sequence-parallel --seq-len 30"]:
-        r = key.run(cmd, check=False)
-        assert r.code != 0 and r.error_line(), f"expected a one-line failure from: {cmd}\n{r.out[-2000:]}"
-        rows.append([f"`{cmd.split('train_3d.py ')[1]}`", r.code, r.error_line().replace("|", "\\|")])
+    failures = key.failures(["torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --dp 2 --tp 2 --pp 4",
+                             "torchrun --nproc_per_node=4 04_3d_combined/train_3d.py --tp 4 --sequence-parallel --seq-len 30"],
+                            "train_3d.py")
     seconds, code, out = killed_rank_seconds(key)
     key.section("5. Failure on purpose", f"""
-{table(["flags", "exit code", "message"], rows)}
+{failures}
 
 Both are caught by `parallel_3d.check_layout` on every rank before any communication: the degrees
 must multiply to the world size (2·2·4 = 16 ≠ 8), and under sequence parallelism the sequence

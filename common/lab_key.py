@@ -45,6 +45,10 @@ class Result:
     def line_with(self, text: str) -> str:
         return next((line.strip() for line in self.out.splitlines() if text in line), "")
 
+    def rank_exit_codes(self) -> str:
+        """The ranks' exit codes as torchrun's failure report lists them ("2"), or "" for a plain run."""
+        return ", ".join(sorted(set(re.findall(r"exitcode\s*:\s*(-?\d+)", self.out))))
+
 
 @dataclass
 class Edit:
@@ -93,6 +97,19 @@ class Key:
                 assert text.count(e.old) == 1, f"{e.file}: the text to replace occurs {text.count(e.old)} times:\n{e.old}"
                 path.write_text(text.replace(e.old, e.new))
             yield root
+
+    def failures(self, cmds: list[str], after: str) -> str:
+        """Run commands that must fail with one `error:` line; a table of their flags (the command
+        after `after`), exit codes and messages."""
+        rows = []
+        for cmd in cmds:
+            r = self.run(cmd, check=False)
+            assert r.code != 0 and r.error_line(), f"expected a one-line failure from: {cmd}\n{r.out[-2000:]}"
+            rows.append([f"`{cmd.split(after, 1)[1].strip()}`", r.code, r.rank_exit_codes() or "-",
+                         r.error_line().replace("|", "\\|")])
+        return (table(["flags", "exit code ($?)", "ranks' exit codes (torchrun's report)", "message"], rows)
+                + "\n\nUnder torchrun, `$?` is torchrun's own exit code (1 when a worker failed); the ranks' "
+                "codes are in the report torchrun prints after the message (2: a configuration error).")
 
     # --- reading what the runs wrote ----------------------------------------------------------------
     @staticmethod
