@@ -34,9 +34,9 @@ def main() -> None:
     key.section("1. Same losses, different layouts", f"""
 {table(["layout", "step 1", "max over 10 steps", "first step above 1e-5"], rows)}
 
-`compare_metrics` exit status: **{cmp.code}**. Round-off only: step 1 differs by float32
-round-off of sums in another order (TP sums partial matmuls across ranks; DP sums two halves of
-the batch), and the difference grows slowly over the steps because AdamW divides each update by
+`compare_metrics` exit status: **{cmp.code}**. Round-off only, or nothing: a layout that adds the
+same numbers in another order (TP sums partial matmuls across ranks; DP sums two halves of the
+batch) differs by float32 round-off (~1e-7), and the difference grows slowly over the steps because AdamW divides each update by
 the running RMS of the gradients: a 1e-7 difference in a gradient whose RMS is small becomes a
 larger relative difference in the weights. The root README's equivalence table shows how far it
 grows over 50 steps in fp32 and in bf16.
@@ -72,31 +72,38 @@ shrank: the activations kept for backward around the norms, (B, S/N, D) per rank
 (B, S, D).""")
 
     # 4. -------------------------------------------------------------------------------------------
-    results = []
-    for edit, run, cmp_cmd in [
-            (Edit(f"{CH}/tp_layers.py", "return tp_operators.copy_to_tp_region(x, self.group)", "return x"),
+    outcome = {}
+    for name, edit, run, compares in [
+            ("a", Edit(f"{CH}/tp_layers.py", "return tp_operators.copy_to_tp_region(x, self.group)", "return x"),
              "torchrun --nproc_per_node=2 02_tensor_parallel/train_tp.py --steps 3 --seq-len 32 --global-batch 8 --metrics runs/lab02/no_f.jsonl --quiet",
-             "python -m common.compare_metrics runs/lab02/tp1.jsonl runs/lab02/no_f.jsonl"),
-            (Edit(f"{CH}/tp_trainer.py", "tensor_parallel.sync_tp_gradients(self.model, self.tp_group)", "pass"),
-             "torchrun --nproc_per_node=2 02_tensor_parallel/train_tp.py --steps 3 --seq-len 32 --global-batch 8 --sequence-parallel --metrics runs/lab02/no_sync.jsonl --quiet",
-             "python -m common.compare_metrics runs/lab02/tp1.jsonl runs/lab02/no_sync.jsonl")]:
+             ["python -m common.compare_metrics runs/lab02/tp1.jsonl runs/lab02/no_f.jsonl"]),
+            ("b", Edit(f"{CH}/tp_trainer.py", "tensor_parallel.sync_tp_gradients(self.model, self.tp_group)", "pass"),
+             "torchrun --nproc_per_node=2 02_tensor_parallel/train_tp.py --steps 10 --seq-len 32 --global-batch 8 --sequence-parallel --metrics runs/lab02/no_sync.jsonl --quiet",
+             ["python -m common.compare_metrics runs/lab02/tp1.jsonl runs/lab02/no_sync.jsonl",
+              "python -m common.compare_metrics runs/lab02/tp1.jsonl runs/lab02/no_sync.jsonl --key grad_norm"])]:
         with key.broken(edit) as root:
             key.run(run, root=root)
             (root / "runs/lab02/tp1.jsonl").write_bytes((ROOT / "runs/lab02/tp1.jsonl").read_bytes())   # the good reference
-            results.append(key.run(cmp_cmd, root=root, check=False))
+            outcome[name] = [key.run(c, root=root, check=False) for c in compares]
+    (a,), (b_loss, b_grad) = outcome["a"], outcome["b"]
     key.section("4. Break it on purpose", f"""
-(a) without f: exit status {results[0].code}, first step above 1e-5: **{first_above(results[0])}**.
-(b) without the replicated-gradient sync, under SP: exit status {results[1].code}, first step above
-1e-5: **{first_above(results[1])}**.
+(a) without f, `loss`: exit status {a.code}, first step above 1e-5: **{first_above(a)}** ({a.line_with("no_f.jsonl: max")}).
+(b) without the replicated-gradient sync, under SP, 10 steps: `loss` exit status {b_loss.code}, first step
+above 1e-5: **{first_above(b_loss)}** ({b_loss.line_with("no_sync.jsonl: max")}); `grad_norm` exit status
+{b_grad.code}, first step above 1e-5: **{first_above(b_grad)}** ({b_grad.line_with("no_sync.jsonl: max")}).
 
-Step 1 is equal in both: f is the identity in the forward, and the norm gains' gradients only act
-through the update, so the first loss (computed before any update) cannot see either bug. (a) f's
-backward is the all-reduce that sums each rank's contribution to the gradient of a column-parallel
-layer's input; without it every rank propagates only its own part, so every gradient below the
-first column-parallel layer is wrong and step 2's loss differs. (b) under SP each rank's norm gains
-see only its slice of the sequence, so their gradients are partial sums; without the all-reduce
-each rank updates its copy of the gains differently, the replicas of the same tensor drift apart,
-and the loss differs from step 2.""")
+Step 1's loss is equal in both: f is the identity in the forward, and the norm gains' gradients
+only act through the update, so the first loss (computed before any update) cannot see either bug.
+(a) f's backward is the all-reduce that sums each rank's contribution to the gradient of a
+column-parallel layer's input; without it every rank propagates only its own part, every gradient
+below the first column-parallel layer is wrong, and step 2's loss differs.
+(b) under SP each rank's norm gains see only its slice of the sequence, so without the all-reduce
+their gradients are partial sums: the gradient norm (which counts them) is wrong at once, and each
+rank updates its copy of the gains differently. The loss barely notices: AdamW divides each
+gradient by its own running RMS, so a gradient that is about half the right one, with the right
+sign, produces nearly the same update; the replicas drift apart slowly. A bug that the loss hides
+for many steps is why the tests compare gradients (and every rank's copy of a replicated tensor),
+not only losses.""")
 
     # 5. -------------------------------------------------------------------------------------------
     key.run("torchrun --nproc_per_node=8 02_tensor_parallel/train_tp.py --steps 5 --seq-len 32 --global-batch 8 --metrics runs/lab02/tp8.jsonl --quiet")
