@@ -46,6 +46,12 @@ def killed_rank_seconds(key: Key) -> tuple[float, int, str]:
     return time.perf_counter() - t0, proc.returncode, out
 
 
+def killed_report(out: str) -> str:
+    """torchrun's line about the killed worker, cut to its point: "failed (exitcode: -9) local_rank: 1"."""
+    found = re.search(r"failed \(exitcode: -?\d+\) local_rank: \d+", out)
+    return found.group(0) if found else "no report found"
+
+
 def main() -> None:
     key = Key(CH, "Lab 04 — DP × TP × PP on one mesh")
 
@@ -154,13 +160,13 @@ resume to the layout that wrote it.""")
     key.section("5. Failure on purpose", f"""
 {failures}
 
-Both are caught by `parallel_3d.check_layout` on every rank before any communication: the degrees
+Both are caught by `parallel_3d.plan_layout` on every rank before any communication: the degrees
 must multiply to the world size (2·2·4 = 16 ≠ 8), and under sequence parallelism the sequence
 (30 tokens) must split evenly over the 4 TP ranks.
 
 **Killed rank:** `kill -9` of one of the four ranks, about a minute into the run: torchrun exited
 **{seconds:.1f} s** later with exit code **{code}**. Its agent watches its worker processes; when one
-dies it sends SIGTERM to the others and reports the failed rank (`{next((line.strip() for line in out.splitlines() if "exitcode" in line), "exitcode: -9")}`). Without torchrun (ranks
+dies it sends SIGTERM to the others and reports the failed rank (`{killed_report(out)}`). Without torchrun (ranks
 started by hand, or another node of a multi-node job), a survivor's next collective fails when the
 connection drops and it exits with `error [rank r]: lost contact with another rank`; a rank that
 hangs instead of dying trips `--timeout` (60 s) on the others.""")
