@@ -300,6 +300,9 @@ at any N can take its own chunks from it.""")
 
 def main() -> None:
     key = Key(CH, "Chapter 01 lab — data parallelism")
+    key.names(f"{CH}/data_parallel.py", "def _on_grad_ready", "def sync_gradients")
+    key.names("common/optim.py", "def decays")
+    key.names(f"{CH}/zero_sharding.py", "padded")
     part_one(key)
     part_two(key)
     key.write()

@@ -18,6 +18,8 @@ def first_above(result) -> str:
 
 def main() -> None:
     key = Key(CH, "Lab 02 — tensor parallelism")
+    key.names(f"{CH}/dtensor_tp.py", "def settle_grads")
+    key.names(f"{CH}/tensor_parallel.py", "def sync_replicated_kv_grads")
     cfg = PRESETS["tiny"]
     L, D = cfg.n_layers, cfg.dim
 

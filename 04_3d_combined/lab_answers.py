@@ -54,6 +54,8 @@ def killed_report(out: str) -> str:
 
 def main() -> None:
     key = Key(CH, "Lab 04 — DP × TP × PP on one mesh")
+    key.names(f"{CH}/parallel_3d.py", "def plan_layout")
+    key.names("common/errors.py", "lost contact with another rank")
 
     # 1. -------------------------------------------------------------------------------------------
     rows = []

@@ -113,6 +113,13 @@ class Key:
                 "rank runs the same check; the others wait a few seconds so that rank 0 speaks first), -15 "
                 "for the ranks torchrun then stopped with SIGTERM.")
 
+    @staticmethod
+    def names(file: str, *names: str) -> None:
+        """The key's prose names these in `file` (functions, classes): fail if the code lost them."""
+        text = (ROOT / file).read_text()
+        missing = [n for n in names if n not in text]
+        assert not missing, f"{file} no longer has {missing}: update the answer key's text"
+
     # --- reading what the runs wrote ----------------------------------------------------------------
     @staticmethod
     def rows(path, root: Path = ROOT) -> list[dict]:
