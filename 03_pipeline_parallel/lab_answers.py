@@ -4,6 +4,7 @@
 """
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
@@ -47,7 +48,7 @@ def bubble_reading(b1: float, bz: float) -> str:
     else:
         second = ("ZB-H1 measured below 1F1B but far above its theory 0.111: on a CPU W is a small share of the "
                   "backward, not the third the F = B = W theory assumes, so there is less W to move into the bubble.")
-    return first + "\n\n" + second
+    return textwrap.fill(first, 100) + "\n\n" + textwrap.fill(second, 100)
 
 
 def main() -> None:
