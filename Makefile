@@ -24,8 +24,8 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# Every chapter's benchmark, one after another (about 20 minutes on 2 cores: 2½ + 2½ + 5 + 3½ + 6); each writes the
-# tables (and plots) under its chapter's results/ that the READMEs show.
+# Every chapter's benchmark, one after another (about 30 minutes on 2 cores: 2½ + 2½ + 5 + 3½ + 6 + 10);
+# each writes the tables (and plots) under its chapter's results/ that the READMEs show.
 bench: $(STAMP)
 	$(PY) 01_data_parallel/bench_dp.py
 	$(PY) 01_data_parallel/bench_zero.py

@@ -1,6 +1,6 @@
 """Lab 01's answer key: runs every command of LAB.md and writes LAB_ANSWERS.md from what they print.
 
-    python 01_data_parallel/lab_answers.py          # about 15 minutes on an idle 2-core CPU (two benchmarks)
+    python 01_data_parallel/lab_answers.py          # runs every command of LAB.md
 """
 import os
 import signal

@@ -1,6 +1,6 @@
 """Lab 02's answer key: runs every command of LAB.md and writes LAB_ANSWERS.md from what they print.
 
-    python 02_tensor_parallel/lab_answers.py          # about 4 minutes on an idle 2-core CPU
+    python 02_tensor_parallel/lab_answers.py          # runs every command of LAB.md
 """
 import sys
 from pathlib import Path

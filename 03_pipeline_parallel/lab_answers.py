@@ -1,6 +1,6 @@
 """Lab 03's answer key: runs every command of LAB.md and writes LAB_ANSWERS.md from what they print.
 
-    python 03_pipeline_parallel/lab_answers.py          # about 5 minutes on an idle 2-core CPU
+    python 03_pipeline_parallel/lab_answers.py          # runs every command of LAB.md
 """
 import re
 import sys

@@ -1,6 +1,6 @@
 """Lab 04's answer key: runs every command of LAB.md and writes LAB_ANSWERS.md from what they print.
 
-    python 04_3d_combined/lab_answers.py          # about 6 minutes on an idle 2-core CPU
+    python 04_3d_combined/lab_answers.py          # runs every command of LAB.md
 """
 import os
 import re
