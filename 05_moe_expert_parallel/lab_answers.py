@@ -1,0 +1,216 @@
+"""Lab 05's answer key: runs every command of LAB.md and writes LAB_ANSWERS.md from what they print.
+
+    python 05_moe_expert_parallel/lab_answers.py          # runs every command of LAB.md
+"""
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
+from common.lab_key import Edit, Key, table  # noqa: E402
+
+CH = "05_moe_expert_parallel"
+SMALL = "--steps 10 --seq-len 32 --global-batch 8"
+M5 = [f"python 05_moe_expert_parallel/train_moe.py {SMALL} --metrics /tmp/m5_1.jsonl --quiet",
+      f"torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py {SMALL} --metrics /tmp/m5_4.jsonl --quiet",
+      f"torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py {SMALL} --ep 2 --metrics /tmp/m5_22.jsonl --quiet"]
+M6 = f"python 05_moe_expert_parallel/train_moe.py {SMALL} --microbatches 2 --metrics /tmp/m6_mb2.jsonl --quiet"
+M6_CMP = "python -m common.compare_metrics /tmp/m5_1.jsonl /tmp/m6_mb2.jsonl /tmp/m5_4.jsonl --key aux_loss"
+BIAS_KEYS = ('python -c "import torch; print([k for k in torch.load(\'/tmp/ck5/step_000005.pt\')[\'model\'] '
+             'if \'bias\' in k])"')
+
+
+def part_one(key: Key) -> None:
+    m1 = key.run("python 05_moe_expert_parallel/train_moe.py --help | grep -A2 tiny-moe").out.strip()
+    key.section("M1 — total and active parameters", f"""
+```
+{m1}
+```
+
+Total: tiny's 1,640,576 − its 8 dense SwiGLUs (8 · 3 · 128 · 352 = 1,081,344) + 8 layers × (8 experts
+× 3 · 128 · 192 + a 128 × 8 router) = 5,187,712. Active per token: the same with 2 experts instead of
+8 per layer, 1,648,768: tiny's dense MLP (hidden 352) has almost the parameters of two experts of
+hidden 192 (2 · 192 = 384), plus the routers (8 · 1,024 = 8,192). With `--top-k 1`: one expert per
+layer, 8 · 3 · 128 · 192 = 589,824 fewer. With k = 1 the single gate, renormalised over one chosen
+expert, is always 1: the LM loss has no path to the router's probabilities, which then learn only
+from the balance and z losses (the comment on the gates in `route`).""")
+
+    key.run("python 05_moe_expert_parallel/train_moe.py --steps 1 --metrics /tmp/m2.jsonl --quiet")
+    row = key.rows("/tmp/m2.jsonl")[0]
+    key.section("M2 — the balance loss at uniform routing", f"""
+Step 1: `aux_loss` **{row["aux_loss"]:.4f}** (uniform: L·α = 0.08), `z_loss` **{row["z_loss"]:.4f}** (uniform:
+L·β·(ln 8)² = {8 * 0.001 * math.log(8) ** 2:.4f}).
+
+E·Σᵢ fᵢPᵢ is 1 at uniform routing and grows when the experts that take many slots (large fᵢ) also
+have high mean probability (large Pᵢ); at step 1 the router is not exactly uniform, and top-2 picks
+correlate with the probabilities, so it is a little above. The gradient flows only through Pᵢ
+(fᵢ is a count of argmax choices: not differentiable), and ∂/∂Pᵢ = α·E·fᵢ: the expert chosen more
+often than its share gets the larger push *down* on its probability, so its share falls. The
+tests' three closed forms (`tests/test_moe.py`): uniform routing gives α; every token on one
+expert gives α·E; and the per-sequence definition, whatever the split of the batch.""")
+
+    key.section("M3 — capacity by hand", """
+Capacity = ⌈0.75 · 4 · 2 / 3⌉ = ⌈2⌉ = 2 slots per expert. In order: token 0 takes expert 0 (1/2) and
+1 (1/2); token 1 takes 1 (2/2) and 0 (2/2); token 2 asks for 0 (full: dropped) and 2 (1/2); token 3
+asks for 2 (2/2) and 1 (full: dropped). So token 2 loses expert 0 and token 3 loses expert 1, as the
+test asserts. With factor 0.375 the capacity is ⌈1⌉ = 1: token 0 gets 0 and 1, token 1 finds both
+full and passes through the block on the residual alone; token 2 gets 2 only, token 3 nothing.""")
+
+
+def part_two(key: Key) -> None:
+    out = key.run("torchrun --nproc_per_node=8 05_moe_expert_parallel/train_moe.py --ep 4 --steps 1").out
+    start = next((i for i, line in enumerate(out.splitlines()) if "mixture of experts" in line), 0)
+    config = "\n".join(out.splitlines()[start:start + 30])
+    key.section("M4 — who holds what, who sums what", f"""
+The configuration table rank 0 printed:
+
+```
+{config}
+```
+
+The grid is `arange(8).view(dp, ep)` = [[0, 1, 2, 3], [4, 5, 6, 7]]: rank 6 is at dp = 1, ep = 2 and
+holds experts 4 and 5 (E/ep = 2 per rank); its EP group is the row [4, 5, 6, 7]. Expert 5's weights
+exist on the ranks at ep = 2 of every row, [2, 6]: its gradient is summed over that DP group. The
+router is dense (every rank routes its own rows with the same weights), so its gradient is summed
+over all 8 ranks.""")
+
+    for cmd in M5:
+        key.run(cmd)
+    cmps = {k: key.run(f"python -m common.compare_metrics /tmp/m5_1.jsonl /tmp/m5_4.jsonl /tmp/m5_22.jsonl{flag}",
+                       check=False) for k, flag in (("loss", ""), ("grad_norm", " --key grad_norm"), ("aux_loss", " --key aux_loss"))}
+    for cmd in ["python 05_moe_expert_parallel/train_moe.py --metrics /tmp/m5d_1.jsonl --quiet",
+                "torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py --metrics /tmp/m5d_4.jsonl --quiet",
+                "torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py --ep 2 --metrics /tmp/m5d_22.jsonl --quiet"]:
+        key.run(cmd)
+    default = key.run("python -m common.compare_metrics /tmp/m5d_1.jsonl /tmp/m5d_4.jsonl /tmp/m5d_22.jsonl", check=False)
+    pair = key.worst("/tmp/m5d_4.jsonl", "/tmp/m5d_22.jsonl")
+    lines = "\n".join(f"- `{k}`: exit {r.code}; " + "; ".join(r.line_with(f"{n}.jsonl: max") for n in ("m5_4", "m5_22"))
+                      for k, r in cmps.items())
+    key.section("M5 — the same losses", f"""
+10 steps, 8 × 32 tokens:
+{lines}
+
+Default run (50 steps, 16 × 128): exit {default.code};
+- {default.line_with("m5d_4.jsonl: max")}
+- {default.line_with("m5d_22.jsonl: max")}
+- EP 4 against EP 2 × DP 2: max {pair["max"]:.1e} at step {pair["max_step"]}, first step above 1e-5:
+  {pair["first_above_tol"] or "none"}.
+
+Routing is discrete: a token goes to the experts with the two largest probabilities. When two
+probabilities are nearly tied, a round-off difference (another order of summation in another
+layout) can flip the choice; from then on the two runs compute different functions for that
+token, and the difference is no longer round-off (README section 8). A dense model has no such
+discontinuity, so its differences stay round-off-sized. The two 4-rank layouts compute each expert
+on the same shapes (each rank routes 2 of the 8 sequences; the experts see the same per-rank token
+groups, gathered by the same all-to-alls), so their round-off is closer to each other's than to the
+1-rank run, which runs each matmul on the whole batch at once.""")
+
+    key.run(M6)
+    mb = key.run(M6_CMP, check=False)
+    edits = [Edit("common/moe_routing.py", "f = per_sequence.float() / (S * top_k)", "f = per_sequence.sum(0) / (B*S*top_k)"),
+             Edit("common/moe_routing.py", "P = probs.mean(dim=1)", "P = probs.mean(dim=(0, 1))"),
+             Edit("common/moe_routing.py", "aux_sum = (E * (f * P).sum(dim=-1)).sum()", "aux_sum = B * E * (f * P).sum()")]
+    with key.broken(*edits) as root:          # the same commands (and /tmp files) as the student
+        for cmd in M5[:2] + [M6]:
+            key.run(cmd, root=root)
+        broken = key.run(M6_CMP, root=root, check=False)
+    key.section("M6 — per-sequence statistics", f"""
+Unbroken, `aux_loss` against 1 rank (exit {mb.code}): {mb.line_with("m6_mb2.jsonl: max")}; {mb.line_with("m5_4.jsonl: max")}
+
+Broken (statistics over whatever batch the call sees): exit {broken.code};
+{broken.line_with("m6_mb2.jsonl: max")}; {broken.line_with("m5_4.jsonl: max")}
+
+fᵢ and Pᵢ are averages over a group of tokens, and E·Σᵢ fᵢPᵢ is not linear in them: the loss of the
+whole batch is not the sum of the losses of its parts. Defined per sequence, a sequence's statistics
+are the same whether it is routed on one rank with seven others, in a micro-batch of four, or on a
+rank of its own; summed over sequences, the total is the same in every layout. Defined over the
+batch, each micro-batch or EP rank computes statistics over its own share, a different number: the
+aux loss differs from step 1, its gradient too, and the LM loss follows.""")
+
+
+    key.run("torchrun --nproc_per_node=2 05_moe_expert_parallel/train_moe.py --steps 3 --seq-len 64 --global-batch 16 --metrics /tmp/m7.jsonl --quiet")
+    key.run("torchrun --nproc_per_node=2 05_moe_expert_parallel/train_moe.py --steps 3 --seq-len 64 --global-batch 16 --capacity-factor 0.5 --metrics /tmp/m7_cf.jsonl --quiet")
+    formula = 8 * (8 * 0.5 * 512 * 2 * 128 * 4 + 16 * 1 * 4)
+    m7 = [r["comm_bytes_ep"] for r in key.rows("/tmp/m7.jsonl")]
+    cf = [r["comm_bytes_ep"] for r in key.rows("/tmp/m7_cf.jsonl")]
+    key.section("M7 — all-to-all bytes", f"""
+Formula: {formula:,.0f} bytes. Measured `comm_bytes_ep` per step: {", ".join(f"{b:,}" for b in m7)}
+({", ".join(f"{b / formula - 1:+.1%}" for b in m7)}). With `--capacity-factor 0.5`:
+{", ".join(f"{b:,}" for b in cf)}.
+
+Not exactly the formula because routing does not care where a token lives: (ep−1)/ep of the slots
+leave the rank only on average; in a given step the tokens of rank 0 may prefer its own experts
+more or less often than that. With a capacity factor, dropped slots are not sent at all (the
+dispatch sends only the kept ones), so the bytes fall with the dropped share.""")
+
+    key.run("for ep in 1 2 4; do torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py --ep $ep --steps 1 --seq-len 32 --global-batch 8 --metrics /tmp/m8_$ep.jsonl --quiet; done")
+    rows = [[ep, f"{key.rows(f'/tmp/m8_{ep}.jsonl')[0]['expert_param_bytes']:,}",
+             f"{key.rows(f'/tmp/m8_{ep}.jsonl')[0]['param_bytes']:,}", f"{18_874_368 // ep + 1_876_480:,}"] for ep in (1, 2, 4)]
+    key.section("M8 — memory per rank", table(["ep", "expert_param_bytes", "param_bytes", "predicted param_bytes"], rows)
+                + """
+
+Experts are split over the EP group (E/ep per rank); everything else (attention, norms, embedding,
+head, routers: 1,876,480 bytes) is replicated on every rank, as in data parallelism.""")
+
+
+def part_three(key: Key) -> None:
+    with key.broken() as root:                     # a copy: the benchmark rewrites results/
+        key.run("python 05_moe_expert_parallel/bench_moe.py --only load", root=root)
+        load = (root / CH / "results" / "load_balance.md").read_text()
+        key.run("python 05_moe_expert_parallel/bench_moe.py --only capacity", root=root)
+        capacity = (root / CH / "results" / "capacity.md").read_text()
+    key.section("M9 — collapse", f"""
+What `bench_moe.py --only load` wrote:
+
+{load.strip()}
+
+Without balancing, routing collapses: an expert that wins a few tokens early gets trained on them,
+becomes better at them, and wins more (rich get richer). The aux loss pushes the probability of
+over-used experts down and keeps the load near even at no visible cost in LM loss over 50 steps.
+The bias controller adds γ·sign(target − load) to each expert's selection bias every step: it never
+settles, it oscillates around the target by ±γ, so an expert flips between over- and under-loaded
+from step to step, hence the checkerboard. A smaller γ oscillates less but reacts slower; a larger
+one reacts fast and oscillates more.""")
+    key.section("M10 — dropped tokens", f"""
+What `bench_moe.py --only capacity` wrote:
+
+{capacity.strip()}
+
+Capacity factor 1.0 is the fair share *per sequence and expert*: any expert that a sequence prefers
+more than average overflows within that sequence, even when the load over the whole batch is
+nearly even (another sequence under-uses it, but the capacity is not shared across sequences). The
+dropped slots pass through on the residual, so the block does less work for them and the loss is
+higher, by a small amount over 30 steps because the model is still early in training and the
+router learns to spread its choices as it sees drops.""")
+
+    key.run("torchrun --nproc_per_node=2 05_moe_expert_parallel/train_moe.py --steps 10 --seq-len 32 --global-batch 8 --router-bias-rate 0.01 --checkpoint-dir /tmp/ck5 --checkpoint-every 5 --metrics /tmp/m11_full.jsonl --quiet")
+    key.run("echo step_000005.pt > /tmp/ck5/latest")
+    key.run("torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py --steps 10 --seq-len 32 --global-batch 8 --router-bias-rate 0.01 --checkpoint-dir /tmp/ck5 --resume --metrics /tmp/m11_resumed.jsonl --quiet")
+    resumed = key.run("python -m common.compare_metrics /tmp/m11_full.jsonl /tmp/m11_resumed.jsonl", check=False)
+    keys = key.run(BIAS_KEYS).out.strip()
+    key.section("M11 — resume in another layout", f"""
+Comparison (steps 6–10): exit {resumed.code}; {resumed.line_with("m11_resumed.jsonl: max")}
+
+Bias entries in the checkpoint's model state: `{keys[:400]}`
+
+The router bias is a buffer, not a parameter: it is updated by the controller, not by AdamW, and
+it changes which experts are chosen. It is saved in the model's state dict with the weights, so a
+resumed run, in any layout, selects the same experts as the uninterrupted one.""")
+
+    failures = key.failures([f"torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py {flags}" for flags in
+                             ("--ep 3", "--ep 8", "--top-k 9", "--capacity-factor 0", "--aux-loss-coef -1",
+                              "--model tiny --ep 2")], "train_moe.py")
+    key.section("M12 — bad input", failures)
+
+
+def main() -> None:
+    key = Key(CH, "Chapter 05 lab — mixture of experts and expert parallelism")
+    key.names("common/moe_routing.py", "def route")
+    part_one(key)
+    part_two(key)
+    part_three(key)
+    key.write()
+
+
+if __name__ == "__main__":
+    main()
