@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -108,10 +109,11 @@ class Key:
             rows.append([f"`{cmd.split(after, 1)[1].strip()}`", r.code, r.rank_exit_codes() or "-",
                          r.error_line().replace("|", "\\|")])
         return (table(["flags", "exit code ($?)", "ranks' exit codes (torchrun's report)", "message"], rows)
-                + "\n\nUnder torchrun, `$?` is torchrun's own exit code (1 when a worker failed). Its report "
-                "lists the ranks' codes: 2 for the rank that stopped on the configuration error first (every "
-                "rank runs the same check; the others wait a few seconds so that rank 0 speaks first), -15 "
-                "for the ranks torchrun then stopped with SIGTERM.")
+                + "\n\n" + textwrap.fill(
+                    "Under torchrun, `$?` is torchrun's own exit code (1 when a worker failed). Its report lists "
+                    "the ranks' codes: 2 for the rank that stopped on the configuration error first (every rank "
+                    "runs the same check; the others wait a few seconds so that rank 0 speaks first), -15 for the "
+                    "ranks torchrun then stopped with SIGTERM.", 100))
 
     @staticmethod
     def names(file: str, *names: str) -> None:
