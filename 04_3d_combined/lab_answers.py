@@ -2,7 +2,6 @@
 
     python 04_3d_combined/lab_answers.py          # runs every command of LAB.md
 """
-import os
 import re
 import subprocess
 import sys
@@ -29,8 +28,7 @@ def killed_rank_seconds(key: Key) -> tuple[float, int, str]:
     """Start the lab's long run, kill -9 one rank once training runs, time how long the rest take."""
     cmd = "torchrun --nproc_per_node=4 04_3d_combined/train_3d.py --steps 500 --quiet"
     assert cmd in key.lab, "LAB.md no longer starts this run"
-    env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
-    proc = subprocess.Popen(["bash", "-c", f"exec {cmd}"], cwd=ROOT, env=env,
+    proc = subprocess.Popen(["bash", "-c", f"exec {cmd}"], cwd=ROOT, env=key.env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     time.sleep(5)
     ranks = []

@@ -154,15 +154,12 @@ head, routers: 1,876,480 bytes) is replicated on every rank, as in data parallel
 
 
 def part_three(key: Key) -> None:
-    with key.broken() as root:                     # a copy: the benchmark rewrites results/
-        key.run("python 05_moe_expert_parallel/bench_moe.py --only load", root=root)
-        load = (root / CH / "results" / "load_balance.md").read_text()
-        key.run("python 05_moe_expert_parallel/bench_moe.py --only capacity", root=root)
-        capacity = (root / CH / "results" / "capacity.md").read_text()
+    load = key.bench("python 05_moe_expert_parallel/bench_moe.py --only load", f"{CH}/results/load_balance.md")
+    capacity = key.bench("python 05_moe_expert_parallel/bench_moe.py --only capacity", f"{CH}/results/capacity.md")
     key.section("M9 — collapse", f"""
 What `bench_moe.py --only load` wrote:
 
-{load.strip()}
+{load}
 
 Without balancing, routing collapses: an expert that wins a few tokens early gets trained on them,
 becomes better at them, and wins more (rich get richer). The aux loss pushes the probability of
@@ -174,7 +171,7 @@ one reacts fast and oscillates more.""")
     key.section("M10 — dropped tokens", f"""
 What `bench_moe.py --only capacity` wrote:
 
-{capacity.strip()}
+{capacity}
 
 Capacity factor 1.0 is the fair share *per sequence and expert*: any expert that a sequence prefers
 more than average overflows within that sequence, even when the load over the whole batch is

@@ -16,6 +16,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -74,15 +75,32 @@ class Key:
     def run(self, cmd: str, root: Path = ROOT, check: bool = True) -> Result:
         """Run one of LAB.md's commands with bash from `root`; `check`: a non-zero exit is an error."""
         assert squeeze(cmd) in self.lab, f"{self.chapter}/LAB.md does not print this command:\n{cmd}"
-        env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-               "PYTHONDONTWRITEBYTECODE": "1"}
         print(f"$ {squeeze(cmd)}" + (f"   (in {root})" if root != ROOT else ""), flush=True)
         t0 = time.perf_counter()
-        proc = subprocess.run(["bash", "-c", cmd], cwd=root, env=env, capture_output=True, text=True)
+        proc = subprocess.run(["bash", "-c", cmd], cwd=root, env=self.env(), capture_output=True, text=True)
         result = Result(cmd, proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - t0)
         if check and result.code != 0:
             raise RuntimeError(f"exit code {result.code}: {cmd}\n{result.out[-3000:]}")
         return result
+
+    def interrupt_when(self, cmd: str, path: Path) -> None:
+        """Run one of LAB.md's commands and press Ctrl-C (SIGINT to its process group) once `path`
+        exists, e.g. a checkpoint directory's `latest` pointer."""
+        assert squeeze(cmd) in self.lab, f"{self.chapter}/LAB.md does not print this command:\n{cmd}"
+        print(f"$ {squeeze(cmd)}   (Ctrl-C once {path} exists)", flush=True)
+        proc = subprocess.Popen(["bash", "-c", cmd], cwd=ROOT, env=self.env(), start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while not path.exists() and proc.poll() is None:
+            time.sleep(0.2)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=300)
+
+    @staticmethod
+    def env() -> dict:
+        """The environment of an activated venv: its `python` and `torchrun` first on PATH."""
+        return {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+                "PYTHONDONTWRITEBYTECODE": "1"}
 
     @contextmanager
     def broken(self, *edits: Edit):
@@ -121,6 +139,13 @@ class Key:
         text = (ROOT / file).read_text()
         missing = [n for n in names if n not in text]
         assert not missing, f"{file} no longer has {missing}: update the answer key's text"
+
+    def bench(self, cmd: str, result: str) -> str:
+        """Run a benchmark command of LAB.md in a copy of the repository (benchmarks rewrite the
+        committed results/ files) and return the text of the result file it wrote there."""
+        with self.broken() as root:
+            self.run(cmd, root=root)
+            return (root / result).read_text().strip()
 
     # --- reading what the runs wrote ----------------------------------------------------------------
     @staticmethod
