@@ -2,6 +2,7 @@
 
     python -m common.equivalence --out runs/equivalence       # 50 steps, fp32 and bf16
     python -m common.equivalence --steps 20 --dtypes fp32
+    python -m common.equivalence --out runs/equivalence --reuse --key grad_norm   # the same runs, another metric
 
 Every layout adds the same numbers in another order, so its loss is the single-device loss up to
 round-off. The round-off does not stay put: AdamW divides each update by the running RMS of the
@@ -44,8 +45,9 @@ def run_once(script: str, nproc: int, args: list, metrics: Path, steps: int, reu
     launch(script, nproc, [*args, "--metrics", metrics])
 
 
-def drift_table(steps: int, dtypes: list[str], out_dir: Path, marks: list[int], reuse: bool) -> list[list[str]]:
-    """Rows of the table: layout, dtype, then the largest relative loss difference up to each mark."""
+def drift_table(steps: int, dtypes: list[str], out_dir: Path, marks: list[int], reuse: bool,
+                key: str = "loss") -> list[list[str]]:
+    """Rows of the table: layout, dtype, then the largest relative difference of `key` up to each mark."""
     rows = []
     for dtype in dtypes:
         layouts = LAYOUTS if dtype == "fp32" else BF16_LAYOUTS
@@ -54,7 +56,7 @@ def drift_table(steps: int, dtypes: list[str], out_dir: Path, marks: list[int], 
             metrics = out_dir / f"{dtype}_{label.split()[0]}_{nproc}.jsonl"
             run_once(script, nproc, ["--steps", steps, "--dtype", dtype, "--quiet", *flags], metrics, steps, reuse)
             files.append(metrics)
-        result = compare(files)
+        result = compare(files, key)
         for (label, *_), per_step in zip(layouts, result["diffs"].values()):
             rows.append([label, dtype] + [f"{max(d for s, d in per_step.items() if s <= k):.1e}" for k in marks])
     return rows
@@ -67,16 +69,17 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--out", default=None, help="keep the metrics files here (default: a temporary folder)")
     parser.add_argument("--reuse", action="store_true", help="skip runs whose metrics file in --out is complete")
+    parser.add_argument("--key", default="loss", help="which metric to compare (loss, grad_norm, ...)")
     args = parser.parse_args()
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="equivalence_"))
     out_dir.mkdir(parents=True, exist_ok=True)
     marks = [k for k in (5, 10, 20, 50, 100) if k < args.steps] + [args.steps]
-    rows = drift_table(args.steps, args.dtypes, out_dir, marks, args.reuse)
+    rows = drift_table(args.steps, args.dtypes, out_dir, marks, args.reuse, args.key)
     header = ["layout", "dtype"] + [f"max over steps 1–{k}" for k in marks]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    print(f"\nrelative loss difference vs {REFERENCE[0]} ({REFERENCE[1]}); metrics files in {out_dir}")
+    print(f"\nrelative {args.key} difference vs {REFERENCE[0]} ({REFERENCE[1]}); metrics files in {out_dir}")
 
 
 if __name__ == "__main__":
