@@ -148,7 +148,7 @@ Measured `bubble_fraction`, last step: 1F1B **{b1:.3f}** (theory 0.273), ZB-H1 *
               "--microbatches 4 --steps 10 --quiet --metrics runs/lab03/il.jsonl")
     key.run(il_cmd)
     cmp_loss = key.run("python -m common.compare_metrics runs/lab03/ref.jsonl runs/lab03/il.jsonl", check=False)
-    cmp_grad = key.run("python -m common.compare_metrics runs/lab03/ref.jsonl runs/lab03/il.jsonl --key grad_norm",
+    cmp_grad = key.run("python -m common.compare_metrics runs/lab03/ref.jsonl runs/lab03/il.jsonl --key grad_norm --tol 1e-4",
                        check=False)
     edit = Edit(f"{CH}/train_pp.py", "loss_scale=tokens_per_step,", "loss_scale=tokens_per_step // m,")
     with key.broken(edit) as broken_root:
@@ -164,8 +164,9 @@ Measured `bubble_fraction`, last step: 1F1B **{b1:.3f}** (theory 0.273), ZB-H1 *
 `compare_metrics` on `loss`: exit status {cmp_loss.code}; {cmp_loss.line_with("il.jsonl: max")}
 `compare_metrics` on `grad_norm`: exit status {cmp_grad.code}; {cmp_grad.line_with("il.jsonl: max")}
 
-Exit status 0 both times: every step within 1e-5 (the differences are float32 round-off of sums
-taken in another order, see the root README's equivalence table for how they grow with steps).
+The differences are float32 round-off of sums taken in another order; the gradient norm, a sum of
+squares over every element, drifts faster than the loss (the root README's equivalence section
+measures how both grow with the steps).
 
 **Broken on purpose** (`loss_scale=tokens_per_step // m`, m = 4): step-1 loss ÷ reference =
 **{loss_ratio:.3f}**, step-1 grad_norm ÷ reference = **{grad_ratio:.3f}**. Each micro-batch's loss is
