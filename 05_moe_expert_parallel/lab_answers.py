@@ -177,8 +177,9 @@ Capacity factor 1.0 is the fair share *per sequence and expert*: any expert that
 more than average overflows within that sequence, even when the load over the whole batch is
 nearly even (another sequence under-uses it, but the capacity is not shared across sequences). The
 dropped slots pass through on the residual, so the block does less work for them and the loss is
-higher; the last column shows by how much at each factor over these 30 steps (small against the
-2.8 of the loss, and within run-to-run differences at the larger factors).""")
+higher; the last column shows by how much at each factor over these 30 steps. At the larger factors
+it is smaller than the ~1e-2 by which any two MoE runs part once they route one token differently
+(M5), so its sign there means little.""")
 
     key.run("torchrun --nproc_per_node=2 05_moe_expert_parallel/train_moe.py --steps 10 --seq-len 32 --global-batch 8 --router-bias-rate 0.01 --checkpoint-dir /tmp/ck5 --checkpoint-every 5 --metrics /tmp/m11_full.jsonl --quiet")
     key.run("echo step_000005.pt > /tmp/ck5/latest")
