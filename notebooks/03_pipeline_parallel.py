@@ -28,8 +28,8 @@ from common.model import PRESETS  # noqa: E402
 
 QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
 P, M, STEPS = (2, 4, 2) if QUICK else (4, 8, 10)    # m > p: 1F1B's memory saving shows on stage 0
-stages = import_module("03_pipeline_parallel.pipeline_stages")
-sched = import_module("03_pipeline_parallel.pipeline_schedules")
+pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")
+pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
 out_dir = Path(tempfile.mkdtemp(prefix="nb03_"))
 
 # %% [markdown]
@@ -39,15 +39,15 @@ out_dir = Path(tempfile.mkdtemp(prefix="nb03_"))
 
 # %%
 for n in (2, 3, 4):
-    specs = stages.stage_specs(PRESETS["tiny"], n, 1, 128)
-    for row in stages.partition_table(PRESETS["tiny"], specs, n, 128):
+    specs = pipeline_stages.stage_specs(PRESETS["tiny"], n, 1, 128)
+    for row in pipeline_stages.partition_table(PRESETS["tiny"], specs, n, 128):
         print(n, row)
 
 # %% [markdown]
 # ## 2. A schedule is a list of actions per rank
 
 # %%
-print(sched.format_schedule(sched.build_schedule("1f1b", P, M), P))
+print(pipeline_schedules.format_schedule(pipeline_schedules.build_schedule("1f1b", P, M), P))
 
 # %% [markdown]
 # ## 3. Every schedule gives the single-device losses

@@ -27,8 +27,8 @@ from common.timeline import load_trace  # noqa: E402
 
 QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
 P, STEPS = (2, 2) if QUICK else (4, 3)
-sched = import_module("03_pipeline_parallel.pipeline_schedules")
-plot = import_module("03_pipeline_parallel.plot_timeline")
+pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
+plot_timeline = import_module("03_pipeline_parallel.plot_timeline")
 out_dir = Path(tempfile.mkdtemp(prefix="nb_bubbles_"))
 
 # %% [markdown]
@@ -38,9 +38,10 @@ out_dir = Path(tempfile.mkdtemp(prefix="nb_bubbles_"))
 ms = [1, 2, 4, 8, 16, 32]
 fig, ax = plt.subplots(figsize=(7, 4))
 for p in (2, 4, 8):
-    line, = ax.plot(ms, [sched.theory_bubble("1f1b", p, m) for m in ms], "o-", label=f"1F1B p={p}")
-    ax.plot(ms, [sched.simulate(sched.build_schedule("zb-h1", p, m), p)["bubble"] for m in ms], "x:",
-            color=line.get_color(), label=f"ZB-H1 p={p} (simulated)")
+    theory = [pipeline_schedules.theory_bubble("1f1b", p, m) for m in ms]
+    zb_h1 = [pipeline_schedules.simulate(pipeline_schedules.build_schedule("zb-h1", p, m), p)["bubble"] for m in ms]
+    line, = ax.plot(ms, theory, "o-", label=f"1F1B p={p}")
+    ax.plot(ms, zb_h1, "x:", color=line.get_color(), label=f"ZB-H1 p={p} (simulated)")
 ax.set_xscale("log", base=2); ax.set_xlabel("micro-batches m"); ax.set_ylabel("bubble fraction")
 ax.legend(fontsize=7); ax.grid(alpha=0.3)
 show(fig, "bubbles_vs_m")
@@ -49,9 +50,9 @@ show(fig, "bubbles_vs_m")
 # ## 2. Four schedules on paper, p = 4, m = 8
 
 # %%
-print(sched.format_schedule(sched.build_schedule("1f1b", 4, 8), 4))
-panels = [plot.simulated_events(n, 4, 8, v) for n, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]]
-show_png(plot.plot(panels, out_dir / "simulated.png", "units"), "bubbles_simulated_p4_m8")
+print(pipeline_schedules.format_schedule(pipeline_schedules.build_schedule("1f1b", 4, 8), 4))
+panels = [plot_timeline.simulated_events(n, 4, 8, v) for n, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]]
+show_png(plot_timeline.plot(panels, out_dir / "simulated.png", "units"), "bubbles_simulated_p4_m8")
 
 # %% [markdown]
 # ## 3. The same schedules for real (`torchrun ... --timeline`)
@@ -68,5 +69,5 @@ for name, v in SCHEDULES:
            ["--schedule", name, "--virtual-stages", v, "--microbatches", "4", "--global-batch", "8",
             "--seq-len", "64", "--steps", STEPS, "--quiet", "--timeline", trace])
     events, meta = load_trace(trace)
-    traces.append((plot.step_of(events, None), meta))
-show_png(plot.plot(traces, out_dir / "real.png", "ms", f"p = {P}, real runs"), f"bubbles_real_p{P}")
+    traces.append((plot_timeline.step_of(events, None), meta))
+show_png(plot_timeline.plot(traces, out_dir / "real.png", "ms", f"p = {P}, real runs"), f"bubbles_real_p{P}")
