@@ -6,6 +6,12 @@ they sit inside the node, where the links are fastest, because TP communicates i
 
 A rank's coordinates are where its number sits in the grid. Its group along a dimension is the line
 of the grid through it along that dimension, e.g. its TP group is grid[d, p, :].
+
+A *joined* dimension reads several adjacent dimensions as one (DeviceMesh calls it flattening). Chapter
+04's mixture of experts splits the data-parallel dimension in two, `arange(world).view(dp/ep, ep, pp, tp)`:
+"ep" (the ranks that share their experts) and "edp" (the ranks holding the same experts), while
+`joined={"dp": ("edp", "ep")}` keeps "dp", the whole data-parallel group, with the same ranks and
+coordinates (d = edp·ep + ep) as the grid `view(dp, pp, tp)`.
 """
 import itertools
 
@@ -18,7 +24,7 @@ from common.errors import require
 class Mesh:
     """Process groups for named dimensions, ordered outermost first (default: dp, pp, tp)."""
 
-    def __init__(self, rank: int, world_size: int, **sizes: int):
+    def __init__(self, rank: int, world_size: int, joined: dict | None = None, **sizes: int):
         dims = tuple(sizes)
         shape = tuple(sizes.values())
         require(all(s >= 1 for s in shape), f"every degree must be ≥ 1, got {sizes}")
@@ -32,22 +38,33 @@ class Mesh:
         self.grid = torch.arange(world_size).view(*shape)                      # (dp, pp, tp)
         here = (self.grid == rank).nonzero()[0].tolist()
         self.coords = dict(zip(dims, here))                                    # e.g. {"dp": 1, "pp": 0, "tp": 1}
+        self.joined = dict(joined or {})                                       # e.g. {"dp": ("edp", "ep")}
+        for name, parts in self.joined.items():
+            at = [dims.index(d) for d in parts]
+            require(at == list(range(at[0], at[0] + len(at))), f"joined dimension {name}: {parts} must be adjacent")
         self.groups, self.group_ranks = {}, {}
-        for i, dim in enumerate(dims):
+        for dim in dims + tuple(self.joined):
             # Every rank must call new_group for every group, in the same order, even for groups it
             # is not part of: that is the rule of torch.distributed.new_group.
-            for line in self.lines(i):
+            for line in self.lines(dim):
                 group = dist.new_group(line) if world_size > 1 else dist.group.WORLD
                 if rank in line:
                     self.groups[dim], self.group_ranks[dim] = group, line
+        for name in self.joined:                                               # d = edp·ep + ep
+            self.coords[name] = self.group_ranks[name].index(rank)
 
-    def lines(self, i: int) -> list[list[int]]:
-        """All lines of the grid along dimension i, as lists of ranks."""
-        moved = self.grid.movedim(i, -1).reshape(-1, self.shape[i])          # (others, size_i)
-        return [row.tolist() for row in moved]
+    def lines(self, dim: int | str) -> list[list[int]]:
+        """All lines of the grid along a dimension (its index or name, joined names too), as lists of ranks."""
+        names = self.joined.get(dim, (dim,)) if isinstance(dim, str) else (self.dims[dim],)
+        at = [self.dims.index(d) for d in names]
+        moved = self.grid.movedim(at, list(range(-len(at), 0))).flatten(-len(at))   # (others..., size)
+        return [row.tolist() for row in moved.reshape(-1, moved.shape[-1])]
 
     def size(self, dim: str) -> int:
-        return self.shape[self.dims.index(dim)]
+        size = 1
+        for d in self.joined.get(dim, (dim,)):
+            size *= self.shape[self.dims.index(d)]
+        return size
 
     def coord(self, dim: str) -> int:
         return self.coords[dim]
@@ -71,8 +88,10 @@ class Mesh:
         for r in range(self.grid.numel()):
             where = (self.grid == r).nonzero()[0].tolist()
             row = {"rank": r, **{d: c for d, c in zip(self.dims, where)}}
-            for i, d in enumerate(self.dims):
-                row[f"{d} group"] = next(line for line in self.lines(i) if r in line)
+            for d in self.dims + tuple(self.joined):
+                row[f"{d} group"] = next(line for line in self.lines(d) if r in line)
+            for d in self.joined:
+                row[d] = row[f"{d} group"].index(r)
             rows.append(row)
         return rows
 
