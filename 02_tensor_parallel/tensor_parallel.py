@@ -21,7 +21,8 @@ API (chapter 04 imports this module with importlib.import_module("02_tensor_para
 
 Which dimension is split follows from the parameter's name, the same rule in both directions:
 wq wk wv w_gate w_up lm_head tok_emb along dim 0 (output rows / vocabulary), wo w_down along dim 1
-(input columns), norms replicated.
+(input columns), norms replicated. A mixture of experts (common/model.py) is not split: its router and
+experts stay whole on every TP rank, like the norms (chapter 04 shards the experts over EP instead).
 """
 import torch
 import torch.distributed as dist
@@ -39,11 +40,18 @@ SPLIT_DIM1 = ("wo.weight", "w_down.weight")
 
 def split_dim(name: str):
     """0, 1, or None (replicated) for a reference parameter name."""
+    if in_experts(name):
+        return None
     if name.endswith(SPLIT_DIM0):
         return 0
     if name.endswith(SPLIT_DIM1):
         return 1
     return None
+
+
+def in_experts(name: str) -> bool:
+    """Is this module or parameter one of a mixture's experts ("layers.3.mlp.experts.5.w_up.weight")?"""
+    return ".experts." in f".{name}."
 
 
 def _kv_replicated(name, tp_size, n_kv_heads):
@@ -85,7 +93,7 @@ def parallelize_model(model, tp_group, sequence_parallel: bool = False):
         parent = model.get_submodule(parent_name) if parent_name else model
         if isinstance(module, Attention):
             setattr(parent, attr, tp_layers.ParallelAttention(module, tp_group, sequence_parallel))
-        elif isinstance(module, SwiGLU):
+        elif isinstance(module, SwiGLU) and not in_experts(name):
             setattr(parent, attr, tp_layers.ParallelSwiGLU(module, tp_group, sequence_parallel))
     if getattr(model, "tok_emb", None) is not None:
         model.tok_emb = tp_layers.VocabParallelEmbedding(model.tok_emb.weight, tp_group, sequence_parallel)

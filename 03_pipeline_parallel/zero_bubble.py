@@ -74,6 +74,7 @@ class SplitLinear(nn.Module):
         super().__init__()
         assert linear.bias is None, "the model's linear layers have no bias"
         self.weight, self.store = linear.weight, store
+        self.in_features, self.out_features = linear.in_features, linear.out_features   # as nn.Linear's (a router reads E)
 
     def forward(self, x):
         return _SplitLinearFunction.apply(x, self.weight, self.store)

@@ -81,11 +81,12 @@ class ExpertParallelMoE(nn.Module):
 
 
 def parallelize_experts(model: nn.Module, ep_group) -> nn.Module:
-    """Replace every MoEFeedForward of `model` by its expert-parallel shard, in place.
+    """Replace every MoEFeedForward of `model` by its expert-parallel shard, in place; `model` may be a
+    whole Transformer or a pipeline stage's part of one (chapter 04).
 
     Every rank must hold the same full weights first (build_model from the seed, or a loaded
     checkpoint): each keeps its experts, so the shards are exactly the single-device experts."""
-    for block in getattr(model, "layers", []):
-        if isinstance(block.mlp, MoEFeedForward):
+    for block in list(model.modules()):
+        if isinstance(getattr(block, "mlp", None), MoEFeedForward):
             block.mlp = ExpertParallelMoE(block.mlp, ep_group)
     return model

@@ -106,16 +106,7 @@ class ExpertParallelTrainer:
     # --- what the run reports and saves ----------------------------------------------------------
     def router_metrics(self) -> dict:
         """The last step's balancing numbers, from the statistics summed over all ranks in step()."""
-        if self.totals is None:
-            return {}
-        E = self.cfg.n_experts
-        load, dropped, aux, z = self.totals[:, :E], self.totals[:, E], self.totals[:, E + 1], self.totals[:, E + 2]
-        per_layer_max_over_mean = load.max(dim=1).values / load.mean(dim=1)              # (L,)
-        return {"aux_loss": self.options.aux_weight * aux.sum().item(),
-                "z_loss": self.options.z_weight * z.sum().item(),
-                "dropped_fraction": (dropped.sum() / load.sum()).item(),
-                "expert_load": load.long().tolist(),
-                "max_over_mean_load": per_layer_max_over_mean.mean().item()}
+        return {} if self.totals is None else router_metrics(self.totals, self.options, self.cfg.n_experts)
 
     def full_state(self):
         """(model, optim) consolidated single-device state on global rank 0, (None, None) elsewhere.
@@ -125,3 +116,16 @@ class ExpertParallelTrainer:
 
     def load_optim_state(self, states: dict) -> None:
         load_optim_state_by_name(self.optimizer, self.named, states)
+
+
+def router_metrics(totals, options, n_experts: int) -> dict:
+    """The metrics of a step from its router statistics summed over every rank: totals (L, E + 3), one
+    row per MoE layer of (load per expert, dropped, aux_sum, z_sum), as RouterStats.as_row lays them out."""
+    E = n_experts
+    load, dropped, aux, z = totals[:, :E], totals[:, E], totals[:, E + 1], totals[:, E + 2]
+    per_layer_max_over_mean = load.max(dim=1).values / load.mean(dim=1)                 # (L,)
+    return {"aux_loss": options.aux_weight * aux.sum().item(),
+            "z_loss": options.z_weight * z.sum().item(),
+            "dropped_fraction": (dropped.sum() / load.sum()).item(),
+            "expert_load": load.long().tolist(),
+            "max_over_mean_load": per_layer_max_over_mean.mean().item()}

@@ -17,7 +17,8 @@ from common.model import PRESETS, ModelConfig
 from common.moe_routing import RoutingOptions
 
 
-def add_moe_args(parser) -> None:
+def add_moe_args(parser, ep_help: str | None = None) -> None:
+    """ep_help: what --ep means in this script, where it is not chapter 05's (EP × DP over the world)."""
     g = parser.add_argument_group("mixture of experts")
     g.add_argument("--aux-loss-coef", type=NON_NEGATIVE_REAL, default=0.01,
                    help="α of the Switch/GShard balance loss α·E·Σᵢ fᵢPᵢ (per sequence and layer); 0: off")
@@ -30,14 +31,15 @@ def add_moe_args(parser) -> None:
                    help="γ of aux-loss-free balancing: b += γ·sign(mean load − load) after each step; 0: off")
     g.add_argument("--top-k", type=POSITIVE_INT, default=None, help="experts per token (default: the preset's)")
     g.add_argument("--ep", type=POSITIVE_INT, default=None,
-                   help="expert-parallel degree (default: the largest that divides both the world size "
-                        "and the number of experts); world/ep ranks of data parallelism around it")
+                   help=ep_help or "expert-parallel degree (default: the largest that divides both the world size "
+                                   "and the number of experts); world/ep ranks of data parallelism around it")
 
 
 def moe_model_config(args) -> ModelConfig:
-    """The preset's configuration with --top-k applied (unknown presets are check_common's to report)."""
-    cfg = PRESETS.get(args.model, ModelConfig())
-    return dataclasses.replace(cfg, top_k=args.top_k) if args.top_k is not None and cfg.n_experts else cfg
+    """The preset's configuration with --top-k applied (unknown presets are check_common's to report;
+    a script without the MoE flags gets the preset)."""
+    cfg, top_k = PRESETS.get(args.model, ModelConfig()), getattr(args, "top_k", None)
+    return dataclasses.replace(cfg, top_k=top_k) if top_k is not None and cfg.n_experts else cfg
 
 
 def expert_parallel_degree(ep: int | None, cfg: ModelConfig, world: int) -> int:

@@ -12,12 +12,12 @@ import torch.distributed as dist
 
 from common import checkpoint
 from common.errors import ConfigError, require
-from common.model import PRESETS
+from common.moe_args import moe_model_config
 
 
 def run_identity(args) -> dict:
     """What must match for a checkpoint to resume this run exactly (the layout need not match)."""
-    return {"model": args.model, "model_config": PRESETS[args.model].to_dict(), "seed": args.seed,
+    return {"model": args.model, "model_config": moe_model_config(args).to_dict(), "seed": args.seed,
             "global_batch": args.global_batch, "seq_len": args.seq_len}
 
 
