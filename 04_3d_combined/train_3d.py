@@ -1,11 +1,14 @@
-"""Chapter 04 — DP × TP × PP on one mesh: the full pretraining run, built from chapters 01-03.
+"""Chapter 04 — DP × TP × PP (× EP) on one mesh: the full pretraining run, built from chapters 01-03 (and 05).
 
     torchrun --nproc_per_node=8 04_3d_combined/train_3d.py                 # dp 2 × tp 2 × pp 2 (default)
     torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --dp 1 --tp 2 --pp 4 --schedule interleaved
+    torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --model tiny-moe   # 4D: dp 2·ep 2 × tp 2 × pp 2
+    torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --model tiny-moe --dp 4 --ep 4 --tp 1 --pp 2
     python 04_3d_combined/train_3d.py                                      # world size 1: the reference
     python 04_3d_combined/plot_loss.py runs/3d/metrics.jsonl               # the loss curve
 
 The degrees must multiply to the world size; those not given are chosen from it (TP 2, PP 2, DP the rest).
+With a mixture-of-experts preset, the EP group is drawn from the DP ranks (--ep divides --dp).
 """
 import sys
 from importlib import import_module
@@ -24,9 +27,9 @@ from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import run_main
 from common.generate import sample
-from common.mesh import Mesh
 from common.metrics import RunLog
-from common.model import PRESETS, count_parameters, loss_sum
+from common.model import describe_size, loss_sum
+from common.moe_args import add_moe_args, check_moe_args, expert_parallel_degree, moe_model_config
 from common.optim import lr_at
 from common.timeline import Timeline, write_chrome_trace
 from common.training import StepTimer, global_sum, resume_state, run_identity, should_save, stop_if_not_finite
@@ -54,26 +57,33 @@ def parse_args(argv=None):
     p.add_argument("--sample-tokens", type=NON_NEGATIVE_INT, default=200, help="bytes of text to generate at the end (0: none)")
     p.add_argument("--timeline", type=OUTPUT_FILE, default=None,
                    help="write every rank's pipeline events as a Chrome trace JSON here (default: none)")
+    add_moe_args(p, ep_help="expert-parallel degree, drawn from the data-parallel ranks of each stage (default: "
+                            "the largest that divides both --dp and the number of experts; 1 for a dense model)")
     args = p.parse_args(argv)
     world = env_world_size()
     args.dp, args.tp, args.pp = parallel_3d.default_degrees(world, args.dp, args.tp, args.pp)
     args.microbatches = pipeline_microbatches(args, args.dp, args.pp)
     check_common(args, dp=args.dp)
+    cfg = moe_model_config(args)
+    ep = expert_parallel_degree(args.ep, cfg, args.dp)     # default: the largest dividing --dp and the experts
+    check_moe_args(args, cfg, world, ep)                   # the MoE flags; a dense model refuses them
+    parallel_3d.check_expert_layout(args, cfg, ep)         # EP inside DP; what experts cannot share
+    args.ep = ep
     return args
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    cfg = PRESETS[args.model]
+    cfg = moe_model_config(args)                                         # the preset, with --top-k applied
     specs, plan = parallel_3d.plan_layout(args, cfg, env_world_size())   # bad layouts fail here, on every rank
     rt = init_distributed(args.device, args.timeout)
-    mesh = Mesh(rt.rank, rt.world_size, dp=args.dp, pp=args.pp, tp=args.tp)
+    mesh = parallel_3d.build_mesh(rt.rank, rt.world_size, args)          # (dp/ep, ep, pp, tp); dp = (edp, ep)
     dp_rank, tp_rank, pp_rank = mesh.coord("dp"), mesh.coord("tp"), mesh.coord("pp")
     tp_group, pp_group = mesh.group("tp"), mesh.group("pp")
     data = TextData(args.data, args.seq_len, args.seed)
     resume = resume_state(args)
 
-    # --- this rank's piece: the reference model → its pipeline stage(s) → its TP shard --------------
+    # --- this rank's piece: the reference model → its pipeline stage(s) → its experts → its TP shard ---
     model, my_specs = parallel_3d.build_local_model(cfg, args, specs, mesh, rt.device, resume and resume["model"])
     start = resume["step"] if resume else 0
 
@@ -89,21 +99,25 @@ def main(argv=None) -> list[dict]:
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
-    log.config_table("3D parallel pretraining", {
-        "world size": f"{rt.world_size} = dp {args.dp} × pp {args.pp} × tp {args.tp}"
+    ep_note = f" (dp = dp/ep {args.dp // args.ep} × ep {args.ep})" if args.ep > 1 else ""
+    log.config_table("4D parallel pretraining" if cfg.n_experts else "3D parallel pretraining", {
+        "world size": f"{rt.world_size} = dp {args.dp} × pp {args.pp} × tp {args.tp}{ep_note}"
                       + (" (+ sequence parallel)" if args.sequence_parallel else ""),
         "device / backend": f"{rt.device} / {rt.backend}", "data": data.describe(),
-        "model": f"{args.model}: {count_parameters(cfg):,} parameters, {cfg.n_layers} layers",
+        "model": f"{args.model}: {describe_size(cfg)}, {cfg.n_layers} layers",
+        "experts": parallel_3d.describe_experts(cfg, args),
         "optimizer": "ZeRO-1 over the DP group (chapter 01)" if args.zero_stage else "AdamW on each rank's piece",
         "pipeline": f"{args.schedule}, {m} micro-batch(es) of {mb_rows} seq, {args.virtual_stages} virtual stage(s), "
                     f"theory bubble {pipeline_schedules.theory_bubble(args.schedule, args.pp, m, args.virtual_stages):.3f}",
         "global batch": f"{args.global_batch} seq × {args.seq_len} tokens, warmup {args.warmup} + cosine, clip {args.clip}",
         "resumed from step": start or "-"})
     if rt.is_main and not args.quiet:
-        grid = Table(title="the mesh: grid = arange(world).view(dp, pp, tp)", title_justify="left")
-        for col in ("rank", "dp", "pp", "tp", "dp group", "pp group", "tp group"):
+        cols, rows = parallel_3d.grid_rows(mesh)
+        grid_shape = "dp/ep, ep, pp, tp), dp = (edp, ep" if args.ep > 1 else "dp, pp, tp"
+        grid = Table(title=f"the mesh: grid = arange(world).view({grid_shape})", title_justify="left")
+        for col in cols:
             grid.add_column(col)
-        for row in parallel_3d.grid_rows(mesh):
+        for row in rows:
             grid.add_row(*row)
         log.print(grid)
     if rt.world_size == 1:
@@ -132,21 +146,23 @@ def main(argv=None) -> list[dict]:
             x, y = data.global_batch(step, args.global_batch)                   # (global_batch, S)
             x, y = shard_rows(x, dp_rank, args.dp).to(rt.device), shard_rows(y, dp_rank, args.dp).to(rt.device)
             # 1. the pipeline schedule runs forward and backward of every micro-batch (TP inside each
-            #    layer); as soon as one of my stages has its last gradient, its DP all-reduce starts in
-            #    the background, overlapping the rest of the schedule (the pipeline's cool-down)
+            #    layer, EP's all-to-alls inside each MoE layer, whose aux terms join that stage's backward);
+            #    as soon as one of my stages has its last gradient, its DP all-reduces start in the
+            #    background, overlapping the rest of the schedule (the pipeline's cool-down)
             local_loss = trainer.forward_backward(x, y)
-            # 2. DP: wait for those all-reduces; 3. TP: sum the partial gradients of replicated tensors
+            # 2. DP: wait for those all-reduces (experts: over EDP); 3. TP: sum the partial gradients of replicated tensors
             trainer.sync_gradients()
-            # 4. clip by the norm of the whole model's gradient: TP shards and stages hold different parts
+            # 4. clip by the norm of the whole model's gradient: TP shards, stages, EP's experts hold different parts
             grad_norm = trainer.clip_grad_norm(args.clip)
-            trainer.step()                                # 5. AdamW on my piece (ZeRO-1: my shard, all-gather)
+            trainer.step()                                # 5. router statistics; AdamW on my piece (ZeRO-1: my shard)
             trainer.zero_grad()
         memory = trainer.memory()
         loss_value = global_sum(local_loss, dist.group.WORLD)                  # last stage, tp rank 0
         stop_if_not_finite(step, loss_value, grad_norm, args)
         # the step's traffic, by group (counted before validation adds its forward-only sends)
-        extra = {"comm_bytes": comm.COUNTER.total(), **{f"comm_bytes_{g}": comm.COUNTER.total(g) for g in ("dp", "tp", "pp")}}
+        extra = {"comm_bytes": comm.COUNTER.total(), **{f"comm_bytes_{g}": comm.COUNTER.total(g) for g in ("dp", "tp", "pp", "ep")}}
         extra["optim_bytes"] = memory["optim_bytes"]
+        extra.update(trainer.router_metrics())        # aux_loss, z_loss, expert load... (none for a dense model)
         extra.update(pipeline_trainer.step_stats(timeline, memory["peak_activation_bytes"], pp_group, args.pp, rt.device))
         if (args.val_every and step % args.val_every == 0) or step == args.steps:
             extra["val_loss"] = validate(step)
