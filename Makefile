@@ -24,7 +24,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# Every chapter's benchmark, one after another (about 30 minutes on 2 cores: 2½ + 2½ + 5 + 3½ + 6 + 10);
+# Every chapter's benchmark, one after another (about 33 minutes on 2 cores: 2½ + 2½ + 5 + 2½ + 6 + 4½ + 10);
 # each writes the tables (and plots) under its chapter's results/ that the READMEs show.
 bench: $(STAMP)
 	$(PY) 01_data_parallel/bench_dp.py
@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) 02_tensor_parallel/bench_tp.py
 	$(PY) 03_pipeline_parallel/bench_pp.py
 	$(PY) 04_3d_combined/bench_3d.py
+	$(PY) 04_3d_combined/bench_3d.py --model tiny-moe
 	$(PY) 05_moe_expert_parallel/bench_moe.py
 
 # Each notebooks/*.py (jupytext percent format) becomes notebooks/*.ipynb, executed through the kernel

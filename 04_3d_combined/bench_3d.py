@@ -2,7 +2,7 @@
 --model tiny-moe, of the 4D layouts DP·EP × TP × PP of the mixture of experts.
 
     python 04_3d_combined/bench_3d.py                     # → 04_3d_combined/results/3d_bench.md, ~6 min on 2 cores
-    python 04_3d_combined/bench_3d.py --model tiny-moe    # → 04_3d_combined/results/3d_moe_bench.md, ~8 min
+    python 04_3d_combined/bench_3d.py --model tiny-moe    # → 04_3d_combined/results/3d_moe_bench.md, ~4½ min
     python 04_3d_combined/bench_3d.py --rounds 2 --steps 12
 
 Each layout trains the same model on the same batches (so the losses agree, checked here too);
