@@ -1,7 +1,14 @@
 """Every notebook executes through a real Jupyter kernel (nbclient, the engine of `jupyter nbconvert
 --execute`), in its quick mode (NOTEBOOK_QUICK=1: few steps, few ranks), one kernel per notebook.
 Each plot it shows inline must also be saved as a PNG (NOTEBOOK_FIGURES points to a temporary folder).
-Notebooks are found by glob, so a new chapter's notebook is tested as soon as it exists."""
+Notebooks are found by glob, so a new chapter's notebook is tested as soon as it exists.
+
+Two kernels run at a time (one per core): most of a quick notebook is starting processes (the kernel,
+torchrun, its ranks), which leaves a core idle."""
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import jupytext
 import pytest
 from nbclient import NotebookClient
@@ -16,14 +23,31 @@ def images_shown(nb) -> int:
                for out in cell.outputs)
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes_in_a_kernel(path, tmp_path, monkeypatch):
-    figures = tmp_path / "figures"
-    for name, value in {"NOTEBOOK_QUICK": "1", "NOTEBOOK_FIGURES": str(figures), "TMPDIR": str(tmp_path)}.items():
-        monkeypatch.setenv(name, value)                     # the kernel inherits this environment
-    monkeypatch.delenv("MPLBACKEND", raising=False)         # the kernel's own inline backend, not Agg
+def execute(path: Path, tmp: Path):
+    """Run one notebook in its own kernel; (the executed notebook, its figures folder, or the error)."""
+    figures = tmp / "figures"
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}      # the kernel's inline backend, not Agg
+    env.update(NOTEBOOK_QUICK="1", NOTEBOOK_FIGURES=str(figures), TMPDIR=str(tmp))
     nb = jupytext.read(path)
-    NotebookClient(nb, kernel_name="python3", timeout=240, resources={"metadata": {"path": str(ROOT)}}).execute()
+    try:
+        NotebookClient(nb, kernel_name="python3", timeout=240, resources={"metadata": {"path": str(ROOT)}}).execute(env=env)
+    except Exception as error:            # reported by this notebook's own test below
+        return nb, figures, error
+    return nb, figures, None
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    tmps = [tmp_path_factory.mktemp(p.stem) for p in NOTEBOOKS]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(NOTEBOOKS, pool.map(execute, NOTEBOOKS, tmps)))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_executes_in_a_kernel(executed, path):
+    nb, figures, error = executed[path]
+    if error is not None:
+        raise error
     saved = sorted(figures.glob("*.png"))
     assert saved, f"{path.name} saved no plot under NOTEBOOK_FIGURES"
     assert images_shown(nb) == len(saved), (f"{path.name}: {images_shown(nb)} plots shown inline, "
