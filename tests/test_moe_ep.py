@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, losses, max_rel_diff, ok, run_group
+from harness import ROOT, assert_same_run, every_rank, losses, max_rel_diff, ok, run_group
 
 TRAIN = "05_moe_expert_parallel.train_moe:main"
 BASE = ["--steps", "10", "--seq-len", "32", "--global-batch", "8", "--quiet"]
@@ -187,14 +187,15 @@ def test_expert_parallel_layer_equals_single_device_layer(groups, world):
 def test_training_matches_world_size_one(groups, reference, world):
     for name, (mode, flags) in RUNS[world].items():
         ref = reference["dropless, 2 micro-batches" if "micro" in name else mode]
-        history = ok(groups[world][name])
-        assert max_rel_diff(losses(history), losses(ref)) <= 1e-5, name
-        aux, ref_aux = [r["aux_loss"] for r in history], [r["aux_loss"] for r in ref]
-        if "--aux-loss-coef" in MODES[mode]:                 # α = 0: nothing to compare but zeros
-            assert aux == ref_aux == [0.0] * 10, name
-        else:
-            assert max_rel_diff(aux, ref_aux) <= 1e-5, name
-        assert max_rel_diff([r["grad_norm"] for r in history], [r["grad_norm"] for r in ref]) <= 1e-4, name
+        # loss and grad_norm on every rank, at the harness's round-off tolerances (1e-6 and 1e-5:
+        # tighter than the chapter's stated 1e-5 and 1e-4, which leave room for longer runs)
+        history = assert_same_run(groups[world][name], ref, name)
+        for rank, mine in enumerate(every_rank(groups[world][name])):
+            aux, ref_aux = [r["aux_loss"] for r in mine], [r["aux_loss"] for r in ref]
+            if "--aux-loss-coef" in MODES[mode]:                 # α = 0: nothing to compare but zeros
+                assert aux == ref_aux == [0.0] * 10, (name, rank)
+            else:
+                assert max_rel_diff(aux, ref_aux) <= 1e-5, (name, rank)
         assert history[-1]["comm_bytes_ep"] > 0 and history[-1]["ep"] == int(flags[1])
         if "capacity" in mode:
             assert any(r["dropped_fraction"] > 0 for r in history), name
@@ -215,9 +216,8 @@ def test_expert_bytes_per_rank_are_one_over_ep(groups, reference):
 def test_resume_into_another_ep(groups, reference):
     ref = reference["bias+capacity"]
     for world, name in ((2, "resumed ep1×dp2"), (4, "resumed ep4")):
-        resumed = ok(groups[world][name])
+        resumed = assert_same_run(groups[world][name], ref[5:], name)          # steps 6..10, every rank
         assert [r["step"] for r in resumed] == list(range(6, 11))
-        assert max_rel_diff(losses(resumed), losses(ref)[5:]) <= 1e-5, name
 
 
 @pytest.mark.parametrize("kind", sorted(BAD))
