@@ -12,6 +12,7 @@ pay for warm-up, are skipped). Every rank gets one CPU thread: a rank stands for
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 from importlib import import_module
@@ -69,7 +70,7 @@ def report(results: dict, args) -> str:
     M = count_parameters(PRESETS["tiny"]) * 4                       # fp32 gradient bytes
     lines = [
         "# Data parallel: throughput and bytes per step", "",
-        f"Machine: 2-core CPU (shared), gloo backend, fp32, one thread per rank; tiny preset "
+        f"Machine: {os.cpu_count()}-core CPU, gloo backend, fp32, one thread per rank; tiny preset "
         f"({M / 2**20:.2f} MiB of gradients), global batch {args.global_batch} × {args.seq_len} tokens, "
         f"--bucket-mb {args.bucket_mb}; median step time over {args.rounds} interleaved rounds × "
         f"{args.steps - SKIP} timed steps.", "",
