@@ -24,7 +24,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# Every chapter's benchmark, one after another (about 33 minutes on 2 cores: 2½ + 2½ + 5 + 2½ + 6 + 4½ + 10);
+# Every chapter's benchmark, one after another (about 31 minutes on 2 cores: 2½ + 2½ + 5 + 2½ + 4 + 4½ + 10);
 # each writes the tables (and plots) under its chapter's results/ that the READMEs show.
 bench: $(STAMP)
 	$(PY) 01_data_parallel/bench_dp.py

@@ -1,7 +1,7 @@
 """Throughput of every DP × TP × PP factorisation of 8 ranks, and of the same run on 1 rank; with
 --model tiny-moe, of the 4D layouts DP·EP × TP × PP of the mixture of experts.
 
-    python 04_3d_combined/bench_3d.py                     # → 04_3d_combined/results/3d_bench.md, ~6 min on 2 cores
+    python 04_3d_combined/bench_3d.py                     # → 04_3d_combined/results/3d_bench.md, ~4 min on 2 cores
     python 04_3d_combined/bench_3d.py --model tiny-moe    # → 04_3d_combined/results/3d_moe_bench.md, ~4½ min
     python 04_3d_combined/bench_3d.py --rounds 2 --steps 12
 
