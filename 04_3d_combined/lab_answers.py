@@ -46,9 +46,9 @@ def killed_rank_seconds(key: Key) -> tuple[float, int, str]:
 
 
 def killed_report(out: str) -> str:
-    """torchrun's line about the killed worker, cut to its point: "failed (exitcode: -9) local_rank: 1"."""
-    found = re.search(r"failed \(exitcode: -?\d+\) local_rank: \d+", out)
-    return found.group(0) if found else "no report found"
+    """Every rank's exit code from torchrun's failure summary: "rank 0: 1, rank 1: -9, ..."."""
+    found = sorted(set(re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", out)))
+    return ", ".join(f"rank {r}: {c}" for r, c in found) if found else "no report found"
 
 
 def main() -> None:
@@ -166,8 +166,11 @@ must multiply to the world size (2·2·4 = 16 ≠ 8), and under sequence paralle
 (30 tokens) must split evenly over the 4 TP ranks.
 
 **Killed rank:** `kill -9` of one of the four ranks, about a minute into the run: torchrun exited
-**{seconds:.1f} s** later with exit code **{code}**. Its agent watches its worker processes; when one
-dies it sends SIGTERM to the others and reports the failed rank (`{killed_report(out)}`). Without torchrun (ranks
+**{seconds:.1f} s** later with exit code **{code}**. Its summary lists every rank's exit code:
+{killed_report(out)}. The killed rank shows -9 (SIGKILL). A survivor whose collective was talking to
+it exits on its own with 1 and `error [rank r]: lost contact with another rank`. torchrun's agent,
+which watches its worker processes, stops the rest with SIGTERM (-15). Which survivor gets there
+first varies from run to run, and so does the "root cause" torchrun names. Without torchrun (ranks
 started by hand, or another node of a multi-node job), a survivor's next collective fails when the
 connection drops and it exits with `error [rank r]: lost contact with another rank`; a rank that
 hangs instead of dying trips `--timeout` (60 s) on the others.""")
@@ -208,10 +211,11 @@ and rank 5 shares its experts with the rank at the same EP coordinate in the oth
   clipping norm a dense weight is replicated over EP (and DP), so one EP rank counts it; an expert
   lives on one EP rank, so its holder counts it (`Trainer3D.counted_here`).
 - `comm_bytes_ep` at step 3: **{mib(ep_bytes["moe8"])}** by default, **{mib(ep_bytes["moe8b"])}** with
-  `--dp 4 --ep 2 --tp 1 --pp 2`. Predicted for the default: 1,024 tokens × 2 slots × ½ leave ×
-  512 B × 4 all-to-alls × 4 layers = 4 MiB sent, as many received, 8 MiB × 2 = 16 MiB in all (plus the
-  count exchanges). With dp 4 each rank holds half the rows (512 tokens) at the same EP 2 and
-  4 layers per stage: half the bytes. TP does not change a rank's EP bytes (both TP ranks route
+  `--dp 4 --ep 2 --tp 1 --pp 2`. Predicted for the default: 1,024 tokens × 2 slots × ½ that leave the
+  rank = 1,024 rows of 128 floats (512 B), 0.5 MiB per all-to-all; × 4 all-to-alls × 4 layers = 8 MiB
+  sent and as many received, 16 MiB (about: the share of slots that leaves is near ½, not exactly,
+  and the count exchanges add a few hundred bytes). With dp 4 each rank holds half the rows (512
+  tokens) at the same EP 2 and 4 layers per stage: half the bytes. TP does not change a rank's EP bytes (both TP ranks route
   the same rows through their own EP group).
 - Against chapter 05 on one device, 3 steps: `loss` exit **{same[0].code}** ({same[0].line_with("moe8.jsonl: max")}),
   `aux_loss` exit **{same[1].code}** ({same[1].line_with("moe8.jsonl: max")}).

@@ -98,9 +98,10 @@ class Key:
 
     @staticmethod
     def env() -> dict:
-        """The environment of an activated venv: its `python` and `torchrun` first on PATH."""
+        """The environment of an activated venv: its `python` and `torchrun` first on PATH; the width
+        of a wide terminal, so that the tables the scripts print keep every cell on one line."""
         return {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-                "PYTHONDONTWRITEBYTECODE": "1"}
+                "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "160"}
 
     @contextmanager
     def broken(self, *edits: Edit):
@@ -169,8 +170,7 @@ class Key:
                 f" which ran every command of [LAB.md](LAB.md) as printed there and took the numbers below from"
                 f" those runs; do not edit by hand. Machine: {platform.machine()}, {os.cpu_count()} cores,"
                 f" Python {platform.python_version()}, {minutes:.0f} minutes. Losses, bytes and counts are the"
-                f" same on every machine; times and tokens/s are this machine's, measured while it was"
-                f" {'shared with other work' if os.getloadavg()[0] > (os.cpu_count() or 1) else 'otherwise idle'}.\n")
+                f" same on every machine; times and tokens/s are this machine's, and vary from run to run.\n")
         path = ROOT / self.chapter / "LAB_ANSWERS.md"
         path.write_text(head + "\n" + "\n".join(self.sections))
         print("written:", path, file=sys.stderr)
