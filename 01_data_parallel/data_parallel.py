@@ -28,7 +28,8 @@ import torch.nn as nn
 
 from common import comm
 from common.model import loss_sum
-from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr
+from common.optim import build_adamw, clip_by_global_norm, optim_bytes
+from common.step_protocol import OptimizerVerbs
 from common.training import load_optim_state_by_name, optim_state_by_name
 
 
@@ -195,7 +196,7 @@ class ForwardBackward:
         return {"comm_bytes": comm.COUNTER.total(), "comm_bytes_sent": sum(comm.COUNTER.sent.values())}
 
 
-class Replicas(ForwardBackward):
+class Replicas(OptimizerVerbs, ForwardBackward):
     """Every rank holds the whole model, the whole gradient and the whole AdamW: M(1+1+α) bytes.
     Everything but the gradient sync, which is what NaiveDP, BucketedDP and DDP do differently.
     `module` is what forward runs: the model, or a wrapper around it that hooks its gradients."""
@@ -211,15 +212,6 @@ class Replicas(ForwardBackward):
     def clip_grad_norm(self, max_norm: float) -> float:
         # Every replica now holds the full gradient: its norm is already global, no collective needed.
         return clip_by_global_norm([p.grad for p in self.model.parameters()], max_norm)
-
-    def step(self) -> None:
-        self.optimizer.step()                     # the same update on every replica: they stay equal
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=False)
-
-    def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
 
     def memory(self) -> dict:
         params = list(self.model.parameters())

@@ -15,7 +15,8 @@ from importlib import import_module
 import torch
 import torch.distributed as dist
 
-from common.optim import build_adamw, clip_by_global_norm, set_lr
+from common.optim import build_adamw, clip_by_global_norm
+from common.step_protocol import OptimizerVerbs
 from common.training import load_optim_state_by_name, optim_state_by_name
 
 from . import tensor_parallel
@@ -23,7 +24,7 @@ from . import tensor_parallel
 data_parallel = import_module("01_data_parallel.data_parallel")
 
 
-class TPTrainer:
+class TPTrainer(OptimizerVerbs):
     """TP over `tp_group`, DP over `dp_group` (a group of one when there is no DP).
 
     `model` is the FULL single-device model (built from the seed, or loaded from a checkpoint), the
@@ -78,15 +79,6 @@ class TPTrainer:
         counted = [self.local(p.grad) for p in params if p.grad is not None and self.counted_here(p)]
         every = [self.local(p.grad) for p in params]
         return clip_by_global_norm(counted, max_norm, groups=[self.tp_group], all_grads=every)
-
-    def step(self) -> None:
-        self.optimizer.step()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=False)
-
-    def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
 
     def memory(self) -> dict:
         """Bytes held by this rank: its slices of the weights, their gradients, AdamW's two moments."""

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from common.data import shard_rows
-from common.optim import clip_by_global_norm, optim_bytes, set_lr
+from common.optim import clip_by_global_norm, optim_bytes
+from common.step_protocol import OptimizerVerbs
 
 data_parallel = import_module("01_data_parallel.data_parallel")
 
@@ -29,7 +30,7 @@ def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-class PipelineTrainer:
+class PipelineTrainer(OptimizerVerbs):
     """One pipeline rank's stages, replicated over `dp_group`, trained with AdamW.
 
     executor   a PipelineExecutor holding this rank's stage model (pipeline_executor.py); it offers
@@ -70,15 +71,6 @@ class PipelineTrainer:
     def clip_grad_norm(self, max_norm: float) -> float:
         # Each stage holds different parameters: the squared norms add up over the pipeline group.
         return clip_by_global_norm([p.grad for p in self.model.parameters()], max_norm, groups=[self.pp_group])
-
-    def step(self) -> None:
-        self.optimizer.step()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=False)
-
-    def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
 
     def memory(self) -> dict:
         """Bytes on this rank: its stages' parameters, gradients, AdamW moments, and the most

@@ -39,6 +39,8 @@ from typing import Protocol
 
 import torch
 
+from .optim import set_lr
+
 
 class Trainer(Protocol):
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, sync: bool = True) -> torch.Tensor: ...
@@ -54,3 +56,18 @@ class Trainer(Protocol):
     def set_lr(self, lr: float) -> None: ...
 
     def memory(self) -> dict: ...
+
+
+class OptimizerVerbs:
+    """`step`, `zero_grad` and `set_lr` for a trainer whose `self.optimizer` is one plain torch
+    optimizer over every tensor this rank updates (the replicas of chapter 01, TP, the pipeline).
+    Gradients are zeroed in place, not set to None: the flat buffers and hooks that hold them stay."""
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
