@@ -116,6 +116,14 @@ def every_rank(results_for_job: list) -> list:
     return [value for _, value in results_for_job]
 
 
+def assert_one_config_error(results_for_job: list, expected: str) -> None:
+    """Bad input: every rank stopped on a configuration error, all with the same message, which
+    contains `expected`."""
+    assert all(status == "config_error" for status, _ in results_for_job), results_for_job
+    messages = {message for _, message in results_for_job}
+    assert len(messages) == 1 and expected in messages.pop(), messages
+
+
 def losses(history: list[dict]) -> list[float]:
     return [row["loss"] for row in history]
 

@@ -14,7 +14,7 @@ from importlib import import_module
 
 import pytest
 
-from harness import assert_same_run, every_rank, max_rel_diff, ok, run_group
+from harness import assert_one_config_error, assert_same_run, every_rank, max_rel_diff, ok, run_group
 
 REFERENCE = "05_moe_expert_parallel.train_moe:main"
 MAIN = "04_3d_combined.train_3d:main"
@@ -88,10 +88,7 @@ def test_resume_from_ep2_into_ep4(groups, reference):
 
 @pytest.mark.parametrize("kind", sorted(BAD))
 def test_bad_4d_layouts_fail_on_every_rank_with_one_message(groups, kind):
-    per_rank = groups[4][f"bad {kind}"]
-    messages = {message for _, message in per_rank}
-    assert all(status == "config_error" for status, _ in per_rank), per_rank
-    assert len(messages) == 1 and BAD[kind][1] in messages.pop()
+    assert_one_config_error(groups[4][f"bad {kind}"], BAD[kind][1])
 
 
 @pytest.mark.parametrize("argv, world, expected", [

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, assert_same_run, every_rank, losses, max_rel_diff, ok, run_group
+from harness import ROOT, assert_one_config_error, assert_same_run, every_rank, losses, max_rel_diff, ok, run_group
 
 TRAIN = "05_moe_expert_parallel.train_moe:main"
 BASE = ["--steps", "10", "--seq-len", "32", "--global-batch", "8", "--quiet"]
@@ -222,10 +222,7 @@ def test_resume_into_another_ep(groups, reference):
 
 @pytest.mark.parametrize("kind", sorted(BAD))
 def test_bad_input_fails_on_every_rank_with_one_message(groups, kind):
-    per_rank = groups[2][f"bad {kind}"]
-    messages = {message for _, message in per_rank}
-    assert all(status == "config_error" for status, _ in per_rank), per_rank
-    assert len(messages) == 1 and BAD[kind][1] in messages.pop()
+    assert_one_config_error(groups[2][f"bad {kind}"], BAD[kind][1])
 
 
 def test_bad_ep_under_torchrun():
