@@ -29,6 +29,7 @@ from importlib import import_module
 
 import torch
 
+from common.moe_args import routing_options
 from common.optim import build_adamw, clip_by_global_norm
 from common.training import load_optim_state_by_name, optim_state_by_name
 
@@ -38,7 +39,7 @@ tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")     # chap
 pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")  # chapter 03: runs a schedule
 pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")    # chapter 03: the pipeline's verbs
 expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")    # chapter 05: which are experts
-router_3d = import_module("04_3d_combined.router_3d")                        # this chapter: router statistics
+router_statistics = import_module("05_moe_expert_parallel.router_statistics")  # chapter 05: summed over the grid
 
 
 class Trainer3D(pipeline_trainer.PipelineTrainer):
@@ -50,7 +51,7 @@ class Trainer3D(pipeline_trainer.PipelineTrainer):
         self.ep_group, self.ep_rank = mesh.group("ep"), mesh.coord("ep")
         self.experts = {id(p) for n, p in named if expert_parallel.is_expert_param(n)}     # (none if dense)
         self.expert_sync = data_parallel.AsyncGradAllReduce(mesh.group("edp"))
-        self.router = router                   # router_3d.RouterStatistics: every MoE layer of this rank
+        self.router = router                   # router_statistics.RouterStatistics of this rank's MoE layers
 
     def _all_reduce_stage(self, stage: int) -> None:
         """A stage's gradients are final: dense ones are summed over all its DP replicas (each saw its own
@@ -116,10 +117,6 @@ class Zero1Trainer3D(Trainer3D):
             return tensor_parallel.counted_here(self.param_of[name], self.tp_rank)
         return self.optimizer.clip_grad_norm(max_norm, groups=(self.tp_group, self.pp_group), counts=counted)
 
-    def step(self) -> None:
-        self.router.sum_over_ranks()         # (no experts here: check_expert_layout refuses ZeRO with them)
-        self.optimizer.step()                # AdamW on my shard, then all-gather the updated weights
-
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
@@ -161,5 +158,10 @@ def build_trainer(model, specs, plan, mesh, args, cfg, loss_fn, act_shape, devic
         model, specs, mesh.coord("pp"), mesh.group_ranks["pp"], mesh.group("pp"), act_shape,   # (mb, S or S/tp, D)
         loss_fn=loss_fn, loss_scale=args.global_batch * args.seq_len, device=device,
         autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline)
-    router = router_3d.RouterStatistics(model, args, mesh.coord("tp"), device)
+    # this rank's MoE layers under their global index (chapter 03's stages keep it), for chapter 05's
+    # router statistics: every stage fills the rows of its own layers, tp rank 0 only (router_statistics.py)
+    layers = {int(i): block.mlp for i, block in model.layers.items() if hasattr(block.mlp, "stats")}
+    router = router_statistics.RouterStatistics(layers, cfg.n_layers, cfg.n_experts,
+                                                routing_options(args, args.global_batch, args.seq_len),
+                                                args.router_bias_rate, device, counts_here=mesh.coord("tp") == 0)
     return trainer_class(executor, plan, named, optimizer, mesh, args.microbatches, router)

@@ -13,14 +13,13 @@ from importlib import import_module
 import torch
 import torch.distributed as dist
 
-from common import comm
 from common.model import loss_sum, moe_layers
 from common.moe_args import routing_options
-from common.moe_routing import update_selection_bias
 from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr
 from common.training import consolidate_on_rank0, load_optim_state_by_name
 
 from .expert_parallel import is_expert_param
+from .router_statistics import RouterStatistics
 
 data_parallel = import_module("01_data_parallel.data_parallel")
 
@@ -49,12 +48,11 @@ class ExpertParallelTrainer:
         # Chapter 01's flat-buffer all-reduce, once per group: dense over the world, experts over DP.
         self.dense_sync = data_parallel.AsyncGradAllReduce(dist.group.WORLD)
         self.expert_sync = data_parallel.AsyncGradAllReduce(mesh.group("dp"))
-        self.layers = moe_layers(model)
-        self.options = routing_options(args, args.global_batch, args.seq_len)
-        for layer in self.layers:
-            layer.options = self.options
-        self.bias_rate = args.router_bias_rate
-        self.totals = None          # (L, E + 3) router statistics of the last step, summed over all ranks
+        # Every MoE layer of the model (each rank holds all of them, with its own experts)
+        layers = dict(enumerate(moe_layers(model)))
+        self.router = RouterStatistics(layers, len(layers), cfg.n_experts,
+                                       routing_options(args, args.global_batch, args.seq_len),
+                                       args.router_bias_rate, device)
 
     # --- the verbs -------------------------------------------------------------------------------
     def forward_backward(self, x, y, sync: bool = True) -> torch.Tensor:
@@ -78,21 +76,14 @@ class ExpertParallelTrainer:
                                    all_grads=[p.grad for _, p in self.named])
 
     def step(self) -> None:
-        if self.layers:
-            # One all-reduce of every layer's (load, dropped, aux, z): the whole step's statistics, the
-            # same numbers in every layout (the loads are integer counts, summed exactly).
-            rows = torch.stack([layer.stats.as_row() for layer in self.layers]).to(self.device)   # (L, E + 3)
-            comm.all_reduce(rows, group=dist.group.WORLD, name="router")
-            self.totals = rows.cpu()
-            if self.bias_rate > 0:
-                for layer, row in zip(self.layers, self.totals):
-                    update_selection_bias(layer.selection_bias, row[:self.cfg.n_experts], self.bias_rate)
+        # One all-reduce of every layer's (load, dropped, aux, z): the whole step's statistics, the same
+        # numbers in every layout; the router biases are updated from them (router_statistics.py).
+        self.router.sum_over_ranks()
         self.optimizer.step()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=False)
-        for layer in self.layers:
-            layer.stats.reset()
+        self.router.reset()
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -106,7 +97,7 @@ class ExpertParallelTrainer:
     # --- what the run reports and saves ----------------------------------------------------------
     def router_metrics(self) -> dict:
         """The last step's balancing numbers, from the statistics summed over all ranks in step()."""
-        return {} if self.totals is None else router_metrics(self.totals, self.options, self.cfg.n_experts)
+        return self.router.metrics()
 
     def full_state(self):
         """(model, optim) consolidated single-device state on global rank 0, (None, None) elsewhere.
@@ -117,15 +108,3 @@ class ExpertParallelTrainer:
     def load_optim_state(self, states: dict) -> None:
         load_optim_state_by_name(self.optimizer, self.named, states)
 
-
-def router_metrics(totals, options, n_experts: int) -> dict:
-    """The metrics of a step from its router statistics summed over every rank: totals (L, E + 3), one
-    row per MoE layer of (load per expert, dropped, aux_sum, z_sum), as RouterStats.as_row lays them out."""
-    E = n_experts
-    load, dropped, aux, z = totals[:, :E], totals[:, E], totals[:, E + 1], totals[:, E + 2]
-    per_layer_max_over_mean = load.max(dim=1).values / load.mean(dim=1)                 # (L,)
-    return {"aux_loss": options.aux_weight * aux.sum().item(),
-            "z_loss": options.z_weight * z.sum().item(),
-            "dropped_fraction": (dropped.sum() / load.sum()).item(),
-            "expert_load": load.long().tolist(),
-            "max_over_mean_load": per_layer_max_over_mean.mean().item()}
