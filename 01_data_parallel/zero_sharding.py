@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from common import comm
 from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr
+from common.step_protocol import counted_here, mark_replicated, replicas
 
 from .data_parallel import ForwardBackward
 
@@ -165,7 +166,11 @@ class ZeroOptimizer:
                 shard_grad = torch.zeros(unit.chunk, dtype=flat.dtype, device=flat.device)  # (padded/N,)
                 for p in params:
                     p.register_post_accumulate_grad_hook(self._on_grad_ready)
-            self.pieces += shard_pieces(unit, flat[unit.lo:unit.hi], shard_grad)
+            pieces = shard_pieces(unit, flat[unit.lo:unit.hi], shard_grad)
+            for name, piece in pieces:                    # a piece is replicated where its tensor is (TP)
+                for dim, copies in replicas(dict(named)[name]).items():
+                    mark_replicated(piece, dim, copies)
+            self.pieces += pieces
             self.units.append(unit)
             self.params.append(params)
             self.flat_params.append(flat)
@@ -199,11 +204,12 @@ class ZeroOptimizer:
             if w is not None:
                 w.wait()
 
-    def clip_grad_norm(self, max_norm: float, groups=(), counts=lambda name: True) -> float:
+    def clip_grad_norm(self, max_norm: float, groups=(), coords=None) -> float:
         """Clip by the global norm. Each element lives in exactly one rank's shard (the padding is
         zero), so sum the squares of my shard and add them up over the DP group (and over `groups`
-        whose ranks hold different tensors; `counts(name)` drops tensors replicated over those)."""
-        owned = [p.grad for n, p in self.pieces if counts(n)]
+        whose ranks hold different tensors; a tensor replicated over those is counted once, by
+        counted_here at this rank's `coords`)."""
+        owned = [p.grad for _, p in self.pieces if counted_here(replicas(p), coords or {})]
         return clip_by_global_norm(owned, max_norm, groups=(self.group, *groups),
                                    all_grads=[p.grad for _, p in self.pieces])
 

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from common import comm
 from common.errors import require
 from common.model import loss_sum
+from common.step_protocol import mark_replicated
 
 from .tp_trainer import TPTrainer
 
@@ -49,9 +50,6 @@ class DTensorTrainer(TPTrainer):
         settle_grads(self.model)                       # DTensor's gradient layouts (SP norms: all-reduce)
         allreduce_dp(self.model, self.dp_group)        # data parallelism over our own group
 
-    def counted_here(self, p) -> bool:
-        """A sharded parameter counted by every rank (each its shard), a replicated one by TP rank 0."""
-        return (isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)) or self.tp_rank == 0
 
     @staticmethod
     def local(t):
@@ -94,6 +92,9 @@ def parallelize_with_dtensor(model, mesh: DeviceMesh, sequence_parallel: bool = 
     if sequence_parallel:
         top["norm"] = SequenceParallel()
     parallelize_module(model, mesh, top)
+    for p in model.parameters():       # what every TP rank holds whole: counted once (common.step_protocol)
+        if not (isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)):
+            mark_replicated(p, "tp", tp)
     return model
 
 

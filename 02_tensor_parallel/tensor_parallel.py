@@ -13,7 +13,8 @@ API (chapter 04 imports this module with importlib.import_module("02_tensor_para
     tp_loss_sum(local_logits, targets, tp_group) -> summed cross-entropy (like common.model.loss_sum)
     sync_tp_gradients(model, tp_group)      after backward, before clipping / the DP all-reduce:
         sums the partial gradients of norm weights (SP) and of replicated KV heads over the TP group
-    counted_here(p, tp_rank) -> does this rank count tensor p in the global norm (sum squares over TP)
+        Every parameter is marked with its layout: `p.tp_split_dim` (None: whole) and how many TP ranks
+        hold the same values (common.step_protocol: counted_here(replicas(p), coords) reads it)
     tp_to_full(name, local, tp_group, n_kv_heads=None) -> full tensor (weights and AdamW moments)
     tp_to_local(name, full, tp_rank, tp_size, n_kv_heads=None) -> this rank's slice
         n_kv_heads is needed only when KV heads are replicated (n_kv_heads < tp_size).
@@ -22,7 +23,7 @@ API (chapter 04 imports this module with importlib.import_module("02_tensor_para
 Which dimension is split follows from the parameter's name, the same rule in both directions:
 wq wk wv w_gate w_up lm_head tok_emb along dim 0 (output rows / vocabulary), wo w_down along dim 1
 (input columns), norms replicated. A mixture of experts (common/model.py) is not split: its router and
-experts stay whole on every TP rank, like the norms (chapter 04 shards the experts over EP instead).
+experts stay whole on every TP rank, like the norms (chapter 05 shards the experts over EP instead).
 """
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from common import comm
 from common.errors import require
 from common.model import Attention, SwiGLU
+from common.step_protocol import replicas
 
 from . import tp_layers
 
@@ -101,7 +103,7 @@ def parallelize_model(model, tp_group, sequence_parallel: bool = False):
         # Output kept split over the vocabulary: the loss never needs the whole (B, S, V) logits.
         model.lm_head = tp_layers.ColumnParallelLinear(model.lm_head.weight, tp_group, sequence_parallel)
     for name, p in model.named_parameters():
-        if not hasattr(p, "tp_replicas"):        # norms: whole on every rank
+        if not hasattr(p, "tp_split_dim"):       # norms: whole on every rank
             tp_layers.mark_layout(p, None, tp)
     model.tp_group, model.tp_size, model.sequence_parallel = tp_group, tp, sequence_parallel
     return model
@@ -117,7 +119,7 @@ def sync_sequence_parallel_grads(model, tp_group) -> None:
     all-reduce them (D floats per norm: tiny)."""
     if getattr(model, "sequence_parallel", False):
         for name, p in model.named_parameters():
-            if p.grad is not None and p.tp_split_dim is None and p.tp_replicas == model.tp_size:
+            if p.grad is not None and p.tp_split_dim is None and replicas(p)["tp"] == model.tp_size:
                 comm.all_reduce(p.grad, group=tp_group, name="tp")
 
 
@@ -140,13 +142,6 @@ def sync_tp_gradients(model, tp_group) -> None:
     """Everything TP leaves to do after backward: SP norm gradients and replicated KV heads."""
     sync_sequence_parallel_grads(model, tp_group)
     sync_replicated_kv_grads(model, tp_group)
-
-
-def counted_here(p: torch.Tensor, tp_rank: int) -> bool:
-    """Does this rank count tensor `p` in a global norm or a byte total? Every shard is counted by the
-    rank that holds it; a tensor replicated over `p.tp_replicas` consecutive TP ranks (a norm gain, a
-    shared KV head) by the first of its holders only, so it is counted once."""
-    return tp_rank % getattr(p, "tp_replicas", 1) == 0
 
 
 def tp_to_full(name: str, local: torch.Tensor, tp_group, n_kv_heads=None) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from common import comm
 from common.model import causal_attention
+from common.step_protocol import mark_replicated
 
 from . import tp_operators
 
@@ -33,10 +34,11 @@ def _shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
 
 
 def mark_layout(p: nn.Parameter, split_dim, replicas: int) -> nn.Parameter:
-    """Tag a parameter with how it is laid out over the TP group: `tp_split_dim` (None: whole) and
-    `tp_replicas`, the number of TP ranks holding the same values (for norms and gradient counting)."""
-    p.tp_split_dim, p.tp_replicas = split_dim, replicas
-    return p
+    """Tag a parameter with how it is laid out over the TP group: `tp_split_dim` (None: whole) and the
+    number of TP ranks holding the same values (1 for a slice of its own), which the one counting
+    predicate reads (common/step_protocol.py: counted_here(replicas(p), coords))."""
+    p.tp_split_dim = split_dim
+    return mark_replicated(p, "tp", replicas)
 
 
 class TPRegion(nn.Module):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from common.optim import build_adamw, clip_by_global_norm
-from common.step_protocol import OptimizerVerbs
+from common.step_protocol import OptimizerVerbs, counted_here, replicas
 from common.training import load_optim_state_by_name, optim_state_by_name
 
 from . import tensor_parallel
@@ -37,6 +37,7 @@ class TPTrainer(OptimizerVerbs):
                  weight_decay: float, tokens_per_step: int, device: torch.device, bf16: bool = False):
         self.tp_group, self.dp_group, self.device, self.bf16 = tp_group, dp_group, device, bf16
         self.tp_rank, self.tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+        self.coords = {"tp": self.tp_rank}                 # where this rank sits, for counted_here
         self.n_kv_heads, self.tokens_per_step = model.cfg.n_kv_heads, tokens_per_step
         self.model = self.parallelize(model, sequence_parallel)
         self.named = list(self.model.named_parameters())
@@ -76,7 +77,7 @@ class TPTrainer(OptimizerVerbs):
     def clip_grad_norm(self, max_norm: float) -> float:
         # Each gradient element counted once within the TP group; DP replicas agree already.
         params = list(self.model.parameters())
-        counted = [self.local(p.grad) for p in params if p.grad is not None and self.counted_here(p)]
+        counted = [self.local(p.grad) for p in params if p.grad is not None and counted_here(replicas(p), self.coords)]
         every = [self.local(p.grad) for p in params]
         return clip_by_global_norm(counted, max_norm, groups=[self.tp_group], all_grads=every)
 
@@ -87,9 +88,6 @@ class TPTrainer(OptimizerVerbs):
         moments = [t for st in self.optimizer.state.values() for k, t in st.items() if k != "step"]
         return {"param_bytes": nbytes(self.params.values()),
                 "grad_bytes": nbytes(p.grad for p in self.params.values()), "optim_bytes": nbytes(moments)}
-
-    def counted_here(self, p) -> bool:
-        return tensor_parallel.counted_here(p, self.tp_rank)
 
     # --- checkpoints: the consolidated single-device state, in any layout ------------------------
 

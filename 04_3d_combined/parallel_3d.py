@@ -96,9 +96,9 @@ def build_local_model(cfg, args, specs, mesh, device, full_state=None):
         model.load_state_dict(full_state, strict=True)
     my_specs = pipeline_stages.rank_stages(specs, args.pp, mesh.coord("pp"))
     model = pipeline_stages.prune_to_stages(model, my_specs)
-    expert_parallel.parallelize_experts(model, mesh.group("ep"))      # no MoE layers (dense): nothing to do
     if args.tp > 1:
         model = tensor_parallel.parallelize_model(model, mesh.group("tp"), args.sequence_parallel)
+    expert_parallel.parallelize_experts(model, mesh.group("ep"))      # no MoE layers (dense): nothing to do
     return model, my_specs
 
 

@@ -31,6 +31,7 @@ import torch
 
 from common.moe_args import routing_options
 from common.optim import build_adamw, clip_by_global_norm
+from common.step_protocol import counted_here, replicas
 from common.training import load_optim_state_by_name, optim_state_by_name
 
 data_parallel = import_module("01_data_parallel.data_parallel")           # chapter 01: async all-reduce
@@ -48,6 +49,7 @@ class Trainer3D(pipeline_trainer.PipelineTrainer):
     def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, router):
         super().__init__(executor, schedule, optimizer, microbatches, mesh.group("dp"), mesh.group("pp"))
         self.named, self.tp_group, self.tp_rank = named, mesh.group("tp"), mesh.coord("tp")
+        self.coords = mesh.coords                               # this rank's place on the grid, for counted_here
         self.ep_group, self.ep_rank = mesh.group("ep"), mesh.coord("ep")
         self.experts = {id(p) for n, p in named if expert_parallel.is_expert_param(n)}     # (none if dense)
         self.expert_sync = data_parallel.AsyncGradAllReduce(mesh.group("edp"))
@@ -73,15 +75,11 @@ class Trainer3D(pipeline_trainer.PipelineTrainer):
         self.expert_sync.wait()                                        # EDP: the experts' all-reduces
         tensor_parallel.sync_tp_gradients(self.model, self.tp_group)   # TP: all are sums, in any order
 
-    def counted_here(self, p) -> bool:
-        """Is p counted by this rank in the global norm? Over TP, by chapter 02's rule (a replicated tensor
-        by its first holder). Over EP, an expert differs from rank to rank (each holder counts its own);
-        a dense tensor is the same on the EP ranks after the DP all-reduce (ep rank 0 counts it)."""
-        return tensor_parallel.counted_here(p, self.tp_rank) and (self.ep_rank == 0 or id(p) in self.experts)
-
     def clip_grad_norm(self, max_norm: float) -> float:
+        # Each tensor counted once (common.step_protocol.counted_here): a tensor replicated over TP (a norm
+        # gain, a shared KV head) or over EP (a dense weight) by its first holder; DP replicas never summed.
         grads = [p.grad for p in self.model.parameters()]
-        counted = [p.grad for p in self.model.parameters() if self.counted_here(p)]
+        counted = [p.grad for p in self.model.parameters() if counted_here(replicas(p), self.coords)]
         return clip_by_global_norm(counted, max_norm, groups=[self.tp_group, self.pp_group, self.ep_group],
                                    all_grads=grads)
 
@@ -105,7 +103,6 @@ class Zero1Trainer3D(Trainer3D):
     def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, router):
         super().__init__(executor, schedule, named, optimizer, mesh, microbatches, router)
         self.on_stage_grads_ready = None
-        self.param_of = dict(named)
 
     def sync_gradients(self) -> None:
         self.optimizer.sync_gradients()                                # DP: all-reduce every flat unit
@@ -113,9 +110,7 @@ class Zero1Trainer3D(Trainer3D):
 
     def clip_grad_norm(self, max_norm: float) -> float:
         # squares of my DP shard, summed over the DP group (inside), then over TP and PP
-        def counted(name: str) -> bool:
-            return tensor_parallel.counted_here(self.param_of[name], self.tp_rank)
-        return self.optimizer.clip_grad_norm(max_norm, groups=(self.tp_group, self.pp_group), counts=counted)
+        return self.optimizer.clip_grad_norm(max_norm, groups=(self.tp_group, self.pp_group), coords=self.coords)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
@@ -163,5 +158,6 @@ def build_trainer(model, specs, plan, mesh, args, cfg, loss_fn, act_shape, devic
     layers = {int(i): block.mlp for i, block in model.layers.items() if hasattr(block.mlp, "stats")}
     router = router_statistics.RouterStatistics(layers, cfg.n_layers, cfg.n_experts,
                                                 routing_options(args, args.global_batch, args.seq_len),
-                                                args.router_bias_rate, device, counts_here=mesh.coord("tp") == 0)
+                                                args.router_bias_rate, device,
+                                                counted=counted_here({"tp": args.tp}, mesh.coords))
     return trainer_class(executor, plan, named, optimizer, mesh, args.microbatches, router)

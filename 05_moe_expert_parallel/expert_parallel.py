@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.distributed as dist
 
 from common.model import MoEFeedForward
+from common.step_protocol import mark_replicated
 from common.moe_routing import AddRouterLoss, combine_experts, group_by_expert, route, router_loss
 
 from .moe_dispatch import all_to_all, exchange_counts, expert_major
@@ -89,4 +90,8 @@ def parallelize_experts(model: nn.Module, ep_group) -> nn.Module:
     for block in list(model.modules()):
         if isinstance(getattr(block, "mlp", None), MoEFeedForward):
             block.mlp = ExpertParallelMoE(block.mlp, ep_group)
+    ep = dist.get_world_size(ep_group)
+    for name, p in model.named_parameters():     # the rest is the same on every EP rank: counted once
+        if not is_expert_param(name):
+            mark_replicated(p, "ep", ep)
     return model

@@ -2,7 +2,7 @@
 
     trainer = ExpertParallelTrainer(model, mesh, args, cfg, device)   # model already parallelized
     trainer.forward_backward(x, y, sync)   the all-to-alls run inside every MoE layer, forward and backward
-    trainer.sync_gradients()               dense gradients over all ranks, expert gradients over the DP group
+    trainer.sync_gradients()               dense gradients over all ranks (dp), expert gradients over edp
     trainer.clip_grad_norm(max_norm)       each gradient counted once (see counted_here)
     trainer.step()                         the step's router statistics summed over all ranks, the router
                                            biases updated from them, then AdamW
@@ -11,24 +11,17 @@
 from importlib import import_module
 
 import torch
-import torch.distributed as dist
 
 from common.model import loss_sum, moe_layers
 from common.moe_args import routing_options
 from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr
+from common.step_protocol import counted_here, replicas
 from common.training import consolidate_on_rank0, load_optim_state_by_name
 
 from .expert_parallel import is_expert_param
 from .router_statistics import RouterStatistics
 
 data_parallel = import_module("01_data_parallel.data_parallel")
-
-
-def counted_here(name: str, mesh) -> bool:
-    """Does this rank count parameter `name` in the global gradient norm? Dense parameters are the same
-    on every rank after the sync: rank 0 counts them. An expert is the same on its DP group: the rank
-    with DP coordinate 0 counts it (one per EP coordinate, so every expert once)."""
-    return mesh.coord("dp") == 0 if is_expert_param(name) else mesh.rank == 0
 
 
 class ExpertParallelTrainer:
@@ -39,15 +32,19 @@ class ExpertParallelTrainer:
         self.named = list(model.named_parameters())
         self.dense = [p for n, p in self.named if not is_expert_param(n)]
         self.expert = [p for n, p in self.named if is_expert_param(n)]
-        self.owned = [p for n, p in self.named if counted_here(n, mesh)]
+        # The norm sums squares over the EP group, whose ranks hold different experts; a dense tensor is
+        # the same on every EP rank (marked by parallelize_experts): ep rank 0 counts it. The EDP ranks
+        # hold the same tensors after the sync, so the norm is never summed over them.
+        self.owned = [p for _, p in self.named if counted_here(replicas(p), mesh.coords)]
         # Every gradient exists from the start, so the flat buffers below always have the same layout on
         # every rank (an expert that received no rows in a step still gets its zero gradient).
         for _, p in self.named:
             p.grad = torch.zeros_like(p)
         self.optimizer = build_adamw(self.named, args.lr, args.weight_decay)
-        # Chapter 01's flat-buffer all-reduce, once per group: dense over the world, experts over DP.
-        self.dense_sync = data_parallel.AsyncGradAllReduce(dist.group.WORLD)
-        self.expert_sync = data_parallel.AsyncGradAllReduce(mesh.group("dp"))
+        # Chapter 01's flat-buffer all-reduce, once per group: dense over every data-parallel rank (dp),
+        # experts over the ranks holding the same experts (edp).
+        self.dense_sync = data_parallel.AsyncGradAllReduce(mesh.group("dp"))
+        self.expert_sync = data_parallel.AsyncGradAllReduce(mesh.group("edp"))
         # Every MoE layer of the model (each rank holds all of them, with its own experts)
         layers = dict(enumerate(moe_layers(model)))
         self.router = RouterStatistics(layers, len(layers), cfg.n_experts,
@@ -72,7 +69,7 @@ class ExpertParallelTrainer:
         self.expert_sync.wait()
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_by_global_norm([p.grad for p in self.owned], max_norm, groups=[dist.group.WORLD],
+        return clip_by_global_norm([p.grad for p in self.owned], max_norm, groups=[self.mesh.group("ep")],
                                    all_grads=[p.grad for _, p in self.named])
 
     def step(self) -> None:
@@ -101,9 +98,9 @@ class ExpertParallelTrainer:
 
     def full_state(self):
         """(model, optim) consolidated single-device state on global rank 0, (None, None) elsewhere.
-        The ranks of DP coordinate 0 hold every expert once between them; rank 0 merges their dicts
+        The ranks of edp coordinate 0 hold every expert once between them; rank 0 merges their dicts
         (the router biases and the dense weights come with each, identical)."""
-        return consolidate_on_rank0(self.model, self.optimizer, self.named, is_writer=self.mesh.coord("dp") == 0)
+        return consolidate_on_rank0(self.model, self.optimizer, self.named, is_writer=self.mesh.coord("edp") == 0)
 
     def load_optim_state(self, states: dict) -> None:
         load_optim_state_by_name(self.optimizer, self.named, states)

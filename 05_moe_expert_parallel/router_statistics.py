@@ -11,7 +11,8 @@ the biases of the layers it holds, from the same numbers, so the replicas stay e
     chapter 04     a layer's statistics are spread over the grid, and the same all-reduce still works:
                    over PP  each layer lives on one stage: the other stages hold zeros in its row
                    over TP  the TP ranks of a stage route the same tokens (after attention's all-reduce):
-                            only tp rank 0 fills its rows (`counts_here`), or they would count tp times
+                            only tp rank 0 fills its rows (`counted`: common.step_protocol.counted_here
+                            of statistics replicated over TP), or they would count tp times
                    over DP  as here: each DP rank (EP ranks included) routed its own rows
 """
 import torch
@@ -25,9 +26,9 @@ class RouterStatistics:
     """`layers`: {global layer index: MoE layer} of the layers this rank holds, out of `n_layers`."""
 
     def __init__(self, layers: dict, n_layers: int, n_experts: int, options, bias_rate: float, device,
-                 counts_here: bool = True):
+                 counted: bool = True):
         self.layers, self.n_layers, self.n_experts = layers, n_layers, n_experts
-        self.options, self.bias_rate, self.device, self.counts_here = options, bias_rate, device, counts_here
+        self.options, self.bias_rate, self.device, self.counted = options, bias_rate, device, counted
         for layer in layers.values():
             layer.options = options        # the weights that make each layer's aux and z terms (moe_args)
         self.totals = None                 # (L, E + 3) of the last step, summed over all ranks
@@ -42,7 +43,7 @@ class RouterStatistics:
         if not self.n_experts:                                     # a dense model: nothing to sum
             return
         rows = torch.zeros(self.n_layers, self.n_experts + 3, dtype=torch.float64)          # (L, E + 3)
-        if self.counts_here:
+        if self.counted:
             for i, layer in self.layers.items():
                 rows[i] = layer.stats.as_row()
         rows = rows.to(self.device)

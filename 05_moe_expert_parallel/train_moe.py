@@ -59,7 +59,8 @@ def main(argv=None) -> list[dict]:
     rt = init_distributed(args.device, args.timeout)
     cfg = moe_model_config(args)
     ep = expert_parallel_degree(args.ep, cfg, rt.world_size)
-    mesh = Mesh(rt.rank, rt.world_size, dp=rt.world_size // ep, ep=ep)     # grid arange(world).view(dp, ep)
+    # grid arange(world).view(edp, ep): dp (every rank here) = edp × ep, the EP group innermost
+    mesh = Mesh(rt.rank, rt.world_size, edp=rt.world_size // ep, ep=ep, joined={"dp": ("edp", "ep")})
     data = TextData(args.data, args.seq_len, args.seed)
     resume = resume_state(args, identity(args, cfg))       # every rank loads it, so every rank can fail alike
 
@@ -76,7 +77,7 @@ def main(argv=None) -> list[dict]:
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py: active experts)
-    log.config_table(f"mixture of experts — EP {ep} × DP {mesh.size('dp')}",
+    log.config_table(f"mixture of experts — dp {rt.world_size} = edp {mesh.size('edp')} × ep {ep}",
                      layout_rows(args, cfg, mesh, rt, trainer.memory(), start) | {"data": data.describe()})
     if rt.world_size == 1:
         log.print("world size 1: the single-device reference. More ranks: "
@@ -108,7 +109,8 @@ def main(argv=None) -> list[dict]:
         by_group = comm.COUNTER.by_group()
         log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm, **router,
                      comm_bytes=comm.COUNTER.total(), comm_bytes_ep=by_group.get("ep", 0),
-                     comm_bytes_dp=by_group.get("dp", 0), ep=ep, dp=rt.world_size // ep, **memory)
+                     comm_bytes_dp=by_group.get("dp", 0), dp=rt.world_size, ep=ep, edp=rt.world_size // ep,
+                     **memory)
         if router and (step % NOTE_EVERY == 0 or step == args.steps):
             log.note(f"step {step}: loss {loss_value:.4f}, expert load max/mean {router['max_over_mean_load']:.2f} "
                      f"(mean over layers), dropped {100 * router['dropped_fraction']:.1f}% of slots, "
@@ -125,17 +127,17 @@ def main(argv=None) -> list[dict]:
 
 def layout_rows(args, cfg, mesh, rt, memory: dict, start: int) -> dict:
     """The configuration table printed at start: the grid, who holds which experts, who sums what."""
-    ep, dp, world = mesh.size("ep"), mesh.size("dp"), rt.world_size
+    ep, edp, world = mesh.size("ep"), mesh.size("edp"), rt.world_size
     T_rank = args.global_batch // world * args.seq_len            # tokens per rank per step
     moe = cfg.n_experts > 0
     return {
-        "world size": f"{world} = DP {dp} × EP {ep}",
+        "world size": f"{world} = dp {world} = edp {edp} × ep {ep}",
         "device / backend": f"{rt.device} / {rt.backend}",
-        "mesh (dp, ep)": "\n" + mesh.describe(),
+        "mesh (edp, ep)": "\n" + mesh.describe(),
         "experts per rank": ", ".join(f"ep={j}: {list(expert_parallel.local_experts(cfg.n_experts, j, ep))}"
                                       for j in range(ep)) if moe else "- (dense model)",
-        "gradient all-reduce": f"dense over all {world} ranks; experts over the DP group (same experts): "
-                               f"{mesh.lines(0)}",
+        "gradient all-reduce": f"dense over dp (all {world} ranks); experts over edp (the ranks holding "
+                               f"the same experts): {mesh.lines('edp')}",
         "model": f"{args.model}: {count_parameters(cfg):,} parameters, {count_parameters(cfg, active=True):,} "
                  f"active per token" + (f" ({cfg.n_experts} experts, top-{cfg.top_k})" if moe else " (dense)"),
         "parameters on this rank": f"{format_bytes(memory['param_bytes'])}, of which experts "

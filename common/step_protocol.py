@@ -32,14 +32,35 @@ The names, written down once:
   scaled down to `max_norm` if larger (0: measure only).
 - `step()`, `zero_grad()`, `set_lr(lr)`: the optimizer's verbs.
 - `memory() -> dict`: bytes this rank holds, at least `param_bytes`, `grad_bytes`, `optim_bytes`.
-- `counted_here(param, rank) -> bool`: the one predicate for "this rank counts this (replicated) tensor"
-  in a norm or a byte count, so each tensor is counted once across its replicas.
+- `counted_here(replicas(t), coords) -> bool`: the one predicate for "this rank counts this tensor" in a
+  norm or a byte count, so a tensor replicated over several ranks is counted once (defined below).
 """
 from typing import Protocol
 
 import torch
 
 from .optim import set_lr
+
+
+def mark_replicated(t: torch.Tensor, dim: str, copies: int) -> torch.Tensor:
+    """Note on tensor `t` that `copies` consecutive ranks along mesh dimension `dim` hold the same values:
+    a norm gain on every TP rank (copies = tp), a KV head shared by tp/K ranks (copies = tp/K), a dense
+    weight on every EP rank (copies = ep). DTensor would call it a Replicate placement."""
+    t.replicated_over = {**replicas(t), dim: copies}
+    return t
+
+
+def replicas(t: torch.Tensor) -> dict[str, int]:
+    """{dim: copies} for every mesh dimension over which `t` is replicated ({}: a shard of its own)."""
+    return getattr(t, "replicated_over", {})
+
+
+def counted_here(replicated_over: dict[str, int], coords: dict[str, int]) -> bool:
+    """Does this rank count a tensor replicated as `replicated_over` ({dim: copies}) in a sum over the
+    ranks (a gradient norm, a loss, a byte total)? Each copy is counted by the first of its holders,
+    the rank whose coordinate along `dim` is a multiple of `copies`; a shard by the rank holding it.
+    Only the dimensions the sum runs over matter (a norm is never summed over DP: its replicas agree)."""
+    return all(coords[dim] % copies == 0 for dim, copies in replicated_over.items())
 
 
 class Trainer(Protocol):

@@ -75,7 +75,7 @@ def layer_matches_single_device(ep: int, capacity_factor, bias: bool) -> dict:
     from common.moe_routing import RoutingOptions
     expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = Mesh(rank, world, dp=world // ep, ep=ep)
+    mesh = Mesh(rank, world, edp=world // ep, ep=ep, joined={"dp": ("edp", "ep")})
     cfg = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=16, n_experts=8, top_k=2,
                       expert_hidden=16)
     torch.manual_seed(0)                                         # the same layer on every rank
@@ -97,7 +97,7 @@ def layer_matches_single_device(ep: int, capacity_factor, bias: bool) -> dict:
     (y * shard_rows(w, rank, world)).sum().backward()
     dist.all_reduce(layer.router.weight.grad)                     # dense: over every rank
     for p in layer.experts.parameters():
-        dist.all_reduce(p.grad, group=mesh.group("dp"))           # experts: over the ranks holding them
+        dist.all_reduce(p.grad, group=mesh.group("edp"))          # experts: over the ranks holding them
     diffs = {"output": (y - shard_rows(y_ref, rank, world)).abs().max().item(),
              "input grad": (x_mine.grad - shard_rows(x_ref.grad, rank, world)).abs().max().item(),
              "router grad": (layer.router.weight.grad - reference.router.weight.grad).abs().max().item()}
@@ -113,12 +113,13 @@ def mesh_matches_device_mesh(shapes) -> bool:
     from torch.distributed.device_mesh import init_device_mesh
     from common.mesh import Mesh
     rank, world = dist.get_rank(), dist.get_world_size()
-    for dp, ep in shapes:
-        mesh = Mesh(rank, world, dp=dp, ep=ep)
-        dm = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
-        for d in ("dp", "ep"):
-            assert mesh.group_ranks[d] == dist.get_process_group_ranks(dm.get_group(d)), (dp, ep, d)
-        assert [mesh.coord("dp"), mesh.coord("ep")] == list(dm.get_coordinate())
+    for edp, ep in shapes:
+        mesh = Mesh(rank, world, edp=edp, ep=ep, joined={"dp": ("edp", "ep")})
+        dm = init_device_mesh("cpu", (edp, ep), mesh_dim_names=("edp", "ep"))
+        for d in ("edp", "ep"):
+            assert mesh.group_ranks[d] == dist.get_process_group_ranks(dm.get_group(d)), (edp, ep, d)
+        assert [mesh.coord("edp"), mesh.coord("ep")] == list(dm.get_coordinate())
+        assert mesh.group_ranks["dp"] == list(range(world))      # dp = edp × ep: every rank here
     return True
 
 

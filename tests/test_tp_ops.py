@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.errors import ConfigError                           # noqa: E402
 from common.model import Attention, ModelConfig, PRESETS, SwiGLU, rope_tables   # noqa: E402
+from common.step_protocol import counted_here, replicas                  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -179,7 +180,7 @@ def check_kv_replicated():
             local = par.get_parameter(name)
             torch.testing.assert_close(tensor_parallel.tp_to_full(name, local, group, 2), dense.get_parameter(name))
         # replicated heads counted once in the norm
-        owned = [p.grad for p in par.parameters() if p.grad is not None and tensor_parallel.counted_here(p, r)]
+        owned = [p.grad for p in par.parameters() if p.grad is not None and counted_here(replicas(p), {"tp": r})]
         assert len(owned) == (4 if r % par.kv_replicas == 0 else 2)
     return True
 
