@@ -32,7 +32,7 @@ bench: $(STAMP)
 	$(PY) 02_tensor_parallel/bench_tp.py
 	$(PY) 03_pipeline_parallel/bench_pp.py
 	$(PY) 04_3d_combined/bench_3d.py
-	$(PY) 04_3d_combined/bench_3d.py --model tiny-moe
+	$(PY) 05_moe_expert_parallel/bench_4d.py
 	$(PY) 05_moe_expert_parallel/bench_moe.py
 
 # Each notebooks/*.py (jupytext percent format) becomes notebooks/*.ipynb, executed through the kernel

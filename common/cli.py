@@ -214,14 +214,16 @@ def base_parser(description: str, pipeline: bool = False) -> Parser:
     return p
 
 
-def check_common(args, dp: int = 1) -> None:
-    """Checks across flags that every script needs. `dp` is the data-parallel degree the batch is split over."""
+def check_common(args, dp: int = 1, microbatches: int | None = None) -> None:
+    """Checks across flags that every script needs. `dp` is the data-parallel degree the batch is split
+    over, `microbatches` the count each of its ranks cuts its rows into (default: --microbatches)."""
+    m = microbatches or args.microbatches
     require(args.seq_len <= PRESETS[args.model].max_seq_len,
             f"--seq-len {args.seq_len} exceeds the {args.model} preset's max_seq_len "
             f"{PRESETS[args.model].max_seq_len}; use a shorter --seq-len")
-    require(args.global_batch % (dp * args.microbatches) == 0,
+    require(args.global_batch % (dp * m) == 0,
             f"--global-batch {args.global_batch} does not split over {dp} data-parallel rank(s) × "
-            f"{args.microbatches} micro-batch(es); use a multiple of {dp * args.microbatches}")
+            f"{m} micro-batch(es); use a multiple of {dp * m}")
     require(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir")
     data = Path(args.data) if args.data else DEFAULT_CORPUS
     check_length(data, data.stat().st_size, args.seq_len)       # bytes = tokens (byte-level tokenizer)

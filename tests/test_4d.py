@@ -1,6 +1,6 @@
-"""Chapter 04 in 4D: DP × TP × PP × EP with a mixture of experts reproduces chapter 05's single device.
+"""Chapter 05's 4D run: DP × TP × PP × EP with a mixture of experts reproduces the single device.
 
-Every layout runs 04_3d_combined/train_3d.py --model tiny-moe and is compared, step by step, with
+Every layout runs 05_moe_expert_parallel/train_4d.py (tiny-moe) and is compared, step by step, with
 `python 05_moe_expert_parallel/train_moe.py` (world size 1) given the same flags, on every rank: `loss`
 and `grad_norm` within the harness's round-off tolerances (assert_same_run), `aux_loss` and `z_loss`
 within 1e-5 relative, the same expert loads. One spawned group per world size (1, 4, 8):
@@ -17,7 +17,7 @@ import pytest
 from harness import assert_one_config_error, assert_same_run, every_rank, max_rel_diff, ok, run_group
 
 REFERENCE = "05_moe_expert_parallel.train_moe:main"
-MAIN = "04_3d_combined.train_3d:main"
+MAIN = "05_moe_expert_parallel.train_4d:main"
 STEPS = 10
 BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet"]
 # Balancing terms 10× the defaults, so that a stage missing their gradient would show in grad_norm
@@ -28,7 +28,11 @@ MODES = {"strong aux": ["--aux-loss-coef", "0.1", "--z-loss-coef", "0.01"],
 RUNS = {8: {"dp2·ep2 × tp2 × pp2": ("strong aux", (2, 2, 2, 2), []),
             "dp4·ep4 × pp2": ("strong aux", (4, 4, 1, 2), [])},
         4: {"dp2·ep2 × pp2 zb-h1": ("bias + capacity", (2, 2, 1, 2), ["--schedule", "zb-h1", "--microbatches", "2"]),
-            "dp4·ep2": ("bias + capacity", (4, 2, 1, 1), [])}}
+            "dp4·ep2": ("bias + capacity", (4, 2, 1, 1), []),
+            # TP with bias balancing: every TP rank must update its copy of the selection bias alike
+            "dp2·ep2 × tp2": ("bias + capacity", (2, 2, 2, 1), [])}}
+TP_BIAS_RUN = "dp2·ep2 × tp2"
+CAPTURED = {}      # on each rank of a spawned group: the model of the last run_capturing_model
 BAD = {"ep does not divide dp": (["--model", "tiny-moe", "--dp", "2", "--tp", "2", "--pp", "1", "--ep", "4"],
                                  "--ep 4 does not divide --dp 2"),
        "experts do not split": (["--model", "tiny-moe", "--dp", "4", "--tp", "1", "--pp", "1", "--ep", "3"],
@@ -56,6 +60,9 @@ def groups(tmp_path_factory):
         for name, (mode, degrees, extra) in runs.items():
             saving = ["--checkpoint-dir", ckpt, "--checkpoint-every", "5"] if name == "dp2·ep2 × tp2 × pp2" else []
             jobs[name] = (MAIN, layout(*degrees, *MODES[mode], *extra, *saving))
+            if name == TP_BIAS_RUN:
+                jobs[name] = ("test_4d:run_capturing_model", jobs[name][1])
+                jobs["biases"] = ("test_4d:selection_biases",)
         if world == 8:       # the EP-2 run saved at steps 5 and 10: resume from 5 at EP 4
             jobs["point"] = ("test_3d:point_latest_at", ckpt, "step_000005.pt")
             jobs["resumed dp4·ep4 × pp2"] = (MAIN, layout(4, 4, 1, 2, *MODES["strong aux"], "--checkpoint-dir", ckpt,
@@ -80,6 +87,37 @@ def test_every_4d_layout_matches_chapter_05_on_one_device(groups, reference, wor
             assert all(r["dropped_fraction"] > 0 for r in history), name
 
 
+def run_capturing_model(argv):
+    """train_4d.main(argv), keeping this rank's model (through the EP step it applies) for the next job."""
+    parallel_4d = import_module("05_moe_expert_parallel.parallel_4d")
+    step = parallel_4d.experts_over_ep
+
+    def capturing(model, mesh):
+        step(model, mesh)
+        CAPTURED["model"], CAPTURED["tp_group"] = model, mesh.group_ranks["tp"]
+    parallel_4d.experts_over_ep = capturing
+    try:
+        return import_module("05_moe_expert_parallel.train_4d").main(argv)
+    finally:
+        parallel_4d.experts_over_ep = step
+
+
+def selection_biases():
+    """This rank's TP group and the selection biases of its MoE layers after the captured run."""
+    model = CAPTURED["model"]
+    return CAPTURED["tp_group"], {n: b.tolist() for n, b in model.named_buffers() if n.endswith("selection_bias")}
+
+
+def test_selection_biases_equal_across_each_tp_group(groups):
+    """Bias balancing moves every bias (γ > 0), and the TP ranks of a stage keep identical copies: they
+    route the same tokens, so a bias updated on one TP rank only would route them differently."""
+    per_rank = every_rank(groups[4]["biases"])
+    for rank, (tp_group, biases) in enumerate(per_rank):
+        assert biases and any(v != 0 for b in biases.values() for v in b), rank
+        for other in tp_group:
+            assert per_rank[other][1] == biases, (rank, other)
+
+
 def test_resume_from_ep2_into_ep4(groups, reference):
     ref = reference["strong aux"][5:]
     resumed = assert_same_run(groups[8]["resumed dp4·ep4 × pp2"], ref, "resumed dp4·ep4 × pp2")   # steps 6..10
@@ -96,19 +134,26 @@ def test_bad_4d_layouts_fail_on_every_rank_with_one_message(groups, kind):
     (["--model", "tiny-moe", "--tp", "1", "--pp", "1", "--zero-stage", "1"], 4, "leave --zero-stage out"),
     (["--model", "tiny-moe", "--dp", "2", "--tp", "2", "--pp", "2", "--ep", "8"], 8, "--ep 8 does not divide --dp 2"),
 ])
-def test_what_experts_cannot_share_is_refused_before_any_communication(monkeypatch, argv, world, expected):
-    monkeypatch.setenv("WORLD_SIZE", str(world))
+def test_what_experts_cannot_share_is_refused_before_any_communication(argv, world, expected):
     from common.errors import ConfigError
-    train_3d = import_module("04_3d_combined.train_3d")
+    train_4d, parallel_4d = import_module("05_moe_expert_parallel.train_4d"), import_module("05_moe_expert_parallel.parallel_4d")
     with pytest.raises(ConfigError, match=expected):
-        train_3d.parse_args(argv + ["--quiet"])
+        parallel_4d.decide_layout(train_4d.parse_args(argv + ["--quiet"]), world)
 
 
-def test_default_ep_is_drawn_from_dp(monkeypatch):
-    """8 ranks, tiny-moe: dp 2 × tp 2 × pp 2 by default, and EP 2 inside the DP dimension."""
-    monkeypatch.setenv("WORLD_SIZE", "8")
+def test_default_layout_shows_ep_inside_dp():
+    """8 ranks, tiny-moe: dp 4 = edp 2 × ep 2, pp 2, tp 1 by default: EP inside DP, two ranks per expert."""
+    train_4d, parallel_4d = import_module("05_moe_expert_parallel.train_4d"), import_module("05_moe_expert_parallel.parallel_4d")
+    layout, _ = parallel_4d.decide_layout(train_4d.parse_args(["--quiet"]), 8)
+    assert (layout.dp, layout.ep, layout.tp, layout.pp) == (4, 2, 1, 2)
+    assert layout.grid() == {"edp": 2, "ep": 2, "pp": 2, "tp": 1}
+
+
+def test_the_3d_run_refuses_a_mixture_of_experts(monkeypatch):
+    """Chapter 04 trains dense models; its refusal (before any communication) names chapter 05's 4D run."""
+    from common.errors import ConfigError
+    monkeypatch.setenv("WORLD_SIZE", "1")
     train_3d = import_module("04_3d_combined.train_3d")
-    args = train_3d.parse_args(["--model", "tiny-moe", "--quiet"])
-    assert (args.dp, args.ep, args.tp, args.pp) == (2, 2, 2, 2)
-    assert train_3d.parse_args(["--quiet"]).ep == 1
+    with pytest.raises(ConfigError, match="05_moe_expert_parallel/train_4d.py"):
+        train_3d.main(["--model", "tiny-moe", "--quiet"])
 

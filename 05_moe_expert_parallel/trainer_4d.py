@@ -1,0 +1,79 @@
+"""The step protocol for DP × TP × PP × EP: chapter 04's Trainer3D, plus the experts.
+
+What the experts change in chapter 04's verbs, and nothing else:
+
+    forward_backward(x, y)  the same schedule; inside each MoE layer, this chapter's all-to-alls (over
+                            ep); its balancing terms join that stage's backward (AddRouterLoss), so
+                            their gradient starts on the stage that computed them, inside the same B
+                            (or W) as the micro-batch's other gradients
+                            when a stage's gradients are final: dense ones all-reduced over dp (every
+                            data-parallel rank saw its own rows), an expert's over edp (the dp ranks
+                            holding that expert, each of which saw its EP group's rows)
+    sync_gradients()        wait for both, then chapter 04's TP sums
+    clip_grad_norm(max)     the squares summed over ep too (its ranks hold different experts); a dense
+                            tensor, the same on every ep rank, counted once (parallelize_experts marks it)
+    step()                  the router statistics summed over every rank (router_statistics.py: loads,
+                            aux and z terms, the bias update), then AdamW
+"""
+from importlib import import_module
+
+import torch
+
+from common.moe_args import routing_options
+from common.step_protocol import counted_here
+
+from .expert_parallel import is_expert_param
+from .router_statistics import RouterStatistics
+
+data_parallel = import_module("01_data_parallel.data_parallel")      # chapter 01: async all-reduce
+trainer_3d = import_module("04_3d_combined.trainer_3d")              # chapter 04: the 3D verbs
+
+
+class Trainer4D(trainer_3d.Trainer3D):
+    """Chapter 04's rank of the grid, whose MoE layers hold E/ep experts; AdamW."""
+
+    def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, router: RouterStatistics):
+        super().__init__(executor, schedule, named, optimizer, mesh, microbatches)
+        self.experts = {id(p) for n, p in named if is_expert_param(n)}     # (none if dense)
+        self.expert_sync = data_parallel.AsyncGradAllReduce(mesh.group("edp"))
+        self.norm_groups.append(mesh.group("ep"))       # ep ranks hold different experts: their squares add up
+        self.router = router                            # this rank's MoE layers' statistics
+
+    def _all_reduce_stage(self, stage: int) -> None:
+        """A stage's gradients are final: dense ones are summed over all its dp replicas (each saw its own
+        rows), an expert's over the edp ranks holding that expert (each saw its EP group's rows)."""
+        params = self.executor.stage_params[stage]
+        self.dp_sync.launch([p for p in params if id(p) not in self.experts])
+        experts = [p for p in params if id(p) in self.experts]
+        if experts:
+            self.expert_sync.launch(experts)
+
+    def forward_backward(self, x, y, sync: bool = True) -> torch.Tensor:
+        self.router.reset()                    # this step's routing only (validation routes too)
+        return super().forward_backward(x, y, sync)
+
+    def sync_gradients(self) -> None:
+        self.expert_sync.wait()                # edp: the experts' all-reduces
+        super().sync_gradients()               # dp: the dense all-reduces; then TP's sums
+
+    def step(self) -> None:
+        self.router.sum_over_ranks()           # the step's expert loads, aux and z terms; router biases
+        self.optimizer.step()
+
+    def router_metrics(self) -> dict:
+        """aux_loss, z_loss, dropped_fraction, expert_load, max_over_mean_load ({} if dense)."""
+        return self.router.metrics()
+
+
+def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shape, device, timeline,
+                  full_optim=None) -> Trainer4D:
+    """Chapter 04's pieces (AdamW on this rank's piece, the executor), plus this rank's router statistics."""
+    named = list(model.named_parameters())
+    optimizer = trainer_3d.build_adamw_for(named, args, trainer_3d.local_optim_state(full_optim, mesh, layout, cfg))
+    executor = trainer_3d.build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timeline)
+    # this rank's MoE layers under their global index (chapter 03's stages keep it): every stage fills the
+    # rows of its own layers; the TP ranks of a stage route the same tokens, so tp rank 0 counts them
+    layers = {int(i): block.mlp for i, block in model.layers.items() if hasattr(block.mlp, "stats")}
+    router = RouterStatistics(layers, cfg.n_layers, cfg.n_experts, routing_options(args, args.global_batch, args.seq_len),
+                              args.router_bias_rate, device, counted=counted_here({"tp": layout.tp}, mesh.coords))
+    return Trainer4D(executor, plan, named, optimizer, mesh, layout.microbatches, router)
