@@ -25,7 +25,7 @@ def config_rows(args, cfg, layout, rt, data, start: int) -> dict:
         "model": f"{args.model}: {describe_size(cfg)}, {cfg.n_layers} layers",
         "optimizer": "ZeRO-1 over the DP group (chapter 01)" if args.zero_stage else "AdamW on each rank's piece",
         "pipeline": f"{args.schedule}, {m} micro-batch(es) of {mb_rows} seq, {args.virtual_stages} virtual stage(s), "
-                    f"theory bubble {theory:.3f} (measured: bubble_fraction in the metrics and the summary)",
+                    f"theory bubble {theory:.3f} (measured: `bubble_fraction` of every step)",
         "global batch": f"{args.global_batch} seq × {args.seq_len} tokens, warmup {args.warmup} + cosine, clip {args.clip}",
         "resumed from step": start or "-"}
 
@@ -59,6 +59,14 @@ def print_start(log, rt, title: str, rows: dict, grid: Table, launch_hint: str) 
     log.print(grid)
     if rt.world_size == 1:
         log.print(f"world size 1: the single-device reference. More ranks: {launch_hint}")
+
+
+def bubble_row(history: list[dict], args, layout) -> dict:
+    """For the summary: the measured bubble (median over the steps) beside the theory."""
+    measured = sorted(r["bubble_fraction"] for r in history)
+    theory = pipeline_schedules.theory_bubble(args.schedule, layout.pp, layout.microbatches, args.virtual_stages)
+    median = f"{measured[len(measured) // 2]:.3f}" if measured else "-"
+    return {"pipeline bubble: measured (median) / theory": f"{median} / {theory:.3f}"}
 
 
 def write_timeline(path, timeline, rt, log, args, layout) -> None:

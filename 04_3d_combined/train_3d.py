@@ -7,7 +7,7 @@
     python 04_3d_combined/plot_loss.py runs/3d/metrics.jsonl               # the loss curve
 
 The degrees must multiply to the world size; those not given are chosen from it (TP 2, PP 2, DP the rest).
-Chapter 05 adds a fourth dimension, expert parallelism, to this run: 05_moe_expert_parallel/train_4d.py.
+Chapter 05 adds a fourth dimension to this run: 05_moe_expert_parallel/train_4d.py.
 """
 import sys
 from importlib import import_module
@@ -24,8 +24,7 @@ from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import run_main
 from common.mesh import Mesh
 from common.metrics import RunLog
-from common.model import loss_sum
-from common.moe_args import require_dense
+from common.model import dense_preset, loss_sum
 from common.optim import lr_at
 from common.timeline import Timeline
 from common.training import StepTimer, global_sum, resume_state, run_identity, should_save, stop_if_not_finite
@@ -45,7 +44,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    cfg = require_dense(args, "05_moe_expert_parallel/train_4d.py")      # the preset's configuration
+    cfg = dense_preset(args.model, "05_moe_expert_parallel/train_4d.py")   # the preset's configuration
     layout = parallel_3d.decide_layout(args, cfg, env_world_size())      # bad layouts fail here, on every rank
     specs, plan = parallel_3d.plan_pipeline(args, cfg, layout)           # chapter 03: stages and actions
     rt = init_distributed(args.device, args.timeout)
@@ -108,7 +107,7 @@ def main(argv=None) -> list[dict]:
                 log.note(f"checkpoint saved: {checkpoint.save(args.checkpoint_dir, step, full_model, full_optim, run_identity(args))}")
     if args.timeline:
         console_3d.write_timeline(args.timeline, timeline, rt, log, args, layout)
-    log.finish()
+    log.finish(console_3d.bubble_row(log.history, args, layout))
     console_3d.print_sample(log, rt, full_model, cfg, args)
     shutdown(rt)
     return log.history

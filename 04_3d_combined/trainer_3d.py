@@ -16,7 +16,7 @@ Each verb of train_3d.py's loop is one call away from a chapter's collective:
 
 With --zero-stage 1, `Zero1Trainer3D`: the same verbs, with chapter 01's ZeRO-1 over the DP group as
 the optimizer. `build_trainer` chooses, once, before the loop. A later chapter extends `Trainer3D`
-with its dimension (chapter 05: experts, whose gradients sum over another group) and builds it from
+with its dimension (chapter 05: some gradients sum over a group of their own) and builds it from
 the same `build_executor` and `build_adamw_for`.
 """
 from importlib import import_module

@@ -109,7 +109,7 @@ def main(argv=None) -> list[dict]:
                 log.note(f"checkpoint saved: {checkpoint.save(args.checkpoint_dir, step, full_model, full_optim, run_identity(args))}")
     if args.timeline:
         console_3d.write_timeline(args.timeline, timeline, rt, log, args, layout)
-    log.finish()
+    log.finish(console_3d.bubble_row(log.history, args, layout))
     console_3d.print_sample(log, rt, full_model, cfg, args)
     shutdown(rt)
     return log.history

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common.errors import require
 from common.moe_routing import (AddRouterLoss, RouterStats, RoutingOptions, combine_experts, group_by_expert,
                                 route, router_loss)
 
@@ -64,6 +65,15 @@ PRESETS = {
     "small-moe": ModelConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=704, max_seq_len=512,
                              n_experts=16, top_k=2, expert_hidden=352),
 }
+
+
+def dense_preset(name: str, other_script: str) -> ModelConfig:
+    """The configuration of preset `name`, for a script that distributes dense models only; a
+    mixture-of-experts preset is refused, naming the script that distributes it."""
+    cfg = PRESETS[name]
+    require(not cfg.n_experts, f"--model {name} is a mixture of experts, which this script does not "
+                               f"distribute; run it with {other_script}, or use a dense --model")
+    return cfg
 
 
 def count_parameters(cfg: ModelConfig, active: bool = False) -> int:

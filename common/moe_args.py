@@ -42,15 +42,6 @@ def moe_model_config(args) -> ModelConfig:
     return dataclasses.replace(cfg, top_k=top_k) if top_k is not None and cfg.n_experts else cfg
 
 
-def require_dense(args, moe_script: str) -> ModelConfig:
-    """The preset's configuration, for a script that trains dense models only; a mixture-of-experts
-    preset is refused with the script that runs it."""
-    cfg = PRESETS.get(args.model, ModelConfig())
-    require(not cfg.n_experts, f"--model {args.model} is a mixture of experts, which this script does not "
-                               f"distribute; run it with {moe_script}, or use a dense --model")
-    return cfg
-
-
 def expert_parallel_degree(ep: int | None, cfg: ModelConfig, world: int) -> int:
     """--ep, or by default the largest degree dividing both the world size and E (1 for a dense model)."""
     if ep is not None:

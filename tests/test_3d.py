@@ -121,7 +121,8 @@ def test_bad_layouts_are_refused_before_any_communication(monkeypatch, argv, wor
     parallel_3d = import_module("04_3d_combined.parallel_3d")
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         args = train_3d.parse_args(argv + ["--quiet"])
-        parallel_3d.plan_layout(args, PRESETS[args.model], world)
+        layout = parallel_3d.decide_layout(args, PRESETS[args.model], world)
+        parallel_3d.plan_pipeline(args, PRESETS[args.model], layout)
 
 
 def _env(rank, world, port):
