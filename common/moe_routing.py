@@ -18,6 +18,7 @@ one rank from the same numbers whatever the layout, and nothing needs communicat
 """
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -86,10 +87,23 @@ def capacity_mask(chosen, n_experts: int, capacity_factor=None):
     if capacity_factor is None:                                  # dropless: every slot is kept
         return torch.ones_like(chosen, dtype=torch.bool)
     B, S, k = chosen.shape
-    capacity = math.ceil(capacity_factor * S * k / n_experts)
+    capacity = expert_capacity(capacity_factor, S, k, n_experts)
     one_hot = F.one_hot(chosen.reshape(B, S * k), n_experts)     # (B, S·k, E), slots in token order
     place = (one_hot.cumsum(dim=1) * one_hot).sum(dim=-1) - 1    # (B, S·k): 0-based place in its expert's queue
     return (place < capacity).view(B, S, k)                      # (B, S, k)
+
+
+def expert_capacity(capacity_factor: float, S: int, k: int, n_experts: int) -> int:
+    """⌈CF·S·k/E⌉, the slots one expert takes of one sequence, in exact arithmetic.
+
+    In floats the product can land just above a whole number that it equals exactly: 1.1·50·2/10 is
+    11.000000000000002 in float64, so math.ceil gives 12 (and the float 1.1 itself is a little above
+    1.1). CF is read as the decimal the float prints as (str(1.1) == '1.1', the shortest decimal that
+    gives back the same float), which is what a user types on the command line, and the rest is
+    fractions. A CF computed in code rather than typed keeps its own float error in that decimal
+    (0.1 + 0.2 prints as 0.30000000000000004, just above 0.3), so pass CF as the decimal you mean.
+    """
+    return math.ceil(Fraction(str(float(capacity_factor))) * S * k / n_experts)
 
 
 def group_by_expert(routing: Routing, n_experts: int):

@@ -82,6 +82,21 @@ def test_capacity_serves_tokens_in_order_until_full():
     assert capacity_mask(chosen, 3, 1.5).all()                                            # capacity 4: room for all
 
 
+@pytest.mark.parametrize("cf, S, k, E, capacity", [
+    (1.1, 50, 2, 10, 11),     # 1.1·50·2/10 is whole, but 11.000000000000002 in floats: a float ceil says 12
+    (0.55, 100, 2, 10, 11),   # likewise
+    (1.25, 64, 2, 8, 20),     # whole in floats too
+    (1.0, 5, 1, 2, 3),        # ⌈2.5⌉: not whole, so a floor (2) is wrong
+    (0.75, 12, 2, 8, 3),      # ⌈2.25⌉
+])
+def test_capacity_is_the_exact_ceiling(cf, S, k, E, capacity):
+    """Every token of one sequence chooses experts 0..k-1: each of them serves exactly `capacity` tokens,
+    the first ones, and drops the rest."""
+    chosen = torch.arange(k).expand(1, S, k)                                              # (1, S, k)
+    keep = capacity_mask(chosen, E, cf)
+    assert keep[0].tolist() == [[True] * k] * capacity + [[False] * k] * (S - capacity)
+
+
 def test_capacity_groups_are_sequences():
     chosen = torch.zeros(3, 4, 1, dtype=torch.long)                                       # everyone picks expert 0
     keep = capacity_mask(chosen, 2, 1.0)                                                   # capacity ⌈4/2⌉ = 2
@@ -97,6 +112,8 @@ def test_a_token_with_every_slot_dropped_passes_through_the_residual_only():
     x = torch.randn(1, 8, CFG.dim)
     y = moe(x)
     routing = route(x, moe.router, moe.selection_bias, CFG.top_k, 1e-9)
+    # capacity 1, not 0: each chosen expert serves its first slot (a capacity of 0 would drop everything)
+    assert routing.keep.any() and routing.keep.sum() == routing.experts.unique().numel()
     dropped_tokens = (~routing.keep).all(dim=1)
     assert dropped_tokens.any()
     assert torch.equal(y[0, dropped_tokens], torch.zeros_like(y[0, dropped_tokens]))
