@@ -141,7 +141,7 @@ class AddRouterLoss(torch.autograd.Function):
     Calling backward on the language-model loss then trains the router as if `loss` had been added to
     the objective. Adding it here instead of at the end means nothing else has to collect the layers'
     terms: gradient accumulation, and pipeline stages that run several micro-batches' forwards before
-    their backwards, need no change. The metrics report the terms from RouterStats.
+    their backwards, need no change. The metrics report the terms from each layer's RoutingTally.
     """
 
     @staticmethod
@@ -154,9 +154,10 @@ class AddRouterLoss(torch.autograd.Function):
         return grad_y, torch.ones(ctx.loss_shape, device=grad_y.device)
 
 
-class RouterStats:
-    """What one layer's router did since the last reset (one optimizer step): for the metrics and for
-    the bias update. Summed over this rank's micro-batches; the trainer sums it over all ranks."""
+class RoutingTally:
+    """One layer's running counts of this step's routing on this rank (every micro-batch since the last
+    reset): slots per expert, dropped slots, and the sums behind the aux and z losses. For the metrics
+    and the bias update; the trainer sums every layer's tally over all ranks once per step."""
 
     def __init__(self, n_experts: int):
         self.n_experts = n_experts
