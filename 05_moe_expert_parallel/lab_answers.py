@@ -3,11 +3,14 @@
     python 05_moe_expert_parallel/lab_answers.py          # runs every command of LAB.md
 """
 import math
+import re
+import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
 from common.lab_key import Edit, Key, table  # noqa: E402
+from common.model import PRESETS, count_parameters  # noqa: E402
 
 CH = "05_moe_expert_parallel"
 SMALL = "--steps 10 --seq-len 32 --global-batch 8"
@@ -16,8 +19,29 @@ M5 = [f"python 05_moe_expert_parallel/train_moe.py {SMALL} --metrics /tmp/m5_1.j
       f"torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py {SMALL} --ep 2 --metrics /tmp/m5_22.jsonl --quiet"]
 M6 = f"python 05_moe_expert_parallel/train_moe.py {SMALL} --microbatches 2 --metrics /tmp/m6_mb2.jsonl --quiet"
 M6_CMP = "python -m common.compare_metrics /tmp/m5_1.jsonl /tmp/m6_mb2.jsonl /tmp/m5_4.jsonl --key aux_loss"
+GAMMAS = ("0.005", "0.02", "0.05")
+M9_RUNS = ("for g in 0.005 0.02 0.05; do python 05_moe_expert_parallel/train_moe.py --steps 50 --seq-len 64 "
+           "--global-batch 16 --aux-loss-coef 0 --router-bias-rate $g --metrics /tmp/m9_$g.jsonl --quiet; done")
+M9_PLOT = ("python 05_moe_expert_parallel/plot_expert_load.py /tmp/m9_gamma.png "
+           + " ".join(f"gamma{g}=/tmp/m9_{g}.jsonl" for g in GAMMAS))
 BIAS_KEYS = ('python -c "import torch; print([k for k in torch.load(\'/tmp/ck5/step_000005.pt\')[\'model\'] '
              'if \'bias\' in k])"')
+
+
+def parameter_arithmetic() -> str:
+    """M1's sums, from the presets (and checked against count_parameters)."""
+    tiny, moe = PRESETS["tiny"], PRESETS["tiny-moe"]
+    D, L, E, k, F, H = moe.dim, moe.n_layers, moe.n_experts, moe.top_k, tiny.ffn_hidden, moe.expert_hidden
+    dense, expert, router = L * 3 * D * F, 3 * D * H, D * E
+    total = count_parameters(tiny) - dense + L * (E * expert + router)
+    active = count_parameters(tiny) - dense + L * (k * expert + router)
+    assert (total, active) == (count_parameters(moe), count_parameters(moe, active=True))
+    same = "exactly" if k * H == F else "almost"
+    return f"""Total: tiny's {count_parameters(tiny):,} − its {L} dense SwiGLUs ({L} · 3 · {D} · {F} = {dense:,}) + {L} layers
+× ({E} experts × 3 · {D} · {H} + a {D} × {E} router) = {total:,}. Active per token: the same with {k}
+experts instead of {E} per layer, {active:,}: tiny's dense MLP (hidden {F}) has {same} the parameters of
+{k} experts of hidden {H} ({k} · {H} = {k * H}), so the difference from tiny is the routers, {L} · {router:,} =
+{active - count_parameters(tiny):,}. With `--top-k 1`: one expert per layer, {L} · 3 · {D} · {H} = {L * expert:,} fewer."""
 
 
 def part_one(key: Key) -> None:
@@ -27,13 +51,10 @@ def part_one(key: Key) -> None:
 {m1}
 ```
 
-Total: tiny's 1,640,576 − its 8 dense SwiGLUs (8 · 3 · 128 · 352 = 1,081,344) + 8 layers × (8 experts
-× 3 · 128 · 192 + a 128 × 8 router) = 5,187,712. Active per token: the same with 2 experts instead of
-8 per layer, 1,648,768: tiny's dense MLP (hidden 352) has almost the parameters of two experts of
-hidden 192 (2 · 192 = 384), plus the routers (8 · 1,024 = 8,192). With `--top-k 1`: one expert per
-layer, 8 · 3 · 128 · 192 = 589,824 fewer. With k = 1 the single gate, renormalised over one chosen
-expert, is always 1: the LM loss has no path to the router's probabilities, which then learn only
-from the balance and z losses (the comment on the gates in `route`).""")
+{parameter_arithmetic()}
+With k = 1 the single gate, renormalised over one chosen expert, is always 1: the LM loss has no
+path to the router's probabilities, which then learn only from the balance and z losses (the comment
+on the gates in `route`).""")
 
     key.run("python 05_moe_expert_parallel/train_moe.py --steps 1 --metrics /tmp/m2.jsonl --quiet")
     row = key.rows("/tmp/m2.jsonl")[0]
@@ -46,8 +67,10 @@ have high mean probability (large Pᵢ); at step 1 the router is not exactly uni
 correlate with the probabilities, so it is a little above. The gradient flows only through Pᵢ
 (fᵢ is a count of argmax choices: not differentiable), and ∂/∂Pᵢ = α·E·fᵢ: the expert chosen more
 often than its share gets the larger push *down* on its probability, so its share falls. The
-tests' three closed forms (`tests/test_moe.py`): uniform routing gives α; every token on one
-expert gives α·E; and the per-sequence definition, whatever the split of the batch.""")
+closed forms in `tests/test_moe.py`: uniform routing gives exactly 1 per sequence (α per layer), and a
+whole model with zero routers gives α·L and β·L·(ln E)² (`tests/test_moe_ep.py` checks the same
+numbers in what `train_moe.py` reports); every token on one expert gives E·P₀ (towards E as P₀ → 1);
+and the per-sequence definition, whatever the split of the batch.""")
 
     key.section("M3 — capacity by hand", """
 Capacity = ⌈0.75 · 4 · 2 / 3⌉ = ⌈2⌉ = 2 slots per expert. In order: token 0 takes expert 0 (1/2) and
@@ -57,7 +80,22 @@ test asserts. With factor 0.375 the capacity is ⌈1⌉ = 1: token 0 gets 0 and 
 full and passes through the block on the residual alone; token 2 gets 2 only, token 3 nothing.""")
 
 
-def part_two(key: Key) -> None:
+def control_reading(parted: dict) -> str:
+    """What M5's control shows, from its numbers: {"4", "22", "mb2"} -> compare_metrics summaries."""
+    first = {name: d["first_above_tol"] for name, d in parted.items()}
+    largest = ", ".join(f"{d['max']:.1e}" for d in parted.values())
+    if first["mb2"] is None:
+        return (f"Here the control stayed within 1e-5 for all 50 steps (largest differences, EP 4, EP 2 × DP 2, "
+                f"control: {largest}): whether a run meets a near-tie is chance, and this one did not.")
+    return (f"What to compare on any machine: the first step above 1e-5 is {first['4'] or 'none'} for EP 4, "
+            f"{first['22'] or 'none'} for EP 2 × DP 2 and {first['mb2']} for the control, the largest differences "
+            f"{largest}. The single device with no parallelism at all parts from itself too, as soon as its "
+            f"gradient is summed in two parts instead of one: expert parallelism is not to blame.")
+
+
+def part_two(key: Key) -> float:
+    """Returns the largest relative loss difference of M5's 50-step runs from one device: how far runs
+    part with no change at all (M9 compares its losses with it)."""
     out = key.run("torchrun --nproc_per_node=8 05_moe_expert_parallel/train_moe.py --ep 4 --steps 1").out
     start = next((i for i, line in enumerate(out.splitlines()) if "mixture of experts" in line), 0)
     config = "\n".join(out.splitlines()[start:start + 30])
@@ -86,6 +124,7 @@ over all 8 ranks.""")
     pair = key.worst("/tmp/m5d_4.jsonl", "/tmp/m5d_22.jsonl")
     key.run("python 05_moe_expert_parallel/train_moe.py --microbatches 2 --metrics /tmp/m5d_mb2.jsonl --quiet")
     control = key.run("python -m common.compare_metrics /tmp/m5d_1.jsonl /tmp/m5d_mb2.jsonl", check=False)
+    parted = {name: key.worst("/tmp/m5d_1.jsonl", f"/tmp/m5d_{name}.jsonl") for name in ("4", "22", "mb2")}
     lines = "\n".join(f"- `{k}`: exit {r.code}; " + "; ".join(r.line_with(f"{n}.jsonl: max") for n in ("m5_4", "m5_22"))
                       for k, r in cmps.items())
     key.section("M5 — the same losses", f"""
@@ -100,15 +139,17 @@ Default run (50 steps, 16 × 128): exit {default.code};
 - The control, 1 rank with 2 micro-batches against 1 rank: exit {control.code};
   {control.line_with("m5d_mb2.jsonl: max")}
 
+These 50-step numbers are this machine's: another CPU orders its float32 additions differently and
+meets its first near-tie at another step (the README's machine: step 13, largest 7.4e-3; another x86
+CPU: step 10, 1.7e-2). {control_reading(parted)}
+
 Routing is discrete: a token goes to the experts with the two largest probabilities. When two
 probabilities are nearly tied, a round-off difference (another order of summation) can flip the
 choice; from then on the two runs compute different functions for that token, and the difference
 is no longer round-off (README section 8). A dense model has no such discontinuity, so its
-differences stay round-off-sized. Expert parallelism is not to blame: the single device parts from
-itself by as much once its gradient is summed in two parts instead of one, and the two 4-rank
-layouts part from each other as they do from the single device. Any change in the order of the
-float32 additions (a layout, accumulation, another version of the code) moves the first near-tie's
-outcome, and after it the runs are different, equally good runs.""")
+differences stay round-off-sized. Any change in the order of the float32 additions (a layout,
+accumulation, another version of the code) moves the first near-tie's outcome, and after it the runs
+are different, equally good runs.""")
 
     key.run(M6)
     mb = key.run(M6_CMP, check=False)
@@ -156,11 +197,74 @@ dispatch sends only the kept ones), so the bytes fall with the dropped share."""
 
 Experts are split over the EP group (E/ep per rank); everything else (attention, norms, embedding,
 head, routers: 1,876,480 bytes) is replicated on every rank, as in data parallelism.""")
+    return max(d["max"] for d in parted.values())
 
 
-def part_three(key: Key) -> None:
-    load = key.bench("python 05_moe_expert_parallel/bench_moe.py --only load", f"{CH}/results/load_balance.md")
-    capacity = key.bench("python 05_moe_expert_parallel/bench_moe.py --only capacity", f"{CH}/results/capacity.md")
+def results_text(text: str) -> str:
+    """A results/ file as the key shows it: its relative links rewritten to resolve from the chapter."""
+    return re.sub(r"\]\((?![a-z]+:|/|#)([^)]+)\)", r"](results/\1)", text)
+
+
+def table_rows(markdown: str) -> list[dict]:
+    """The rows of the (first) markdown table in `markdown`, as {column header: cell}."""
+    lines = [line.strip().strip("|") for line in markdown.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].split("|")]
+    return [dict(zip(header, (cell.strip() for cell in line.split("|")))) for line in lines[2:]]
+
+
+def loss_reading(load_md: str, spread: float) -> str:
+    """M9: the balanced runs' losses against no balancing, weighed against how far runs part anyway."""
+    rows = table_rows(load_md)
+    column = next(h for h in rows[0] if h.startswith("loss at step"))
+    base = float(rows[0][column])
+    diffs = {row["run"]: float(row[column]) / base - 1 for row in rows[1:]}
+    said = "; ".join(f"{run}: {d:+.1e}" for run, d in diffs.items())
+    larger = [run for run, d in diffs.items() if abs(d) > spread]
+    verdict = (f"{' and '.join(larger)} by more than that: a difference these runs really make, though one "
+               f"50-step run per method says little about the method" if larger else
+               "none by more than that: over 50 steps, neither way of balancing has a visible cost in loss")
+    return (f"The {column}, relative to no balancing: {said}. M5's runs, which differ only in the order of "
+            f"float32 additions, parted by up to {spread:.1e}; here {verdict}.")
+
+
+def swing(rows: list[dict]) -> float:
+    """How much an expert's load changes from one step to the next, in fair shares (the layer's mean
+    load), averaged over layers, experts and the second half of the run."""
+    half = rows[len(rows) // 2 - 1:]
+    changes = [abs(a - b) / (sum(now) / len(now))
+               for before, after in zip(half, half[1:])
+               for was, now in zip(before["expert_load"], after["expert_load"]) for a, b in zip(now, was)]
+    return statistics.mean(changes)
+
+
+def gamma_reading(key: Key) -> str:
+    """M9's γ sweep: how even the load ends, how fast it got there, how much it swings."""
+    runs = {g: key.rows(f"/tmp/m9_{g}.jsonl") for g in GAMMAS}
+    end = {g: statistics.mean(r["max_over_mean_load"] for r in rows[-10:]) for g, rows in runs.items()}
+    early = {g: rows[9]["max_over_mean_load"] for g, rows in runs.items()}
+    swings = {g: swing(rows) for g, rows in runs.items()}
+    rows = [[g, f"{early[g]:.2f}", f"{end[g]:.2f}", f"{swings[g]:.2f}", f"{runs[g][-1]['loss']:.4f}"] for g in GAMMAS]
+    grows = [swings[g] for g in GAMMAS] == sorted(swings.values())
+    evenest = [g for g in GAMMAS if end[g] <= min(end.values()) + 0.05]          # within 0.05: a tie
+    return (table(["γ", "max/mean at step 10", "max/mean, mean of the last 10 steps",
+                   "step-to-step swing of an expert's load (fair shares)", "loss at step 50"], rows) + f"""
+
+Most even over the last 10 steps: γ = {" and ".join(evenest)}{" (about equally)" * (len(evenest) > 1)};
+the largest swing: γ = {max(swings, key=swings.get)}. """ +
+            ("The swing grows with γ: every step moves each bias by ±γ whatever the size of the imbalance, so a "
+             "larger γ overshoots further each time. A smaller γ swings less, but needs more steps to undo an "
+             "imbalance: a bias moves by at most γ per step." if grows else
+             "Here the swing does not grow steadily with γ: with 50 steps and one run each, how far a bias "
+             "overshoots also depends on where the loads happen to be; the plot shows it expert by expert."))
+
+
+def part_three(key: Key, spread: float) -> None:
+    load = results_text(key.bench("python 05_moe_expert_parallel/bench_moe.py --only load",
+                                  f"{CH}/results/load_balance.md"))
+    capacity = results_text(key.bench("python 05_moe_expert_parallel/bench_moe.py --only capacity",
+                                      f"{CH}/results/capacity.md"))
+    key.run(M9_RUNS)
+    key.run(M9_PLOT)
     key.section("M9 — collapse", f"""
 What `bench_moe.py --only load` wrote:
 
@@ -168,11 +272,14 @@ What `bench_moe.py --only load` wrote:
 
 Without balancing, routing collapses: an expert that wins a few tokens early gets trained on them,
 becomes better at them, and wins more (rich get richer). The aux loss pushes the probability of
-over-used experts down and keeps the load near even at no visible cost in LM loss over 50 steps.
+over-used experts down and keeps the load nearer even. {loss_reading(load, spread)}
+
 The bias controller adds γ·sign(target − load) to each expert's selection bias every step: it never
-settles, it oscillates around the target by ±γ, so an expert flips between over- and under-loaded
-from step to step, hence the checkerboard. A smaller γ oscillates less but reacts slower; a larger
-one reacts fast and oscillates more.""")
+settles, it moves around the target by ±γ, so an expert flips between over- and under-loaded from
+step to step, hence the checkerboard. The three γ (`/tmp/m9_gamma.png` draws them as the benchmark's
+plot does):
+
+{gamma_reading(key)}""")
     key.section("M10 — dropped tokens", f"""
 What `bench_moe.py --only capacity` wrote:
 
@@ -211,8 +318,8 @@ def main() -> None:
     key.names("common/moe_routing.py", "def route")
     key.names("common/model.py", 'register_buffer("selection_bias"')
     part_one(key)
-    part_two(key)
-    part_three(key)
+    spread = part_two(key)
+    part_three(key, spread)
     key.write()
 
 

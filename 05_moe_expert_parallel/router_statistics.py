@@ -1,6 +1,6 @@
 """A step's router statistics, summed over every rank: the same numbers in every layout.
 
-Per MoE layer, a step's routing leaves one row of E + 3 numbers (`RouterStats.as_row`): the slots
+Per MoE layer, a step's routing leaves one row of E + 3 numbers (`RoutingTally.as_row`): the slots
 each expert received, the dropped slots, and the sums behind the aux and z losses. The metrics report
 them, and bias balancing (--router-bias-rate) updates each layer's selection bias from them. Each rank
 routed only its own rows, so the step's numbers are a sum over ranks: one all-reduce of the (L, E + 3)

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.errors import require
-from common.moe_routing import (AddRouterLoss, RouterStats, RoutingOptions, combine_experts, group_by_expert,
+from common.moe_routing import (AddRouterLoss, RoutingOptions, RoutingTally, combine_experts, group_by_expert,
                                 route, router_loss)
 
 
@@ -182,7 +182,7 @@ class MoEFeedForward(nn.Module):
         # the state dict so a resumed run continues with it.
         self.register_buffer("selection_bias", torch.zeros(cfg.n_experts))
         self.options = RoutingOptions()         # dropless, no balancing terms, until a training run sets them
-        self.stats = RouterStats(cfg.n_experts)
+        self.stats = RoutingTally(cfg.n_experts)   # this step's routing on this rank: metrics, bias update
 
     def forward(self, x):                                    # (B, S, D) -> (B, S, D)
         B, S, D = x.shape
@@ -197,7 +197,7 @@ class MoEFeedForward(nn.Module):
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
     """Every mixture-of-experts layer of a model (single-device or expert-parallel: both keep `stats`)."""
-    return [m for m in model.modules() if isinstance(getattr(m, "stats", None), RouterStats)]
+    return [m for m in model.modules() if isinstance(getattr(m, "stats", None), RoutingTally)]
 
 
 class Block(nn.Module):

@@ -18,6 +18,7 @@ one rank from the same numbers whatever the layout, and nothing needs communicat
 """
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -86,10 +87,23 @@ def capacity_mask(chosen, n_experts: int, capacity_factor=None):
     if capacity_factor is None:                                  # dropless: every slot is kept
         return torch.ones_like(chosen, dtype=torch.bool)
     B, S, k = chosen.shape
-    capacity = math.ceil(capacity_factor * S * k / n_experts)
+    capacity = expert_capacity(capacity_factor, S, k, n_experts)
     one_hot = F.one_hot(chosen.reshape(B, S * k), n_experts)     # (B, S·k, E), slots in token order
     place = (one_hot.cumsum(dim=1) * one_hot).sum(dim=-1) - 1    # (B, S·k): 0-based place in its expert's queue
     return (place < capacity).view(B, S, k)                      # (B, S, k)
+
+
+def expert_capacity(capacity_factor: float, S: int, k: int, n_experts: int) -> int:
+    """⌈CF·S·k/E⌉, the slots one expert takes of one sequence, in exact arithmetic.
+
+    In floats the product can land just above a whole number that it equals exactly: 1.1·50·2/10 is
+    11.000000000000002 in float64, so math.ceil gives 12 (and the float 1.1 itself is a little above
+    1.1). CF is read as the decimal the float prints as (str(1.1) == '1.1', the shortest decimal that
+    gives back the same float), which is what a user types on the command line, and the rest is
+    fractions. A CF computed in code rather than typed keeps its own float error in that decimal
+    (0.1 + 0.2 prints as 0.30000000000000004, just above 0.3), so pass CF as the decimal you mean.
+    """
+    return math.ceil(Fraction(str(float(capacity_factor))) * S * k / n_experts)
 
 
 def group_by_expert(routing: Routing, n_experts: int):
@@ -127,7 +141,7 @@ class AddRouterLoss(torch.autograd.Function):
     Calling backward on the language-model loss then trains the router as if `loss` had been added to
     the objective. Adding it here instead of at the end means nothing else has to collect the layers'
     terms: gradient accumulation, and pipeline stages that run several micro-batches' forwards before
-    their backwards, need no change. The metrics report the terms from RouterStats.
+    their backwards, need no change. The metrics report the terms from each layer's RoutingTally.
     """
 
     @staticmethod
@@ -140,9 +154,10 @@ class AddRouterLoss(torch.autograd.Function):
         return grad_y, torch.ones(ctx.loss_shape, device=grad_y.device)
 
 
-class RouterStats:
-    """What one layer's router did since the last reset (one optimizer step): for the metrics and for
-    the bias update. Summed over this rank's micro-batches; the trainer sums it over all ranks."""
+class RoutingTally:
+    """One layer's running counts of this step's routing on this rank (every micro-batch since the last
+    reset): slots per expert, dropped slots, and the sums behind the aux and z losses. For the metrics
+    and the bias update; the trainer sums every layer's tally over all ranks once per step."""
 
     def __init__(self, n_experts: int):
         self.n_experts = n_experts

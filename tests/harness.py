@@ -8,6 +8,9 @@ comes back per rank:
     results = run_group(4, [("01_data_parallel.train_dp:main", ["--steps", "3", "--quiet"])])
     results[job][rank] -> ("ok", value) | ("config_error", message) | ("error", traceback text)
 
+A rank that raised skips its remaining jobs; each of them reports the traceback that stopped it.
+`ok` and `every_rank` fail with the ranks' tracebacks in the message.
+
 The training scripts' `main(argv)` joins the existing process group instead of creating one, so the
 same function a user runs under torchrun runs here.
 """
@@ -99,9 +102,15 @@ def run_group(world: int, jobs: list, timeout_s: float | None = None) -> list[li
             if p.is_alive():
                 p.kill()
         shutil.rmtree(store_dir, ignore_errors=True)
-    n = max(len(v) for v in per_rank.values())
-    return [[per_rank[r][j] if j < len(per_rank[r]) else ("error", "not run") for r in range(world)]
-            for j in range(n)]
+    return [[per_rank[r][j] if j < len(per_rank[r]) else _not_run(jobs, per_rank[r]) for r in range(world)]
+            for j in range(len(jobs))]
+
+
+def _not_run(jobs: list, done: list) -> tuple:
+    """The result of a job that a rank skipped because an earlier job raised: that job's traceback, so
+    whichever test reads a later job shows the real error."""
+    failed = len(done) - 1
+    return "error", f"not run: this rank stopped at job {failed} ({jobs[failed][0]}) with\n{done[failed][1]}"
 
 
 def ok(results_for_job: list):
@@ -111,15 +120,23 @@ def ok(results_for_job: list):
 
 def every_rank(results_for_job: list) -> list:
     """The value of a job on every rank (for checks where ranks hold different things)."""
-    for rank, (kind, value) in enumerate(results_for_job):
-        assert kind == "ok", f"rank {rank}: {kind}: {value}"
+    raise_rank_errors(results_for_job, expected="ok")
     return [value for _, value in results_for_job]
+
+
+def raise_rank_errors(results_for_job: list, expected: str) -> None:
+    """Fail with every rank's own message (a traceback, as the rank printed it) where a rank's result is
+    not `expected`: the test's failure then shows the real error, not a later symptom of it."""
+    wrong = [(rank, kind, value) for rank, (kind, value) in enumerate(results_for_job) if kind != expected]
+    if wrong:
+        raise AssertionError(f"expected {expected!r} on every rank; got:\n" +
+                             "\n".join(f"--- rank {rank}: {kind} ---\n{value}" for rank, kind, value in wrong))
 
 
 def assert_one_config_error(results_for_job: list, expected: str) -> None:
     """Bad input: every rank stopped on a configuration error, all with the same message, which
     contains `expected`."""
-    assert all(status == "config_error" for status, _ in results_for_job), results_for_job
+    raise_rank_errors(results_for_job, expected="config_error")
     messages = {message for _, message in results_for_job}
     assert len(messages) == 1 and expected in messages.pop(), messages
 

@@ -10,7 +10,7 @@ from common.cli import Parser
 from common.errors import ConfigError
 from common.model import (PRESETS, ModelConfig, MoEFeedForward, SwiGLU, Transformer, build_model, count_parameters,
                           moe_layers)
-from common.moe_args import add_moe_args, check_moe_args, expert_parallel_degree, moe_model_config
+from common.moe_args import add_moe_args, check_moe_args, expert_parallel_degree, moe_model_config, routing_options
 from common.moe_routing import (AddRouterLoss, RoutingOptions, capacity_mask, combine_experts, group_by_expert, route,
                                 update_selection_bias)
 
@@ -44,6 +44,24 @@ def test_uniform_routing_gives_an_aux_loss_of_exactly_one():
     r = route(x, router, torch.zeros(4), top_k=2)
     assert r.aux_sum.item() == pytest.approx(3.0, abs=1e-6)                            # 3 sequences × 1
     assert r.z_sum.item() == pytest.approx(15 * math.log(4) ** 2, rel=1e-6)             # logsumexp(0⁴) = log 4
+
+
+def test_balancing_terms_of_a_model_with_zero_routers_are_alpha_and_beta_ln_e_squared_per_layer():
+    """The scale of both terms, with the weights the training scripts give them (routing_options: α per
+    sequence, β per token). Zero router weights make every logit 0 and every probability exactly 1/E, so
+    per layer E·Σᵢ fᵢPᵢ = Σᵢ fᵢ = 1 whichever experts top-k picks among the ties (the fᵢ are shares of
+    the sequence's S·k slots, k distinct experts per token), and logsumexp(0, ..., 0) = ln E per token:
+    the L layers add α·L and β·L·(ln E)² to the objective."""
+    cfg = PRESETS["tiny-moe"]
+    model = build_model(cfg, seed=0)
+    for layer in moe_layers(model):
+        layer.router.weight.data.zero_()
+        layer.options = routing_options(parse_args([]), sequences_per_step=4, seq_len=32)
+    model(torch.randint(0, cfg.vocab_size, (4, 32)))
+    aux = sum(layer.options.aux_weight * layer.stats.aux_sum.item() for layer in moe_layers(model))
+    z = sum(layer.options.z_weight * layer.stats.z_sum.item() for layer in moe_layers(model))
+    assert aux == pytest.approx(0.01 * cfg.n_layers, rel=1e-6)                          # the default α
+    assert z == pytest.approx(0.001 * cfg.n_layers * math.log(cfg.n_experts) ** 2, rel=1e-6)   # the default β
 
 
 def test_aux_loss_closed_form_when_one_expert_takes_everything():
@@ -82,6 +100,21 @@ def test_capacity_serves_tokens_in_order_until_full():
     assert capacity_mask(chosen, 3, 1.5).all()                                            # capacity 4: room for all
 
 
+@pytest.mark.parametrize("cf, S, k, E, capacity", [
+    (1.1, 50, 2, 10, 11),     # 1.1·50·2/10 is whole, but 11.000000000000002 in floats: a float ceil says 12
+    (0.55, 100, 2, 10, 11),   # likewise
+    (1.25, 64, 2, 8, 20),     # whole in floats too
+    (1.0, 5, 1, 2, 3),        # ⌈2.5⌉: not whole, so a floor (2) is wrong
+    (0.75, 12, 2, 8, 3),      # ⌈2.25⌉
+])
+def test_capacity_is_the_exact_ceiling(cf, S, k, E, capacity):
+    """Every token of one sequence chooses experts 0..k-1: each of them serves exactly `capacity` tokens,
+    the first ones, and drops the rest."""
+    chosen = torch.arange(k).expand(1, S, k)                                              # (1, S, k)
+    keep = capacity_mask(chosen, E, cf)
+    assert keep[0].tolist() == [[True] * k] * capacity + [[False] * k] * (S - capacity)
+
+
 def test_capacity_groups_are_sequences():
     chosen = torch.zeros(3, 4, 1, dtype=torch.long)                                       # everyone picks expert 0
     keep = capacity_mask(chosen, 2, 1.0)                                                   # capacity ⌈4/2⌉ = 2
@@ -97,6 +130,8 @@ def test_a_token_with_every_slot_dropped_passes_through_the_residual_only():
     x = torch.randn(1, 8, CFG.dim)
     y = moe(x)
     routing = route(x, moe.router, moe.selection_bias, CFG.top_k, 1e-9)
+    # capacity 1, not 0: each chosen expert serves its first slot (a capacity of 0 would drop everything)
+    assert routing.keep.any() and routing.keep.sum() == routing.experts.unique().numel()
     dropped_tokens = (~routing.keep).all(dim=1)
     assert dropped_tokens.any()
     assert torch.equal(y[0, dropped_tokens], torch.zeros_like(y[0, dropped_tokens]))
@@ -166,11 +201,15 @@ def test_dense_configs_build_the_dense_model():
 
 # --- the flags -------------------------------------------------------------------------------------
 
-def parse(argv, world=4):
+def parse_args(argv):
     p = Parser()                                    # the scripts' parser: it tells each flag's domain its name
     p.add_argument("--model", default="tiny-moe")
     add_moe_args(p)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def parse(argv, world=4):
+    args = parse_args(argv)
     cfg = moe_model_config(args)
     ep = expert_parallel_degree(args.ep, cfg, world)
     check_moe_args(args, cfg, world, ep)

@@ -1,12 +1,14 @@
 """Chapter 05 expert parallelism: every layout reproduces the single-device mixture of experts.
 
 One spawned group per world size (1, 2, 4) runs, in order: the all-to-all operator against closed-form
-values; the expert-parallel layer against the single-device layer (outputs and gradients); the (dp, ep)
-mesh against torch's DeviceMesh; train_moe.py in every routing mode (dropless, capacity factor, bias
-balancing) at EP 2, EP 4 and EP 2 × DP 2; resume into another --ep; and bad input on every rank (and
-once under the real launcher).
+values and gradients (equal and unequal split sizes); the expert-parallel layer against the
+single-device layer (outputs and gradients); the (dp, ep) mesh against torch's DeviceMesh; train_moe.py
+in every routing mode (dropless, capacity factor, bias balancing) at EP 2, EP 4 and EP 2 × DP 2; resume
+into another --ep; and bad input on every rank (and once under the real launcher). World size 1 also
+checks the reported aux_loss and z_loss against their closed form at uniform routing.
 """
 import copy
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from common.model import PRESETS
 from harness import ROOT, assert_one_config_error, assert_same_run, every_rank, losses, max_rel_diff, ok, run_group
 
 TRAIN = "05_moe_expert_parallel.train_moe:main"
@@ -29,6 +32,7 @@ RUNS = {2: {"ep2 dropless": ("dropless", ["--ep", "2"]), "ep2 capacity": ("capac
             "ep2×dp2 dropless, 2 micro-batches": ("dropless", ["--ep", "2", "--microbatches", "2"]),
             "ep4 capacity": ("capacity", ["--ep", "4"]),
             "ep2×dp2 bias": ("bias", ["--ep", "2"])}}
+UNIFORM = ["--aux-loss-coef", "0.01", "--z-loss-coef", "0.001"]        # α and β for the zero-router run
 BAD = {"experts": (["--ep", "3"], "the model's 8 experts do not split over --ep 3"),
        "world": (["--ep", "4"], "--ep 4 does not divide the world size 2"),
        "top-k": (["--top-k", "9"], "--top-k 9 must be between 1 and the model's 8 experts"),
@@ -62,6 +66,33 @@ def all_to_all_operator() -> bool:
     counts = torch.arange(2 * n) + 10 * r                                  # 2 experts per rank
     assert moe_dispatch.exchange_counts(counts, n, dist.group.WORLD).tolist() == [[10 * s + 2 * r, 10 * s + 2 * r + 1]
                                                                               for s in range(n)]
+    return True
+
+
+def all_to_all_asymmetric() -> bool:
+    """Rank r sends (r+1)(j+2) rows to rank j and receives (s+1)(r+2) from rank s: every pair of ranks
+    exchanges unequal numbers of rows, so a backward that sent the gradients back with the forward's
+    split sizes would fail. Row i of the block from s to r is (s, r, i), on both ranks; the loss weighs
+    it by c(s, r, i) = 100·r + 10·s + i + 1, so each sent row's gradient is c of its own values: a
+    closed form on the sender, with no second exchange to compute it."""
+    import torch
+    import torch.distributed as dist
+    from common import comm
+    moe_dispatch = import_module("05_moe_expert_parallel.moe_dispatch")
+    r, n = dist.get_rank(), dist.get_world_size()
+    send = [(r + 1) * (j + 2) for j in range(n)]
+    recv = [(s + 1) * (r + 2) for s in range(n)]
+    block = lambda src, dst, count: torch.stack([torch.full((count,), float(src)), torch.full((count,), float(dst)),
+                                                 torch.arange(count, dtype=torch.float)], dim=1)    # (count, 3)
+    c = lambda t: (100 * t[:, 1] + 10 * t[:, 0] + t[:, 2] + 1).unsqueeze(1).expand(-1, 3)           # (rows, 3)
+    rows = torch.cat([block(r, j, send[j]) for j in range(n)]).requires_grad_(True)               # (N, 3)
+    comm.COUNTER.reset()
+    got = moe_dispatch.all_to_all(rows, recv, send, dist.group.WORLD)                             # (M, 3)
+    assert torch.equal(got, torch.cat([block(s, r, recv[s]) for s in range(n)]))
+    (got * c(got.detach())).sum().backward()
+    assert torch.equal(rows.grad, c(rows.detach()))
+    # bytes: the rows that leave this rank, forward (send) and backward (recv), 3 floats each
+    assert comm.COUNTER.sent["ep"] == ((sum(send) - send[r]) + (sum(recv) - recv[r])) * 3 * 4
     return True
 
 
@@ -123,6 +154,25 @@ def mesh_matches_device_mesh(shapes) -> bool:
     return True
 
 
+def first_step_with_zero_routers(argv) -> dict:
+    """train_moe.py's first metrics row with every router weight zero, so that step 1 routes uniformly."""
+    import common.model
+    init_weights = common.model.init_weights
+
+    def then_zero_routers(model, seed):
+        init_weights(model, seed)
+        for name, p in model.named_parameters():
+            if name.endswith("router.weight"):
+                p.data.zero_()
+        return model
+
+    common.model.init_weights = then_zero_routers            # build_model calls it by this name
+    try:
+        return import_module("05_moe_expert_parallel.train_moe").main(argv)[0]
+    finally:
+        common.model.init_weights = init_weights
+
+
 def point_latest_at(directory: str, name: str) -> None:
     import torch.distributed as dist
     if dist.get_rank() == 0:
@@ -134,8 +184,10 @@ def point_latest_at(directory: str, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def reference():
-    names = list(MODES) + ["dropless, 2 micro-batches"]
-    jobs = [(TRAIN, BASE + flags) for flags in MODES.values()] + [(TRAIN, BASE + ["--microbatches", "2"])]
+    names = list(MODES) + ["dropless, 2 micro-batches", "zero routers, step 1"]
+    jobs = [(TRAIN, BASE + flags) for flags in MODES.values()] + [(TRAIN, BASE + ["--microbatches", "2"]),
+                                                                  ("test_moe_ep:first_step_with_zero_routers",
+                                                                   BASE + ["--steps", "1"] + UNIFORM)]
     return {name: ok(res) for name, res in zip(names, run_group(1, jobs))}
 
 
@@ -144,7 +196,7 @@ def groups(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("moe_ckpt"))
     out = {}
     for world in (2, 4):
-        jobs = {"a2a": ("test_moe_ep:all_to_all_operator",)}
+        jobs = {"a2a": ("test_moe_ep:all_to_all_operator",), "a2a asymmetric": ("test_moe_ep:all_to_all_asymmetric",)}
         for ep in sorted({2, world}):
             for cf, bias in ((None, False), (0.75, True)):
                 jobs[f"layer ep{ep} cf={cf} bias={bias}"] = ("test_moe_ep:layer_matches_single_device", ep, cf, bias)
@@ -169,6 +221,7 @@ def groups(tmp_path_factory):
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_to_all_and_mesh(groups, world):
     assert ok(groups[world]["a2a"]) is True
+    assert ok(groups[world]["a2a asymmetric"]) is True
     assert ok(groups[world]["mesh"]) is True
 
 
@@ -176,8 +229,7 @@ def test_all_to_all_and_mesh(groups, world):
 def test_expert_parallel_layer_equals_single_device_layer(groups, world):
     for name, res in groups[world].items():
         if name.startswith("layer"):
-            for rank, (kind, d) in enumerate(res):
-                assert kind == "ok", d
+            for rank, d in enumerate(every_rank(res)):
                 for key in ("output", "input grad", "router grad", "expert grads"):
                     assert d[key] <= 1e-6, (name, rank, key, d)
                 if "cf=0.75" in name:
@@ -197,11 +249,23 @@ def test_training_matches_world_size_one(groups, reference, world):
                 assert aux == ref_aux == [0.0] * 10, (name, rank)
             else:
                 assert max_rel_diff(aux, ref_aux) <= 1e-5, (name, rank)
+            assert max_rel_diff([r["z_loss"] for r in mine], [r["z_loss"] for r in ref]) <= 1e-5, (name, rank)
         assert history[-1]["comm_bytes_ep"] > 0 and history[-1]["ep"] == int(flags[1])
         if "capacity" in mode:
             assert any(r["dropped_fraction"] > 0 for r in history), name
         else:
             assert all(r["dropped_fraction"] == 0 for r in history), name
+
+
+def test_reported_balancing_terms_at_uniform_routing(reference):
+    """With zero routers every probability is 1/E, and the closed form of test_moe.py's
+    test_balancing_terms_of_a_model_with_zero_routers_are_alpha_and_beta_ln_e_squared_per_layer holds for
+    what train_moe.py reports: aux_loss = α·L and z_loss = β·L·(ln E)², through the weights per sequence
+    and per token, the layers' tallies summed over ranks, and the metrics."""
+    row, cfg = reference["zero routers, step 1"], PRESETS["tiny-moe"]
+    assert row["step"] == 1
+    assert row["aux_loss"] == pytest.approx(0.01 * cfg.n_layers, rel=1e-6)
+    assert row["z_loss"] == pytest.approx(0.001 * cfg.n_layers * math.log(cfg.n_experts) ** 2, rel=1e-6)
 
 
 def test_micro_batches_do_not_change_the_losses(reference):
