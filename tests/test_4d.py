@@ -5,10 +5,12 @@ Every layout runs 05_moe_expert_parallel/train_4d.py (tiny-moe) and is compared,
 and `grad_norm` within the harness's round-off tolerances (assert_same_run), `aux_loss` and `z_loss`
 within 1e-5 relative, the same expert loads. One spawned group per world size (1, 4, 8):
 
-    8 ranks  dp2·ep2 × tp2 × pp2, saving checkpoints; dp4·ep4 × pp2; the dp2·ep2 checkpoint of step 5
-             resumed as dp4·ep4 (dropless, balancing terms 10× the defaults)
-    4 ranks  dp2·ep2 × pp2 under ZB-H1, and dp4·ep2 (two ranks hold each expert: the EDP all-reduce),
-             both with bias balancing and a capacity factor; bad 4D layouts refused on every rank
+    8 ranks  dp 2 = edp 1 × ep 2, tp 2, pp 2, saving checkpoints; dp 4 = edp 1 × ep 4, pp 2; the first's
+             checkpoint of step 5 resumed as the second (dropless, balancing terms 10× the defaults)
+    4 ranks  dp 2 = edp 1 × ep 2, pp 2 under ZB-H1; dp 4 = edp 2 × ep 2 (two ranks hold each expert: the
+             edp all-reduce); dp 2 = edp 1 × ep 2, tp 2 (the selection biases must stay equal over each
+             TP group); all with bias balancing and a capacity factor; bad 4D layouts refused on every rank
+(Layout names below: "dp2·ep2" is dp 2 with ep 2 inside it, so edp = dp/ep.)
 """
 from importlib import import_module
 
