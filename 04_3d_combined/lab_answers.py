@@ -15,12 +15,11 @@ from common.model import PRESETS, count_parameters  # noqa: E402
 CH = "04_3d_combined"
 
 
-def rank_row(out: str, rank: int, cells_per_row: int = 7) -> list[str]:
-    """The mesh table's row for `rank`: [rank, dp, pp, tp, dp group, pp group, tp group]; with experts
-    (11 cells): [rank, dp, edp, ep, pp, tp, dp group, pp group, tp group, ep group, edp group]."""
+def rank_row(out: str, rank: int) -> list[str]:
+    """The mesh table's row for `rank`: [rank, dp, pp, tp, dp group, pp group, tp group]."""
     for line in out.splitlines():
         cells = [c.strip() for c in re.split(r"[│|┃]", line) if c.strip()]
-        if len(cells) == cells_per_row and cells[0] == str(rank):
+        if len(cells) == 7 and cells[0] == str(rank):
             return cells
     raise ValueError(f"no mesh row for rank {rank} in:\n{out[-2000:]}")
 
@@ -53,7 +52,7 @@ def killed_report(out: str) -> str:
 
 def main() -> None:
     key = Key(CH, "Lab 04 — DP × TP × PP on one mesh")
-    key.names(f"{CH}/parallel_3d.py", "def plan_layout")
+    key.names(f"{CH}/parallel_3d.py", "def decide_layout")
     key.names("common/errors.py", "lost contact with another rank")
 
     # 1. -------------------------------------------------------------------------------------------
@@ -81,7 +80,7 @@ cluster, the GPUs of one node, where the all-reduce in every layer is cheapest."
     good = key.run(compare, check=False)
     key.run("python 04_3d_combined/plot_loss.py runs/lab04/one.jsonl runs/lab04/eight.jsonl --labels 1-rank 8-rank")
     edit = Edit(f"{CH}/trainer_3d.py", "loss_scale=args.global_batch * args.seq_len,",
-                "loss_scale=args.global_batch * args.seq_len // args.dp,")
+                'loss_scale=args.global_batch * args.seq_len // mesh.size("dp"),')
     with key.broken(edit) as broken_root:
         key.run(eight, root=broken_root)
         (broken_root / "runs/lab04/one.jsonl").write_bytes((ROOT / "runs/lab04/one.jsonl").read_bytes())
@@ -99,7 +98,7 @@ micro-batch losses), and float32 addition is not associative; AdamW then lets th
 differences grow slowly over the steps (the root README measures how fast). `runs/lab04/loss.png`
 shows two curves on top of each other; the comparison shows by how much they differ.
 
-**Broken on purpose** (`loss_scale=args.global_batch * args.seq_len // args.dp`): step-1 loss ÷ reference =
+**Broken on purpose** (`loss_scale=args.global_batch * args.seq_len // mesh.size("dp")`): step-1 loss ÷ reference =
 **{ratio:.3f}** (dp = 2: each replica's loss is now the mean over its own half of the tokens, and the
 two means are added instead of two halves of one mean); the comparison exits **{bad_cmp.code}**,
 {bad_cmp.line_with("first step above") or bad_cmp.line_with("eight.jsonl: max")}. Divided by
@@ -161,7 +160,7 @@ resume to the layout that wrote it.""")
     key.section("5. Failure on purpose", f"""
 {failures}
 
-Both are caught by `parallel_3d.plan_layout` on every rank before any communication: the degrees
+Both are caught by `parallel_3d.decide_layout` on every rank before any communication: the degrees
 must multiply to the world size (2·2·4 = 16 ≠ 8), and under sequence parallelism the sequence
 (30 tokens) must split evenly over the 4 TP ranks.
 
@@ -175,53 +174,6 @@ started by hand, or another node of a multi-node job), a survivor's next collect
 connection drops and it exits with `error [rank r]: lost contact with another rank`; a rank that
 hangs instead of dying trips `--timeout` (60 s) on the others.""")
 
-    # 6. -------------------------------------------------------------------------------------------
-    moe8 = "torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --model tiny-moe --steps 3 --sample-tokens 0"
-    grids = {"(default)": key.run(f"{moe8} --metrics runs/lab04/moe8.jsonl").out,
-             "`--dp 4 --ep 2 --tp 1 --pp 2`": key.run(f"{moe8} --dp 4 --ep 2 --tp 1 --pp 2 --metrics runs/lab04/moe8b.jsonl").out}
-    rows6 = []
-    for flags, out in grids.items():
-        r = rank_row(out, 5, 11)
-        rows6.append([flags, f"({r[1]}, {r[2]}, {r[3]}, {r[4]}, {r[5]})", r[9], r[10], r[6]])
-    ep_bytes = {name: key.rows(f"runs/lab04/{name}.jsonl")[-1]["comm_bytes_ep"] for name in ("moe8", "moe8b")}
-    key.run("python 05_moe_expert_parallel/train_moe.py --steps 3 --quiet --metrics runs/lab04/moe1.jsonl")
-    same = [key.run(f"python -m common.compare_metrics runs/lab04/moe1.jsonl runs/lab04/moe8.jsonl{k}", check=False)
-            for k in ("", " --key aux_loss")]
-    key.run("torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --model tiny-moe --steps 10 --seq-len 32 --global-batch 8 --quiet --sample-tokens 0 --checkpoint-dir runs/lab04/moeck --checkpoint-every 5 --metrics runs/lab04/moe_a.jsonl")
-    key.run("echo step_000005.pt > runs/lab04/moeck/latest")
-    key.run("torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --model tiny-moe --steps 10 --seq-len 32 --global-batch 8 --quiet --sample-tokens 0 --checkpoint-dir runs/lab04/moeck --resume --dp 4 --ep 4 --tp 1 --pp 2 --metrics runs/lab04/moe_b.jsonl")
-    moe_resumed = key.run("python -m common.compare_metrics runs/lab04/moe_a.jsonl runs/lab04/moe_b.jsonl", check=False)
-    moe_steps = [r["step"] for r in key.rows("runs/lab04/moe_b.jsonl")]
-    key.names(f"{CH}/trainer_3d.py", "def _all_reduce_stage", "def counted_here")
-    key.section("6. Four dimensions: experts on the grid", f"""
-Rank 5 in the mesh table (degrees as (dp, edp, ep, pp, tp)):
-
-{table(["flags", "rank 5: (dp, edp, ep, pp, tp)", "EP group", "EDP group", "DP group"], rows6)}
-
-By default `--ep` is 2: the largest degree dividing both `--dp 2` and the 8 experts. The DP dimension
-is read as (edp, ep): the EP group of rank 5 is its DP group (both DP ranks of its stage and TP
-coordinate hold different halves of the experts), and its EDP group is rank 5 alone, since no other
-rank holds the same experts. With `--dp 4 --ep 2`, the DP group of four splits into two EP pairs,
-and rank 5 shares its experts with the rank at the same EP coordinate in the other pair.
-
-- Dense gradients (attention, norms, router, embeddings) are summed over the **DP** group: every DP
-  rank holds them and saw other rows. Expert gradients are summed over the **EDP** group only: the
-  other DP ranks hold other experts, and the all-to-all already brought every token routed to an
-  expert to its holder, so its holders' gradients are the only partial sums there are. In the
-  clipping norm a dense weight is replicated over EP (and DP), so one EP rank counts it; an expert
-  lives on one EP rank, so its holder counts it (`Trainer3D.counted_here`).
-- `comm_bytes_ep` at step 3: **{mib(ep_bytes["moe8"])}** by default, **{mib(ep_bytes["moe8b"])}** with
-  `--dp 4 --ep 2 --tp 1 --pp 2`. Predicted for the default: 1,024 tokens × 2 slots × ½ that leave the
-  rank = 1,024 rows of 128 floats (512 B), 0.5 MiB per all-to-all; × 4 all-to-alls × 4 layers = 8 MiB
-  sent and as many received, 16 MiB (about: the share of slots that leaves is near ½, not exactly,
-  and the count exchanges add a few hundred bytes). With dp 4 each rank holds half the rows (512
-  tokens) at the same EP 2 and 4 layers per stage: half the bytes. TP does not change a rank's EP bytes (both TP ranks route
-  the same rows through their own EP group).
-- Against chapter 05 on one device, 3 steps: `loss` exit **{same[0].code}** ({same[0].line_with("moe8.jsonl: max")}),
-  `aux_loss` exit **{same[1].code}** ({same[1].line_with("moe8.jsonl: max")}).
-- Resume at EP 4 from the EP-2 checkpoint of step 5: `moe_b.jsonl` holds steps {moe_steps[0]}–{moe_steps[-1]};
-  the comparison exits **{moe_resumed.code}**: {moe_resumed.line_with("moe_b.jsonl: max")}. The checkpoint
-  holds every expert once, under its single-device name, so EP 4 takes its own quarter of them.""")
     key.write()
 
 

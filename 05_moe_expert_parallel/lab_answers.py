@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
-from common.lab_key import Edit, Key, table  # noqa: E402
+from common.lab_key import Edit, Key, mib, table  # noqa: E402
 from common.model import PRESETS, count_parameters  # noqa: E402
 
 CH = "05_moe_expert_parallel"
@@ -24,6 +24,9 @@ M9_RUNS = ("for g in 0.005 0.02 0.05; do python 05_moe_expert_parallel/train_moe
            "--global-batch 16 --aux-loss-coef 0 --router-bias-rate $g --metrics /tmp/m9_$g.jsonl --quiet; done")
 M9_PLOT = ("python 05_moe_expert_parallel/plot_expert_load.py /tmp/m9_gamma.png "
            + " ".join(f"gamma{g}=/tmp/m9_{g}.jsonl" for g in GAMMAS))
+M13 = "torchrun --nproc_per_node=8 05_moe_expert_parallel/train_4d.py --steps 3 --sample-tokens 0"
+M13_SMALL = ("torchrun --nproc_per_node=8 05_moe_expert_parallel/train_4d.py --steps 10 --seq-len 32 --global-batch 8 "
+             "--quiet --sample-tokens 0 --checkpoint-dir /tmp/ck13")
 BIAS_KEYS = ('python -c "import torch; print([k for k in torch.load(\'/tmp/ck5/step_000005.pt\')[\'model\'] '
              'if \'bias\' in k])"')
 
@@ -106,11 +109,11 @@ The configuration table rank 0 printed:
 {config}
 ```
 
-The grid is `arange(8).view(dp, ep)` = [[0, 1, 2, 3], [4, 5, 6, 7]]: rank 6 is at dp = 1, ep = 2 and
-holds experts 4 and 5 (E/ep = 2 per rank); its EP group is the row [4, 5, 6, 7]. Expert 5's weights
-exist on the ranks at ep = 2 of every row, [2, 6]: its gradient is summed over that DP group. The
-router is dense (every rank routes its own rows with the same weights), so its gradient is summed
-over all 8 ranks.""")
+The grid is `arange(8).view(edp, ep)` = [[0, 1, 2, 3], [4, 5, 6, 7]] (dp 8 = edp 2 × ep 4): rank 6 is
+at edp = 1, ep = 2 and holds experts 4 and 5 (E/ep = 2 per rank); its EP group is the row [4, 5, 6, 7].
+Expert 5's weights exist on the ranks at ep = 2 of every row, [2, 6]: its gradient is summed over that
+edp group. The router is dense (every rank routes its own rows with the same weights), so its
+gradient is summed over dp, all 8 ranks.""")
 
     for cmd in M5:
         key.run(cmd)
@@ -313,6 +316,76 @@ resumed run, in any layout, selects the same experts as the uninterrupted one.""
     key.section("M12 — bad input", failures)
 
 
+def rank_row(out: str, rank: int) -> list[str]:
+    """train_4d.py's mesh table, the row of `rank`: [rank, dp, edp, ep, pp, tp, dp group, pp group,
+    tp group, ep group, edp group, experts]."""
+    for line in out.splitlines():
+        cells = [c.strip() for c in re.split(r"[│|┃]", line) if c.strip()]
+        if len(cells) == 12 and cells[0] == str(rank):
+            return cells
+    raise ValueError(f"no mesh row for rank {rank} in:\n{out[-2000:]}")
+
+
+def part_four(key: Key) -> None:
+    grids = {"(default)": key.run(f"{M13} --metrics /tmp/m13.jsonl").out,
+             "`--dp 2 --ep 2 --tp 2 --pp 2`": key.run(f"{M13} --dp 2 --ep 2 --tp 2 --pp 2 --metrics /tmp/m13b.jsonl").out}
+    rows = []
+    for flags, out in grids.items():
+        r = rank_row(out, 5)
+        rows.append([flags, f"({', '.join(r[1:6])})", r[9], r[10], r[11], r[6]])
+    last = {name: key.rows(f"/tmp/{name}.jsonl")[-1] for name in ("m13", "m13b")}
+    experts = 4 * 4 * 3 * 128 * 192 * 4          # rank 0's experts: 4 MoE layers of stage 0 × 4 of 8 experts, fp32
+    dense = (last["m13"]["comm_bytes_dp"] - 2 * experts) / 3
+    key.run("python 05_moe_expert_parallel/train_moe.py --steps 3 --quiet --metrics /tmp/m13_1.jsonl")
+    same = [key.run(f"python -m common.compare_metrics /tmp/m13_1.jsonl /tmp/m13.jsonl /tmp/m13b.jsonl{k}", check=False)
+            for k in ("", " --key aux_loss")]
+    key.run(f"{M13_SMALL} --checkpoint-every 5 --metrics /tmp/m13_a.jsonl")
+    key.run("echo step_000005.pt > /tmp/ck13/latest")
+    key.run(f"{M13_SMALL} --resume --dp 4 --ep 4 --tp 1 --pp 2 --metrics /tmp/m13_b.jsonl")
+    resumed = key.run("python -m common.compare_metrics /tmp/m13_a.jsonl /tmp/m13_b.jsonl", check=False)
+    steps = [r["step"] for r in key.rows("/tmp/m13_b.jsonl")]
+    key.names(f"{CH}/trainer_4d.py", "def _all_reduce_stage")
+    key.names(f"{CH}/expert_parallel.py", 'mark_replicated(p, "ep", ep)')
+    key.section("M13 — experts on chapter 04's grid", f"""
+Rank 5 in the mesh table:
+
+{table(["flags", "rank 5: (dp, edp, ep, pp, tp)", "ep group", "edp group", "experts", "dp group"], rows)}
+
+By default the grid is `arange(8).view(edp 2, ep 2, pp 2, tp 1)`: 5 = 4·1 + 2·0 + 1, so edp 1, ep 0,
+pp 1, and dp = 2·1 + 0 = 2. The four data-parallel ranks of stage 1 (1, 3, 5, 7) form two EP pairs,
+(1, 3) and (5, 7): rank 5 shares the 8 experts of its stage's layers with rank 7 (it holds 0–3, rank 7
+holds 4–7), and rank 1 holds the same experts as rank 5: that is its edp group. With
+`--dp 2 --ep 2 --tp 2 --pp 2` the grid is `view(1, 2, 2, 2)`: 5 = 4·1 + 2·0 + 1, so ep 1, pp 0, tp 1,
+edp 0; dp = ep = 2, so the ep group is the whole dp group, and the edp group is rank 5 alone: no other
+data-parallel rank of its stage holds experts 4–7. (Rank 4, its TP partner, holds them whole too, but
+routes the same rows through them: its expert gradients come out identical and are not summed.)
+
+- Dense gradients (embedding, attention, norms, routers, head) are summed over **dp**: every dp rank
+  holds them and saw its own rows. An expert's gradient is summed over **edp** only: the other dp
+  ranks hold other experts, and the all-to-all already brought every row routed to an expert to its
+  holder, so its holders' gradients are the only partial sums there are (`Trainer4D._all_reduce_stage`).
+  In the clipping norm the squares are summed over ep (its ranks hold different experts); a dense
+  weight is the same on every ep rank, and `mark_replicated(p, "ep", ep)` makes `counted_here` count
+  it on ep rank 0 only; an expert lives on one ep rank, which counts it.
+- `comm_bytes_ep` at step 3: **{mib(last["m13"]["comm_bytes_ep"])}** by default, **{mib(last["m13b"]["comm_bytes_ep"])}**
+  with `--dp 2 --ep 2 --tp 2 --pp 2`. Predicted for the default: 512 tokens × 2 slots × ½ that leave
+  the rank = 512 rows of 512 B, 0.25 MiB per all-to-all; × 4 all-to-alls × 4 layers = 4 MiB sent and
+  as many received, 8 MiB (about: the share of slots that leaves is near ½, not exactly, and the count
+  exchanges add a few hundred bytes). With dp 2 each rank holds twice the rows: 16 MiB. TP does not
+  change a rank's ep bytes (both TP ranks route the same rows through their own EP group).
+- `comm_bytes_dp` of the default run: **{mib(last["m13"]["comm_bytes_dp"])}**. The experts: {mib(experts)} over edp 2,
+  sent and received 2·(1/2)·n each way = {mib(2 * experts)}; the rest, 3 × {mib(dense)}, is the stage's dense
+  weights over dp 4 (2·(3/4)·n each way): the embedding and 4 layers' attention, norms and routers.
+- Against this chapter's single device, 3 steps: `loss` exit **{same[0].code}** ({same[0].line_with("m13.jsonl: max")};
+  {same[0].line_with("m13b.jsonl: max")}), `aux_loss` exit **{same[1].code}** ({same[1].line_with("m13.jsonl: max")};
+  {same[1].line_with("m13b.jsonl: max")}).
+- Resume at ep 4 from the ep-2 checkpoint of step 5: `m13_b.jsonl` holds steps {steps[0]}–{steps[-1]}; the
+  comparison exits **{resumed.code}**: {resumed.line_with("m13_b.jsonl: max")}. The checkpoint holds the
+  single-device state, every expert once under its single-device name (written by the ranks of edp 0
+  and tp 0), so ep 4 takes its own quarter of them. The smaller batch keeps the ten steps clear of a
+  routing near-tie, after which any two layouts part (M5).""")
+
+
 def main() -> None:
     key = Key(CH, "Chapter 05 lab — mixture of experts and expert parallelism")
     key.names("common/moe_routing.py", "def route")
@@ -320,6 +393,7 @@ def main() -> None:
     part_one(key)
     spread = part_two(key)
     part_three(key, spread)
+    part_four(key)
     key.write()
 
 
