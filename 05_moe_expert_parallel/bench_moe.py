@@ -14,7 +14,6 @@ Writes 05_moe_expert_parallel/results/:
 Every number comes from train_moe.py's metrics files.
 """
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from common.launch import launch  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
-from common.model import PRESETS  # noqa: E402
+from common.moe_routing import expert_capacity  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SCRIPT = "05_moe_expert_parallel/train_moe.py"
@@ -77,7 +76,7 @@ def capacity(tmp, machine):
     base = last(rows[None])
     lines = []
     for cf, rs in rows.items():
-        capacity_slots = "-" if cf is None else str(math.ceil(cf * 64 * 2 / 8))
+        capacity_slots = "-" if cf is None else str(expert_capacity(cf, 64, 2, 8))
         lines.append(f"| {'dropless' if cf is None else cf} | {capacity_slots} | "
                      f"{100 * statistics.mean(r['dropped_fraction'] for r in rs):.1f}% | "
                      f"{100 * rs[-1]['dropped_fraction']:.1f}% | {last(rs):.4f} | {last(rs) - base:+.4f} |")
@@ -96,19 +95,19 @@ def expert_parallel(tmp, machine, repeats):
     steps = 4 if QUICK else 6
     shape = ["--steps", str(steps), "--seq-len", "64", "--global-batch", "16"]
     configs = {"tiny (dense), 1 rank": (1, ["--model", "tiny"]), "tiny-moe, 1 rank": (1, []),
-               "tiny (dense), DP 4": (4, ["--model", "tiny"]),
-               "tiny-moe, EP 1 × DP 4": (4, ["--ep", "1"]), "tiny-moe, EP 2 × DP 2": (4, ["--ep", "2"]),
-               "tiny-moe, EP 4": (4, ["--ep", "4"])}
+               "tiny (dense), dp 4": (4, ["--model", "tiny"]),
+               "tiny-moe, dp 4 = edp 4 × ep 1": (4, ["--ep", "1"]), "tiny-moe, dp 4 = edp 2 × ep 2": (4, ["--ep", "2"]),
+               "tiny-moe, dp 4 = edp 1 × ep 4": (4, ["--ep", "4"])}
     speed, metrics = {label: [] for label in configs}, {}
     for rep in range(repeats):                      # interleaved: every configuration once per round
         for i, (label, (nproc, flags)) in enumerate(configs.items()):
             rows = run(tmp, f"ep{i}_{rep}", nproc, shape + flags)
             speed[label].append(statistics.median(r["tokens_per_s"] for r in rows[1:]))   # step 1: warm-up
             metrics[label] = rows
-    cfg, L, D, E, k = PRESETS["tiny-moe"], 8, 128, 8, 2
+    L, D, E, k = 8, 128, 8, 2
     byte_lines, param_lines = [], []
     whole = metrics["tiny-moe, 1 rank"][-1]["expert_param_bytes"]
-    for label in ("tiny-moe, 1 rank", "tiny-moe, EP 1 × DP 4", "tiny-moe, EP 2 × DP 2", "tiny-moe, EP 4"):
+    for label in ("tiny-moe, 1 rank", "tiny-moe, dp 4 = edp 4 × ep 1", "tiny-moe, dp 4 = edp 2 × ep 2", "tiny-moe, dp 4 = edp 1 × ep 4"):
         rows, nproc = metrics[label], configs[label][0]
         ep = rows[-1]["ep"]
         T_rank = 16 * 64 // nproc

@@ -1,23 +1,24 @@
 """Expert parallelism: the experts of every MoE layer split over the ranks of an EP group.
 
-API (chapter 04 can load it with importlib.import_module("05_moe_expert_parallel.expert_parallel")):
+API (train_moe.py, and the 4D run's parallel_4d.py after chapter 04's TP):
 
     parallelize_experts(model, ep_group) -> model, in place: each MoEFeedForward becomes an
         ExpertParallelMoE that keeps only this rank's E/ep experts (under their reference names, e.g.
         layers.3.mlp.experts.5.w_up.weight) and routes this rank's own rows to every rank's experts.
-    is_expert_param(name) -> is this parameter an expert's (sharded over EP, replicated over DP)?
+    is_expert_param(name) -> is this parameter an expert's (sharded over ep, replicated over edp)?
     local_experts(n_experts, ep_rank, ep) -> the expert ids rank ep_rank holds
 
-EP × DP on `common.mesh.Mesh(rank, world, dp=world//ep, ep=ep)`: the grid is arange(world).view(dp, ep),
-EP innermost (consecutive ranks: the all-to-all runs in every layer, on the fastest links).
-- Every rank takes its own rows of the global batch (world slices, not dp slices): EP ranks routing
-  different tokens to each other's experts is the point; an EP group with one copy of the rows would
-  send every token to every rank for nothing.
+EP inside DP, on `common.mesh.Mesh(rank, world, edp=world//ep, ep=ep, joined={"dp": ("edp", "ep")})`:
+the grid is arange(world).view(edp, ep), EP innermost (consecutive ranks: the all-to-all runs in every
+layer, on the fastest links), and dp = (edp, ep) is every data-parallel rank (here: the world).
+- Every dp rank takes its own rows of the global batch: EP ranks routing different tokens to each
+  other's experts is the point; an EP group with one copy of the rows would send every token to every
+  rank for nothing.
 - Dense parameters (attention, norms, embeddings, the router) are replicated on every rank and see
-  only that rank's rows: their gradients are summed over ALL ranks.
-- Expert e lives on the ranks with EP coordinate e·ep/E, one per DP coordinate; each saw the rows of
-  its own EP group: expert gradients are summed over the DP group ("the ranks holding the same
-  experts", a column of the grid).
+  only that rank's rows: their gradients are summed over dp.
+- Expert e lives on the ranks with ep coordinate e·ep/E, one per edp coordinate; each saw the rows of
+  its own EP group: expert gradients are summed over edp ("the ranks holding the same experts", a
+  column of the grid).
 """
 import torch
 import torch.nn as nn
@@ -83,7 +84,8 @@ class ExpertParallelMoE(nn.Module):
 
 def parallelize_experts(model: nn.Module, ep_group) -> nn.Module:
     """Replace every MoEFeedForward of `model` by its expert-parallel shard, in place; `model` may be a
-    whole Transformer or a pipeline stage's part of one (chapter 04).
+    whole Transformer or a pipeline stage's part of one (the 4D run). The other parameters, the same on
+    every rank of the EP group, are marked replicated over ep (common.step_protocol.mark_replicated).
 
     Every rank must hold the same full weights first (build_model from the seed, or a loaded
     checkpoint): each keeps its experts, so the shards are exactly the single-device experts."""

@@ -1,4 +1,4 @@
-"""The step protocol's verbs (common/step_protocol.py) for a mixture of experts on an EP × DP mesh.
+"""The step protocol's verbs (common/step_protocol.py) for a mixture of experts, EP inside DP (dp = edp × ep).
 
     trainer = ExpertParallelTrainer(model, mesh, args, cfg, device)   # model already parallelized
     trainer.forward_backward(x, y, sync)   the all-to-alls run inside every MoE layer, forward and backward

@@ -8,7 +8,7 @@ float64 table over the world (the loads are integer counts, summed exactly). The
 the biases of the layers it holds, from the same numbers, so the replicas stay equal.
 
     this chapter   every rank holds every layer: each fills every row with its own rows' statistics
-    chapter 04     a layer's statistics are spread over the grid, and the same all-reduce still works:
+    the 4D run     a layer's statistics are spread over the grid, and the same all-reduce still works:
                    over PP  each layer lives on one stage: the other stages hold zeros in its row
                    over TP  the TP ranks of a stage route the same tokens (after attention's all-reduce):
                             only tp rank 0 fills its rows (`counted`: common.step_protocol.counted_here

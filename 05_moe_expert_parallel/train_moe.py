@@ -98,7 +98,7 @@ def main(argv=None) -> list[dict]:
                 xm, ym = shard_rows(x, mb, args.microbatches), shard_rows(y, mb, args.microbatches)
                 # forward and backward; inside each MoE layer: route, all-to-all out, experts, all-to-all back
                 local_loss += trainer.forward_backward(xm, ym, sync=mb == args.microbatches - 1)
-            trainer.sync_gradients()        # dense: all-reduce over all ranks; experts: over the DP group
+            trainer.sync_gradients()        # dense: all-reduce over all ranks; experts: over edp
             grad_norm = trainer.clip_grad_norm(args.clip)
             trainer.step()                  # router statistics summed over all ranks, router bias, AdamW
             trainer.zero_grad()

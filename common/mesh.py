@@ -8,7 +8,7 @@ A rank's coordinates are where its number sits in the grid. Its group along a di
 of the grid through it along that dimension, e.g. its TP group is grid[d, p, :].
 
 A *joined* dimension reads several adjacent dimensions as one (DeviceMesh calls it flattening). Chapter
-04's mixture of experts splits the data-parallel dimension in two, `arange(world).view(dp/ep, ep, pp, tp)`:
+05's 4D run splits the data-parallel dimension in two, `arange(world).view(dp/ep, ep, pp, tp)`:
 "ep" (the ranks that share their experts) and "edp" (the ranks holding the same experts), while
 `joined={"dp": ("edp", "ep")}` keeps "dp", the whole data-parallel group, with the same ranks and
 coordinates (d = edp·ep + ep) as the grid `view(dp, pp, tp)`.

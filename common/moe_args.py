@@ -18,7 +18,7 @@ from common.moe_routing import RoutingOptions
 
 
 def add_moe_args(parser, ep_help: str | None = None) -> None:
-    """ep_help: what --ep means in this script, where it is not chapter 05's (EP × DP over the world)."""
+    """ep_help: what --ep means in this script, where it is not train_moe.py's (ep inside dp = the world)."""
     g = parser.add_argument_group("mixture of experts")
     g.add_argument("--aux-loss-coef", type=NON_NEGATIVE_REAL, default=0.01,
                    help="α of the Switch/GShard balance loss α·E·Σᵢ fᵢPᵢ (per sequence and layer); 0: off")

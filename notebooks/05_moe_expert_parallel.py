@@ -69,23 +69,23 @@ print(f"E·Σ fP per sequence: {r.aux_sum.item() / 4:.4f}  (uniform routing: 1)"
 
 # %% [markdown]
 # ## 2. The same losses with the experts spread over ranks — until routing meets a near-tie
-# One rank, then EP = N (each rank holds 8/N experts of every layer), and with 4 ranks also
-# EP 2 × DP 2. Dense gradients are summed over all ranks, expert gradients over the ranks that hold
-# the same experts. The plot shows the relative difference from the single device, per step.
+# One rank, then ep = N (each rank holds 8/N experts of every layer), and with 4 ranks also
+# dp 4 = edp 2 × ep 2. Dense gradients are summed over dp (all ranks), expert gradients over edp (the
+# ranks that hold the same experts). The plot shows the relative difference from the single device, per step.
 #
 # The first steps match to round-off (about 1e-7). Later a line can jump by orders of magnitude: a
 # token whose 2nd- and 3rd-best experts score the same to within round-off goes to another expert,
 # and from then on the runs differ by more than round-off. When depends on the CPU: in the full
-# mode's 10 steps, one x86 CPU saw EP 2 × DP 2 cross the 1e-5 line at step 9, another saw both EP
+# mode's 10 steps, one x86 CPU saw dp 4 = edp 2 × ep 2 cross the 1e-5 line at step 9, another saw both EP
 # lines jump to about 4e-6 at step 10. The full mode also draws the control, one rank with its batch
 # in 2 micro-batches (no parallelism at all, the same sums in another order): it meets such ties
 # too, and over README section 8's 50 steps it parts at about the same step as the layouts.
 
 # %%
 steps = 3 if QUICK else 10
-runs = {"1 rank": train("ref", 1, steps=steps), f"EP {N}": train(f"ep{N}", N, "--ep", N, steps=steps)}
+runs = {"1 rank": train("ref", 1, steps=steps), f"ep {N}": train(f"ep{N}", N, "--ep", N, steps=steps)}
 if not QUICK:
-    runs["EP 2 × DP 2"] = train("ep2dp2", 4, "--ep", 2, steps=steps)
+    runs["dp 4 = edp 2 × ep 2"] = train("ep2dp2", 4, "--ep", 2, steps=steps)
     runs["control: 2 micro-batches"] = train("mb2", 1, "--microbatches", 2, steps=steps)    # 1 rank
 for label, rows in runs.items():
     print(f"{label:<24} losses {[round(r['loss'], 5) for r in rows]}  all-to-all bytes/step (rank 0) "

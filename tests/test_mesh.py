@@ -1,7 +1,7 @@
 """The hand-built mesh has the same groups as torch.distributed.device_mesh, for many shapes.
 
 One spawned group per world size checks every shape (dp, pp, tp) in it, and every 4D shape
-(edp, ep, pp, tp) with dp = (edp, ep) joined (chapter 04's experts).
+(edp, ep, pp, tp) with dp = (edp, ep) joined (chapter 05's 4D run).
 """
 import pytest
 

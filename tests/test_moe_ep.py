@@ -3,7 +3,7 @@
 One spawned group per world size (1, 2, 4) runs, in order: the all-to-all operator against closed-form
 values and gradients (equal and unequal split sizes); the expert-parallel layer against the
 single-device layer (outputs and gradients); the (dp, ep) mesh against torch's DeviceMesh; train_moe.py
-in every routing mode (dropless, capacity factor, bias balancing) at EP 2, EP 4 and EP 2 × DP 2; resume
+in every routing mode (dropless, capacity factor, bias balancing) at ep 2, ep 4 and dp 4 = edp 2 × ep 2; resume
 into another --ep; and bad input on every rank (and once under the real launcher). World size 1 also
 checks the reported aux_loss and z_loss against their closed form at uniform routing.
 """
