@@ -182,6 +182,25 @@ def test_metrics_file_has_one_object_per_step(tmp_path):
     assert not (tmp_path / "rank1.jsonl").exists()
 
 
+def test_tables_through_a_pipe_keep_each_row_on_one_line(monkeypatch, capsys):
+    """Printed into a pipe, a file or a notebook's cell (not a terminal), rich would assume 80 columns
+    and wrap a 4D mesh row in two, `[0, 1,` over `2, 3]`; COLUMNS, where set, still decides."""
+    from rich.table import Table
+    from common.metrics import PIPE_COLUMNS
+    monkeypatch.delenv("COLUMNS", raising=False)
+    log = RunLog(0, 1, None, quiet=False)
+    assert not log.console.is_terminal and log.console.width == PIPE_COLUMNS
+    mesh = Table(title="the mesh")
+    for col in ("rank", "dp", "edp", "ep", "pp", "tp", "dp group", "pp group", "tp group", "ep group", "edp group"):
+        mesh.add_column(col)
+    mesh.add_row("0", "0", "0", "0", "0", "0", "[0, 2, 4, 6]", "[0, 8]", "[0, 1]", "[0, 2]", "[0, 4]")
+    log.print(mesh)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    assert len(rows) == 1 and "[0, 2, 4, 6]" in rows[0], rows
+    monkeypatch.setenv("COLUMNS", "100")
+    assert RunLog(0, 1, None, quiet=False).console.width == 100
+
+
 def test_format_bytes():
     assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB" and format_bytes(3 * 2**20) == "3.0 MiB"
 
