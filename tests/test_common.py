@@ -1,6 +1,7 @@
 """Single-process tests of common/: data, optimizer and LR schedule, checkpoints, metrics, CLI, errors."""
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -229,6 +230,23 @@ def test_run_main_prints_one_line_and_exits_2():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: the batch does not split; use 8"
+
+
+def test_under_torchrun_its_failure_report_ends_with_the_ranks_line(tmp_path):
+    """torchrun reads each failed rank's TORCHELASTIC_ERROR_FILE into its closing report; without one
+    the report says "To enable traceback see: <url>" where the reason should be."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "from common.errors import run_main, ConfigError\n"
+            "def main(): raise ConfigError('the batch does not split; use 8')\n"
+            "run_main(main)\n") % str(ROOT)
+    error_file = tmp_path / "error.json"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)})
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: the batch does not split; use 8"
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    report = ChildFailedError("train.py", {0: failure}).format_msg()
+    assert "traceback : the batch does not split; use 8\n" in report and "To enable traceback" not in report
 
 
 def test_run_main_on_success_flushes_and_exits_0_without_teardown():
