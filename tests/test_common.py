@@ -2,8 +2,11 @@
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -265,6 +268,56 @@ def test_launch_builds_the_command_and_shows_a_failed_runs_error(capsys):
     with pytest.raises(LaunchError, match="exit code 2"):
         launch("01_data_parallel/train_dp.py", 1, ["--model", "nosuch"], quiet=True)
     assert "error: --model nosuch: unknown preset" in capsys.readouterr().err
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Processes of group `pgid` that still run (a zombie, dead but not yet reaped, does not count)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()      # after "pid (comm)": state ppid pgrp ...
+        except OSError:
+            continue                                                 # it ended while we looked
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process groups from Linux's /proc")
+def test_an_interrupted_launch_stops_the_run_and_what_it_started(tmp_path):
+    """Interrupting a notebook's kernel while `launch` waits (SIGINT: KeyboardInterrupt) must stop the
+    run and every process it started, as torchrun starts its ranks: none may keep running."""
+    script, pids = tmp_path / "sleeper.py", tmp_path / "pids.txt"
+    script.write_text("import os, subprocess, sys, time\n"
+                      "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+                      "open(sys.argv[1] + '.tmp', 'w').write(f'{os.getpgid(0)} {child.pid}')\n"
+                      "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\n"
+                      "time.sleep(120)\n")
+    driver = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, %r)\n"
+                               "from common.launch import launch\n"
+                               "launch(%r, 1, [%r], echo=False)\n" % (str(ROOT), str(script), str(pids))],
+                              start_new_session=True, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(300):
+            if pids.exists() or driver.poll() is not None:
+                break
+            time.sleep(0.1)
+        pgid, grandchild = map(int, pids.read_text().split())
+        assert grandchild in _live_members(pgid)
+        os.kill(driver.pid, signal.SIGINT)
+        _, err = driver.communicate(timeout=60)
+        assert driver.returncode != 0 and "KeyboardInterrupt" in err, err      # re-raised to the caller
+        for _ in range(50):                                  # the orphaned grandchild, if any, is not ours to reap
+            if not _live_members(pgid):
+                break
+            time.sleep(0.1)
+        assert not _live_members(pgid), f"still running after the interrupt: {_live_members(pgid)}"
+    finally:
+        for group in (driver.pid, *([pgid] if "pgid" in locals() else [])):
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_comm_counter():
