@@ -15,8 +15,8 @@ after the training time is spent. A test walks every flag of every train_*.py th
 """
 import argparse
 import math
-import os
 import shlex
+import tempfile
 from pathlib import Path
 
 from common.data import DEFAULT_CORPUS, check_length
@@ -114,7 +114,11 @@ def _text_file(domain: Domain, text: str) -> str:
 
 
 def _writable(domain: Domain, text: str, want_dir: bool) -> str:
-    """A directory / file we can create or write, probed without creating anything."""
+    """A directory / file we can create or write. The file system is asked by doing it: a file is
+    created (and removed) where the run will write, because the permission bits do not tell
+    (`os.access` says yes to root everywhere, also under /proc or /sys, which refuse every new file).
+    Nothing is left behind: an existing file is opened for appending and closed unchanged, and a
+    missing folder is not created yet (its nearest existing parent must accept new entries)."""
     what = "a directory (created if missing)" if want_dir else "a file path (its folders are created if missing)"
     fix = f"give {domain.flag} {what} in a writable place"
     path = Path(text)
@@ -125,17 +129,27 @@ def _writable(domain: Domain, text: str, want_dir: bool) -> str:
             raise Refused("is a file, not a directory", fix)
         if not want_dir and path.is_dir():
             raise Refused("is a directory, not a file", fix)
-        if not os.access(path, os.W_OK):
-            raise Refused("is not writable", fix)
+        _probe(path, fix, "is not writable", folder=want_dir)
         return text
     parent = path.absolute().parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
         raise Refused(f"{str(parent)!r} is a file, so nothing can be created under it", fix)
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise Refused(f"cannot be created: {str(parent)!r} is not writable", fix)
+    _probe(parent, fix, f"cannot be created: {str(parent)!r} refuses new files", folder=True)
     return text
+
+
+def _probe(path: Path, fix: str, refused: str, folder: bool) -> None:
+    """Write access, tried: `folder`: create a file in `path` and remove it (a name of its own: every
+    rank probes at once); else open the file `path` for appending and close it (its content unchanged)."""
+    try:
+        if folder:
+            tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-").close()
+        else:
+            open(path, "a").close()
+    except OSError as err:
+        raise Refused(f"{refused} ({err.strerror})", fix) from None
 
 
 def _preset(domain: Domain, text: str) -> str:

@@ -3,8 +3,9 @@
 Configuration checks raise `ConfigError`. They run on every rank on the same inputs, so every rank
 reaches the same verdict without talking to the others, and nobody is left waiting in a collective.
 `run_main` turns the exception into one line on the console (printed by rank 0) and exit code 2 on
-every rank. A peer that died shows up here as a RuntimeError from the communication backend; it is
-reported on each surviving rank in one line, with exit code 1.
+every rank; under torchrun, the launcher's closing report ends with the same reason (see `fail`).
+A peer that died shows up here as a RuntimeError from the communication backend; it is reported on
+each surviving rank in one line, with exit code 1.
 
 A run that succeeds leaves through `exit_now(0)` too, not through the interpreter's normal teardown.
 The reason is a race at exit: gloo finishes a collective on its own worker thread, and that thread
@@ -15,6 +16,7 @@ process (SIGABRT, "terminate called without an active exception") after all the 
 happened in about one run in twenty on a busy 2-core machine. Nothing we need happens in the
 teardown: the metrics file is closed, checkpoints are written atomically, the console is flushed.
 """
+import json
 import os
 import sys
 import time
@@ -44,23 +46,39 @@ def run_main(main) -> None:
             # message once); a rank that waited in vain (rank 0 slow, or the check failed only here)
             # prints the message itself.
             time.sleep(PEER_GRACE_S)
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        exit_now(2)  # skip interpreter teardown: a half-initialised process group must not block exit
+        fail("error", str(err), 2)
     except KeyboardInterrupt:
         exit_now(130)
     except (MemoryError, RuntimeError) as err:
         text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if isinstance(err, MemoryError) or "out of memory" in text or "can't allocate memory" in text:
-            print(f"error [rank {rank}]: out of memory ({text[:160]}); use a smaller --model, --global-batch "
-                  "or --seq-len, more --microbatches, or more ranks", file=sys.stderr, flush=True)
-            exit_now(1)
+            fail(f"error [rank {rank}]", f"out of memory ({text[:160]}); use a smaller --model, --global-batch "
+                 "or --seq-len, more --microbatches, or more ranks", 1)
         if _looks_like_peer_failure(text):
             text = text.split("] ", 1)[-1].split(". This is typically")[0][:160]   # drop the backend's file:line
-            print(f"error [rank {rank}]: lost contact with another rank ({text}); "
-                  "it probably crashed or was killed; see its own output above", file=sys.stderr, flush=True)
-            exit_now(1)
+            fail(f"error [rank {rank}]", f"lost contact with another rank ({text}); "
+                 "it probably crashed or was killed; see its own output above", 1)
         raise
     exit_now(0)     # success: leave without the interpreter's teardown (see the module docstring)
+
+
+def fail(prefix: str, reason: str, code: int) -> None:
+    """Print the one line `prefix: reason`, leave `reason` where torchrun looks for this rank's, and
+    exit with `code` (at once: a half-initialised process group must not block the interpreter's teardown).
+
+    torchrun ends a failed run with its own report, which names the rank that failed first and its
+    exit code. Its last line is that rank's error file (TORCHELASTIC_ERROR_FILE, one per rank): when
+    the rank wrote none, the report says "To enable traceback see: <url>", as if a traceback were
+    hidden; with the reason in the file, the report ends with the reason itself."""
+    print(f"{prefix}: {reason}", file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    try:
+        if path:
+            with open(path, "w") as file:       # the layout torchrun's own ErrorHandler writes
+                json.dump({"message": {"message": reason, "extraInfo": {"timestamp": str(int(time.time()))}}}, file)
+    except OSError:
+        pass                                    # the line is printed; the report keeps its own words
+    exit_now(code)
 
 
 def exit_now(code: int) -> None:

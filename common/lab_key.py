@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.compare_metrics import compare, summary
-from common.metrics import read_metrics
+from common.metrics import PIPE_COLUMNS, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", "*.ipynb", "figures")
@@ -99,9 +99,10 @@ class Key:
     @staticmethod
     def env() -> dict:
         """The environment of an activated venv: its `python` and `torchrun` first on PATH; the width
-        of a wide terminal, so that the tables the scripts print keep every cell on one line."""
+        a console gets through a pipe (PIPE_COLUMNS) even where the shell sets COLUMNS, so that the
+        tables the scripts print keep every cell on one line, whatever terminal runs the generator."""
         return {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-                "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "160"}
+                "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": str(PIPE_COLUMNS)}
 
     @contextmanager
     def broken(self, *edits: Edit):

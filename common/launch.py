@@ -4,15 +4,18 @@ One rank is a plain `python script.py`; more go through `torchrun --standalone`,
 port for the rendezvous, so two launches on one machine never collide on the default port. Every rank
 gets one thread (`OMP_NUM_THREADS=1`): the ranks share the machine's cores. A run that fails never
 fails silently: its error output (the rank's message, or torchrun's summary) is printed, then
-`LaunchError` is raised.
+`LaunchError` is raised. A run never outlives the Python that launched it: interrupting a notebook's
+kernel (or Ctrl-C, or any error while waiting) stops the run and every process it started.
 """
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOWN_LINES = 40     # how much of a failed run's error output to print
+STOP_GRACE_S = 10    # how long a run may take to stop on SIGTERM before it is killed
 
 
 class LaunchError(RuntimeError):
@@ -43,11 +46,37 @@ def launch(script: str | Path, nproc: int, args: list[str], echo: bool = True, q
     cmd = command(script, nproc, args)
     if echo:
         print("$", shown(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                          stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE, text=True)
+    # Its own session, so its own process group: the run and what it starts can be stopped together,
+    # and a signal meant for us (a kernel interrupt) is ours to pass on.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                            stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate()
+    except BaseException:               # KeyboardInterrupt above all: the run must not go on without us
+        stop(proc)
+        raise
     if proc.returncode != 0:
-        print("\n".join(ranks_errors(proc.stderr)[-SHOWN_LINES:]), file=sys.stderr, flush=True)
+        print("\n".join(ranks_errors(stderr)[-SHOWN_LINES:]), file=sys.stderr, flush=True)
         raise LaunchError(f"exit code {proc.returncode}: {shown(cmd)}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a launched run and its process group: SIGTERM, then SIGKILL after STOP_GRACE_S.
+
+    SIGTERM first, and a grace, because of torchrun: it starts each rank in a session of its own (out of
+    reach of a signal to its group), and on SIGTERM it stops its ranks and waits for them. Killed at
+    once, it would leave them running."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=STOP_GRACE_S)   # (reading its error output: a full pipe would block it)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)       # whatever of the group ignored SIGTERM
+    except ProcessLookupError:
+        pass
+    proc.communicate()
 
 
 def ranks_errors(stderr: str) -> list[str]:

@@ -6,6 +6,7 @@ mfu (model FLOPs utilisation, common/mfu.py) once the script has called `track_m
 Chapters add their own keys through `log_step(**extra)`.
 """
 import json
+import os
 import time
 from pathlib import Path
 
@@ -15,12 +16,25 @@ from rich.table import Table
 
 from common import mfu
 
+PIPE_COLUMNS = 160      # the console's width when it is not a terminal (a pipe, a file, a notebook's cell)
+
+
+def console() -> Console:
+    """Rank 0's rich console. A table takes the width of its content, up to the console's width, and
+    wraps its cells beyond it. In a terminal that width is the window's; through a pipe, into a file or
+    a notebook's cell, rich would assume 80 columns and break a mesh row in two (a group `[0, 1, 2, 3]`
+    printed as `[0, 1,` over `2, 3]`), so there it is PIPE_COLUMNS, unless COLUMNS says otherwise."""
+    out = Console(highlight=False)
+    if not out.is_terminal and not out.is_jupyter and "COLUMNS" not in os.environ:
+        out.width = PIPE_COLUMNS
+    return out
+
 
 class RunLog:
     def __init__(self, rank: int, total_steps: int, metrics_path: str | None, quiet: bool):
         self.is_main, self.total = rank == 0, total_steps
         self.show = self.is_main and not quiet
-        self.console = Console(stderr=False, highlight=False)
+        self.console = console()
         self.history: list[dict] = []
         self.file = None
         if self.is_main and metrics_path:

@@ -30,15 +30,16 @@ def figures_dir() -> Path:
 
 
 def show(fig, name: str) -> Path:
-    """Save `fig` as figures_dir()/name.png, then show it inline (in Jupyter) or just close it."""
+    """Save `fig` as figures_dir()/name.png, close it, and show that PNG inline (in Jupyter).
+
+    The notebook shows the PNG itself rather than calling `plt.show()`: that draws nothing under a
+    non-interactive backend, and MPLBACKEND=Agg is common on headless servers and in containers
+    (the kernel then never uses its inline backend). Closing the figure first keeps an inline backend
+    from drawing it a second time at the end of the cell."""
     path = figures_dir() / f"{name}.png"
     fig.savefig(path, dpi=110, bbox_inches="tight")
-    if "ipykernel" in sys.modules:
-        plt.show()
-    else:
-        plt.close(fig)
-        print("plot saved:", path)
-    return path
+    plt.close(fig)
+    return show_png(path, name)
 
 
 def show_png(png, name: str) -> Path:
@@ -47,7 +48,7 @@ def show_png(png, name: str) -> Path:
     path = figures_dir() / f"{name}.png"
     if Path(png).resolve() != path.resolve():
         path.write_bytes(Path(png).read_bytes())
-    if "ipykernel" in sys.modules:
+    if "ipykernel" in sys.modules:      # in a notebook's kernel
         from IPython.display import Image, display
         display(Image(filename=str(path)))
     else:

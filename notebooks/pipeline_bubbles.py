@@ -40,7 +40,7 @@ fig, ax = plt.subplots(figsize=(7, 4))
 for p in (2, 4, 8):
     theory = [pipeline_schedules.theory_bubble("1f1b", p, m) for m in ms]
     zb_h1 = [pipeline_schedules.simulate(pipeline_schedules.build_schedule("zb-h1", p, m), p)["bubble"] for m in ms]
-    line, = ax.plot(ms, theory, "o-", label=f"1F1B p={p}")
+    line, = ax.plot(ms, theory, "o-", label=f"GPipe/1F1B theory (p-1)/(m+p-1), p={p}")
     ax.plot(ms, zb_h1, "x:", color=line.get_color(), label=f"ZB-H1 p={p} (simulated)")
 ax.set_xscale("log", base=2); ax.set_xlabel("micro-batches m"); ax.set_ylabel("bubble fraction")
 ax.legend(fontsize=7); ax.grid(alpha=0.3)

@@ -8,6 +8,7 @@ identical on every rank, so one process stands for all of them.
 """
 import shlex
 from importlib import import_module
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -128,6 +129,33 @@ def test_every_flag_refuses_values_outside_its_domain(script, tmp):
 def test_defaults_pass_every_check(script):
     with pytest.raises(_ReachedTraining):
         run_until_training(script, [])
+
+
+# /proc is a directory that takes no new file, whoever asks; its permission bits say so to a user but
+# not to root (os.access says yes), which is how a run as root on a special or read-only file system
+# used to pass the check and fail at its first metrics write (or its last checkpoint) with a traceback.
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("flag, value, refused", [
+    ("--metrics", "/proc/metrics.jsonl", "cannot be created: '/proc' refuses new files"),
+    ("--metrics", "/proc/runs/3d/metrics.jsonl", "cannot be created: '/proc' refuses new files"),
+    ("--checkpoint-dir", "/proc/checkpoints", "cannot be created: '/proc' refuses new files"),
+    ("--checkpoint-dir", "/proc", "is not writable"),
+])
+def test_an_output_path_that_refuses_new_files_is_refused_before_training(flag, value, refused):
+    with pytest.raises(ConfigError) as err:
+        run_until_training("01_data_parallel.train_dp", [flag, value])
+    assert str(err.value).startswith(f"{flag} {value}: {refused} (") and "\n" not in str(err.value), str(err.value)
+
+
+def test_probing_the_output_paths_leaves_nothing_behind(tmp_path):
+    (tmp_path / "old.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "checkpoints").mkdir()
+    before = sorted(tmp_path.rglob("*"))
+    for argv in (["--metrics", tmp_path / "old.jsonl", "--checkpoint-dir", tmp_path / "checkpoints"],
+                 ["--metrics", tmp_path / "new" / "m.jsonl", "--checkpoint-dir", tmp_path / "run" / "ckpt"]):
+        with pytest.raises(_ReachedTraining):
+            run_until_training("01_data_parallel.train_dp", [str(a) for a in argv])
+    assert sorted(tmp_path.rglob("*")) == before and (tmp_path / "old.jsonl").read_text() == '{"step": 1}\n'
 
 
 def test_data_too_short_for_one_sequence(tmp_path):

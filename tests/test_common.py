@@ -1,8 +1,12 @@
 """Single-process tests of common/: data, optimizer and LR schedule, checkpoints, metrics, CLI, errors."""
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,6 +186,25 @@ def test_metrics_file_has_one_object_per_step(tmp_path):
     assert not (tmp_path / "rank1.jsonl").exists()
 
 
+def test_tables_through_a_pipe_keep_each_row_on_one_line(monkeypatch, capsys):
+    """Printed into a pipe, a file or a notebook's cell (not a terminal), rich would assume 80 columns
+    and wrap a 4D mesh row in two, `[0, 1,` over `2, 3]`; COLUMNS, where set, still decides."""
+    from rich.table import Table
+    from common.metrics import PIPE_COLUMNS
+    monkeypatch.delenv("COLUMNS", raising=False)
+    log = RunLog(0, 1, None, quiet=False)
+    assert not log.console.is_terminal and log.console.width == PIPE_COLUMNS
+    mesh = Table(title="the mesh")
+    for col in ("rank", "dp", "edp", "ep", "pp", "tp", "dp group", "pp group", "tp group", "ep group", "edp group"):
+        mesh.add_column(col)
+    mesh.add_row("0", "0", "0", "0", "0", "0", "[0, 2, 4, 6]", "[0, 8]", "[0, 1]", "[0, 2]", "[0, 4]")
+    log.print(mesh)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    assert len(rows) == 1 and "[0, 2, 4, 6]" in rows[0], rows
+    monkeypatch.setenv("COLUMNS", "100")
+    assert RunLog(0, 1, None, quiet=False).console.width == 100
+
+
 def test_format_bytes():
     assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB" and format_bytes(3 * 2**20) == "3.0 MiB"
 
@@ -212,6 +235,23 @@ def test_run_main_prints_one_line_and_exits_2():
     assert proc.stderr.strip() == "error: the batch does not split; use 8"
 
 
+def test_under_torchrun_its_failure_report_ends_with_the_ranks_line(tmp_path):
+    """torchrun reads each failed rank's TORCHELASTIC_ERROR_FILE into its closing report; without one
+    the report says "To enable traceback see: <url>" where the reason should be."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "from common.errors import run_main, ConfigError\n"
+            "def main(): raise ConfigError('the batch does not split; use 8')\n"
+            "run_main(main)\n") % str(ROOT)
+    error_file = tmp_path / "error.json"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)})
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: the batch does not split; use 8"
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    report = ChildFailedError("train.py", {0: failure}).format_msg()
+    assert "traceback : the batch does not split; use 8\n" in report and "To enable traceback" not in report
+
+
 def test_run_main_on_success_flushes_and_exits_0_without_teardown():
     code = ("import sys, atexit; sys.path.insert(0, %r)\n"
             "from common.errors import run_main\n"
@@ -228,6 +268,56 @@ def test_launch_builds_the_command_and_shows_a_failed_runs_error(capsys):
     with pytest.raises(LaunchError, match="exit code 2"):
         launch("01_data_parallel/train_dp.py", 1, ["--model", "nosuch"], quiet=True)
     assert "error: --model nosuch: unknown preset" in capsys.readouterr().err
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Processes of group `pgid` that still run (a zombie, dead but not yet reaped, does not count)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()      # after "pid (comm)": state ppid pgrp ...
+        except OSError:
+            continue                                                 # it ended while we looked
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process groups from Linux's /proc")
+def test_an_interrupted_launch_stops_the_run_and_what_it_started(tmp_path):
+    """Interrupting a notebook's kernel while `launch` waits (SIGINT: KeyboardInterrupt) must stop the
+    run and every process it started, as torchrun starts its ranks: none may keep running."""
+    script, pids = tmp_path / "sleeper.py", tmp_path / "pids.txt"
+    script.write_text("import os, subprocess, sys, time\n"
+                      "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+                      "open(sys.argv[1] + '.tmp', 'w').write(f'{os.getpgid(0)} {child.pid}')\n"
+                      "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\n"
+                      "time.sleep(120)\n")
+    driver = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, %r)\n"
+                               "from common.launch import launch\n"
+                               "launch(%r, 1, [%r], echo=False)\n" % (str(ROOT), str(script), str(pids))],
+                              start_new_session=True, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(300):
+            if pids.exists() or driver.poll() is not None:
+                break
+            time.sleep(0.1)
+        pgid, grandchild = map(int, pids.read_text().split())
+        assert grandchild in _live_members(pgid)
+        os.kill(driver.pid, signal.SIGINT)
+        _, err = driver.communicate(timeout=60)
+        assert driver.returncode != 0 and "KeyboardInterrupt" in err, err      # re-raised to the caller
+        for _ in range(50):                                  # the orphaned grandchild, if any, is not ours to reap
+            if not _live_members(pgid):
+                break
+            time.sleep(0.1)
+        assert not _live_members(pgid), f"still running after the interrupt: {_live_members(pgid)}"
+    finally:
+        for group in (driver.pid, *([pgid] if "pgid" in locals() else [])):
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_comm_counter():

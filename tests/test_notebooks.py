@@ -1,6 +1,9 @@
 """Every notebook executes through a real Jupyter kernel (nbclient, the engine of `jupyter nbconvert
 --execute`), in its quick mode (NOTEBOOK_QUICK=1: few steps, few ranks), one kernel per notebook.
-Each plot it shows inline must also be saved as a PNG (NOTEBOOK_FIGURES points to a temporary folder).
+Each plot it saves as a PNG (NOTEBOOK_FIGURES points to a temporary folder) must also be in the executed
+notebook itself, as an image output of its cell. The kernel runs with MPLBACKEND=Agg, as on a headless
+server or in a container image: there matplotlib's inline backend is never used, so the plots must
+reach the notebook without it, whatever the environment the tests run in.
 Notebooks are found by glob, so a new chapter's notebook is tested as soon as it exists.
 
 Two kernels run at a time (one per core): most of a quick notebook is starting processes (the kernel,
@@ -19,6 +22,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.py"))
 
 
 def images_shown(nb) -> int:
+    """The notebook's own inline images: image/png outputs of its code cells."""
     return sum("image/png" in out.get("data", {}) for cell in nb.cells if cell.cell_type == "code"
                for out in cell.outputs)
 
@@ -26,8 +30,8 @@ def images_shown(nb) -> int:
 def execute(path: Path, tmp: Path):
     """Run one notebook in its own kernel; (the executed notebook, its figures folder, or the error)."""
     figures = tmp / "figures"
-    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}      # the kernel's inline backend, not Agg
-    env.update(NOTEBOOK_QUICK="1", NOTEBOOK_FIGURES=str(figures), TMPDIR=str(tmp))
+    env = {**os.environ, "MPLBACKEND": "Agg", "NOTEBOOK_QUICK": "1", "NOTEBOOK_FIGURES": str(figures),
+           "TMPDIR": str(tmp)}
     nb = jupytext.read(path)
     try:
         NotebookClient(nb, kernel_name="python3", timeout=240, resources={"metadata": {"path": str(ROOT)}}).execute(env=env)
@@ -50,5 +54,6 @@ def test_notebook_executes_in_a_kernel(executed, path):
         raise error
     saved = sorted(figures.glob("*.png"))
     assert saved, f"{path.name} saved no plot under NOTEBOOK_FIGURES"
+    assert images_shown(nb) >= 1, f"{path.name} plots, but the executed notebook holds no image (MPLBACKEND=Agg)"
     assert images_shown(nb) == len(saved), (f"{path.name}: {images_shown(nb)} plots shown inline, "
                                             f"{len(saved)} saved: {[p.name for p in saved]}")
