@@ -74,7 +74,7 @@ class _Bucket:
 
 class AsyncGradAllReduce:
     """Sum sets of gradients over `group` in the background, for callers that know when a set is final
-    (chapter 04: when a pipeline stage has run its last backward of the step).
+    (chapters 03 to 05: when a pipeline stage has run its last backward of the step).
 
     launch(params)  copy their gradients into one flat buffer (a bucket), start an async all-reduce, return
     wait()          wait for every launch and copy the sums back into .grad
@@ -108,7 +108,7 @@ class BucketedDataParallel(nn.Module):
         # Backward produces gradients roughly in reverse order of the forward, so buckets are filled
         # from the last parameters to the first: the first bucket is ready (and sent) earliest.
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.buckets = [_Bucket([p for _, p in group]) for group in groups_by_size(reversed(named), bucket_mb)]
+        self.buckets = [_Bucket([p for _, p in some]) for some in groups_by_size(reversed(named), bucket_mb)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         for _, p in named:
             # Runs right after p.grad has been accumulated for this backward pass.
