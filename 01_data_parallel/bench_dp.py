@@ -65,7 +65,7 @@ def launch(world: int, args) -> dict:
     return result
 
 
-def report(results: dict, args) -> str:
+def report(results: dict, args, argv: list[str]) -> str:
     from common.model import PRESETS, count_parameters
     M = count_parameters(PRESETS["tiny"]) * 4                       # fp32 gradient bytes
     lines = [
@@ -74,7 +74,7 @@ def report(results: dict, args) -> str:
         f"({M / 2**20:.2f} MiB of gradients), global batch {args.global_batch} × {args.seq_len} tokens, "
         f"--bucket-mb {args.bucket_mb}; median step time over {args.rounds} interleaved rounds × "
         f"{args.steps - SKIP} timed steps.", "",
-        "Command: `python 01_data_parallel/bench_dp.py`" + (" " + " ".join(args.argv) if args.argv else ""), "",
+        "Command: `python 01_data_parallel/bench_dp.py`" + (" " + " ".join(argv) if argv else ""), "",
         "## Throughput (tokens/s, whole job)", "",
         "| ranks | naive | bucketed | torch DDP | naive / DDP | bucketed / DDP |",
         "|---:|---:|---:|---:|---:|---:|"]
@@ -110,11 +110,10 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    args.argv = sys.argv[1:]
     RESULTS.mkdir(exist_ok=True)
     results = {int(w): launch(int(w), args) for w in args.worlds.split(",")}
     (RESULTS / "dp_bench.json").write_text(json.dumps(results, indent=1))
-    text = report(results, args)
+    text = report(results, args, sys.argv[1:])
     (RESULTS / "dp_bench.md").write_text(text)
     print(text)
 

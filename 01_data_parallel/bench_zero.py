@@ -13,6 +13,7 @@ worker mode, which runs every configuration inside one process group, one after 
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 from importlib import import_module
@@ -22,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from common.launch import launch  # noqa: E402
 
+train_zero = import_module("01_data_parallel.train_zero")
+
 RESULTS = Path(__file__).parent / "results"
-MACHINE = "2-core CPU, gloo, fp32"
+MACHINE = f"{os.cpu_count()}-core CPU, gloo, fp32"
 ALPHA = 2
 
 
@@ -32,7 +35,6 @@ def worker(args):
     import torch.distributed as dist
     from common.distributed import init_distributed
     rt = init_distributed("cpu", 120)
-    train_zero = import_module("01_data_parallel.train_zero")
     train_dp = import_module("01_data_parallel.train_dp")
     shape = ["--model", args.model, "--seq-len", str(args.seq_len), "--global-batch", str(args.global_batch),
              "--quiet"]
@@ -57,20 +59,14 @@ def worker(args):
     dist.destroy_process_group()
 
 
-def formula(stage: int, M: float, N: int) -> float:
-    return {0: M * (2 + ALPHA), 1: 2 * M + ALPHA * M / N, 2: M + (1 + ALPHA) * M / N,
-            3: (2 + ALPHA) * M / N}[stage]
-
-
 def mib(n) -> str:
     return f"{n / 2**20:.2f}"
 
 
 def write_memory(runs: dict, M: int, args) -> None:
-    names = {1: "2M + αM/N", 2: "M + (1+α)M/N", 3: "(1+1+α)M/N"}
     lines = [f"# ZeRO memory per rank (bytes at rest) — {MACHINE}", "",
              f"Model `{args.model}`: M = {mib(M)} MiB of fp32 parameters, α = {ALPHA} (AdamW's two moments). "
-             "Plain DP holds M(1+1+α) = " f"{mib(formula(0, M, 1))} MiB per rank at any N. "
+             "Plain DP holds M(1+1+α) = " f"{mib(train_zero.formula_bytes(0, M, 1))} MiB per rank at any N. "
              "Measured = `param_bytes + grad_bytes + optim_bytes` from the metrics of "
              "`train_zero.py` (ours; padding to a multiple of N included). "
              "PyTorch's column: sizes of its local parameter / gradient shards and optimizer state.", "",
@@ -86,9 +82,10 @@ def write_memory(runs: dict, M: int, args) -> None:
             total = row["param_bytes"] + row["grad_bytes"] + row["optim_bytes"]
             ttotal = trow["param_bytes"] + trow["grad_bytes"] + trow["optim_bytes"]
             peak = mib(row["peak_param_bytes"]) if s == 3 else "-"
-            lines.append(f"| {N} | {s} | {names[s]} | {mib(formula(s, M, N))} | {mib(row['param_bytes'])} | "
+            formula = train_zero.formula_bytes(s, M, N)
+            lines.append(f"| {N} | {s} | {train_zero.FORMULAS[s]} | {mib(formula)} | {mib(row['param_bytes'])} | "
                          f"{mib(row['grad_bytes'])} | {mib(row['optim_bytes'])} | {mib(total)} | "
-                         f"{total - formula(s, M, N):,.0f} | {peak} | {mib(row['comm_bytes_sent'])} "
+                         f"{total - formula:,.0f} | {peak} | {mib(row['comm_bytes_sent'])} "
                          f"({mib(comm_formula[s] * (N - 1) / N * M)}) | {mib(ttotal)} |")
     lines += ["", "ours − formula: the padding of each of the 10 units to a multiple of N (fewer than N "
               "elements per unit, in params, grads and both moments as the stage keeps them); 0 for `tiny`, whose "
@@ -111,7 +108,7 @@ def plot_memory(runs: dict, M: int) -> None:
         for s in (1, 2, 3):
             row = run["memory"][f"ours-{s}"]
             labels.append(f"N={N}\nstage {s}")
-            formulas.append(formula(s, M, N) / 2**20)
+            formulas.append(train_zero.formula_bytes(s, M, N) / 2**20)
             for key, k in zip(parts, ("param_bytes", "grad_bytes", "optim_bytes")):
                 parts[key].append(row[k] / 2**20)
     fig, ax = plt.subplots(figsize=(11, 4.5))
@@ -120,7 +117,7 @@ def plot_memory(runs: dict, M: int) -> None:
         ax.bar(range(len(labels)), vals, bottom=bottom, label=key, color=color)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.scatter(range(len(labels)), formulas, marker="_", s=900, color="k", zorder=3, label="formula")
-    ax.axhline(formula(0, M, 1) / 2**20, color="k", ls="--", lw=1, label="plain DP  M(1+1+α)")
+    ax.axhline(train_zero.formula_bytes(0, M, 1) / 2**20, color="k", ls="--", lw=1, label="plain DP  M(1+1+α)")
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set_ylabel("MiB per rank at rest")
     ax.set_title(f"ZeRO: memory per rank by stage, measured ({MACHINE})")

@@ -16,21 +16,19 @@ Two versions of the same idea:
 The loss is the *sum* over tokens divided by the global token count, so the all-reduce sums
 (it does not average) the gradients.
 
-`train_dp.py` drives either through the step protocol (common/step_protocol.py): `NaiveDP` and
-`BucketedDP` at the bottom of this file are the small trainers that expose its verbs, and
-`ForwardBackward`, the verb every trainer of the chapter shares, is there too (ZeRO's trainers and
-PyTorch's adapters, torch_dp.py and zero_torch.py, reuse it).
+`AsyncGradAllReduce` is the bucket without the hooks, for callers that know themselves when a set
+of gradients is final (a pipeline stage after its last backward: chapters 03 to 05).
+`train_dp.py` drives these algorithms through the step protocol (common/step_protocol.py): the
+small trainers that expose its verbs are in dp_trainer.py.
 """
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 
 from common import comm
-from common.model import loss_sum
-from common.optim import build_adamw, clip_by_global_norm, optim_bytes
-from common.step_protocol import OptimizerVerbs
-from common.training import load_optim_state_by_name, optim_state_by_name
+
+from .flat_buffers import FlatLayout, groups_by_size
 
 
 def allreduce_gradients(model: nn.Module, group) -> None:
@@ -53,33 +51,30 @@ class _Bucket:
 
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
-        numel = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)   # (numel,)
+        layout = FlatLayout(params)                                    # world 1: no padding
+        self.buffer = torch.zeros(layout.padded, dtype=params[0].dtype, device=params[0].device)  # (numel,)
+        self.slots = layout.split(self.buffer)     # each parameter's place in the buffer, shaped like it
         self.ready = 0          # gradients of this bucket produced so far in this backward
         self.work = None        # the in-flight async all-reduce
 
     def launch(self, group) -> None:
         """Copy the gradients into the buffer and start summing it over `group` in the background."""
-        offset = 0
-        for p in self.params:
-            self.buffer[offset:offset + p.numel()].copy_(p.grad.flatten())
-            offset += p.numel()
+        for slot, p in zip(self.slots, self.params):
+            slot.copy_(p.grad)
         self.work = comm.all_reduce(self.buffer, group=group, name="dp", async_op=True)
 
     def wait(self) -> None:
         """Wait for the sum and copy it back into each .grad."""
         if self.work is not None:                  # None: world size 1, nothing was sent
             self.work.wait()
-        offset = 0
-        for p in self.params:
-            p.grad.copy_(self.buffer[offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
+        for slot, p in zip(self.slots, self.params):
+            p.grad.copy_(slot)
         self.work = None
 
 
 class AsyncGradAllReduce:
     """Sum sets of gradients over `group` in the background, for callers that know when a set is final
-    (chapter 04: when a pipeline stage has run its last backward of the step).
+    (chapters 03 to 05: when a pipeline stage has run its last backward of the step).
 
     launch(params)  copy their gradients into one flat buffer (a bucket), start an async all-reduce, return
     wait()          wait for every launch and copy the sums back into .grad
@@ -112,19 +107,10 @@ class BucketedDataParallel(nn.Module):
 
         # Backward produces gradients roughly in reverse order of the forward, so buckets are filled
         # from the last parameters to the first: the first bucket is ready (and sent) earliest.
-        params = [p for p in module.parameters() if p.requires_grad]
-        limit = bucket_mb * 1024 * 1024
-        self.buckets, current, size = [], [], 0
-        for p in reversed(params):
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= limit:
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-        if current:
-            self.buckets.append(_Bucket(current))
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.buckets = [_Bucket([p for _, p in some]) for some in groups_by_size(reversed(named), bucket_mb)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        for p in params:
+        for _, p in named:
             # Runs right after p.grad has been accumulated for this backward pass.
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -163,96 +149,3 @@ class BucketedDataParallel(nn.Module):
             bucket.wait()
             bucket.ready = 0
         self._hooks_fired = 0
-
-
-# --- the step protocol ----------------------------------------------------------------------------
-
-class ForwardBackward:
-    """`forward_backward`, the verb that every trainer of this chapter shares: the whole model runs on
-    this rank's rows. A trainer says how the model runs (`forward`), what keeps a backward from
-    communicating while more micro-batches follow (`no_sync`), and how backward starts (`backward`)."""
-
-    def __init__(self, tokens_per_step: int, bf16: bool = False):
-        self.tokens_per_step, self.bf16 = tokens_per_step, bf16
-
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, sync: bool = True) -> torch.Tensor:
-        """x, y: (B/N/micro-batches, S), this rank's rows of one micro-batch. Returns its loss, detached."""
-        with (nullcontext() if sync else self.no_sync()), \
-                torch.autocast(x.device.type, torch.bfloat16, enabled=self.bf16):
-            loss = loss_sum(self.forward(x), y) / self.tokens_per_step   # this micro-batch's share of the mean
-            self.backward(loss)
-        return loss.detach()
-
-    def no_sync(self):
-        """Gradient accumulation: a context in which backward only adds into .grad (default: nothing to
-        hold back, because this trainer's backward communicates nothing, or must: ZeRO 2 and 3)."""
-        return nullcontext()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def comm_bytes(self) -> dict:
-        """This step's bytes on the wire as common/comm.py counted them: sent + received, and sent."""
-        return {"comm_bytes": comm.COUNTER.total(), "comm_bytes_sent": sum(comm.COUNTER.sent.values())}
-
-
-class Replicas(OptimizerVerbs, ForwardBackward):
-    """Every rank holds the whole model, the whole gradient and the whole AdamW: M(1+1+α) bytes.
-    Everything but the gradient sync, which is what NaiveDP, BucketedDP and DDP do differently.
-    `module` is what forward runs: the model, or a wrapper around it that hooks its gradients."""
-
-    def __init__(self, model: nn.Module, module: nn.Module, optimizer, tokens_per_step: int, bf16: bool = False):
-        super().__init__(tokens_per_step, bf16)
-        self.model, self.module, self.optimizer = model, module, optimizer
-        self.named = list(model.named_parameters())
-
-    def forward(self, x):
-        return self.module(x)                                            # (B, S) -> (B, S, V)
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        # Every replica now holds the full gradient: its norm is already global, no collective needed.
-        return clip_by_global_norm([p.grad for p in self.model.parameters()], max_norm)
-
-    def memory(self) -> dict:
-        params = list(self.model.parameters())
-        return {"param_bytes": _bytes(params), "grad_bytes": _bytes(p.grad for p in params if p.grad is not None),
-                "optim_bytes": optim_bytes(self.optimizer)}
-
-    def full_state(self):
-        """(model state, AdamW state by name): every replica holds it whole."""
-        return self.model.state_dict(), optim_state_by_name(self.optimizer, self.named)
-
-    def load_optim_state(self, states: dict) -> None:
-        load_optim_state_by_name(self.optimizer, self.named, states)
-
-
-class NaiveDP(Replicas):
-    """`--impl naive`: backward runs undisturbed, then every gradient is all-reduced, one by one."""
-
-    def __init__(self, model, group, lr: float, weight_decay: float, tokens_per_step: int, bf16: bool = False):
-        broadcast_parameters(model, group)
-        super().__init__(model, model, build_adamw(model.named_parameters(), lr, weight_decay),
-                         tokens_per_step, bf16)
-        self.group = group
-
-    def sync_gradients(self) -> None:
-        allreduce_gradients(self.model, self.group)     # after backward, one collective per tensor
-
-
-class BucketedDP(Replicas):
-    """`--impl bucketed`: the all-reduce of each bucket starts during backward (BucketedDataParallel)."""
-
-    def __init__(self, model, group, lr: float, weight_decay: float, tokens_per_step: int, bf16: bool = False,
-                 bucket_mb: float = 25.0):
-        super().__init__(model, BucketedDataParallel(model, group, bucket_mb),
-                         build_adamw(model.named_parameters(), lr, weight_decay), tokens_per_step, bf16)
-
-    def no_sync(self):
-        return self.module.no_sync()              # only the last micro-batch's backward sends buckets
-
-    def sync_gradients(self) -> None:
-        self.module.sync_gradients()              # wait for the buckets' all-reduces, started in backward
-
-
-def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)

@@ -8,13 +8,18 @@ make it train exactly like ours:
   N: our loss is already divided by the global token count) and counts its bytes in common/comm.py;
 - `no_sync()` for every micro-batch but the last, as ours.
 """
+from contextlib import nullcontext
+
 import torch
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from common import comm
-from common.optim import build_adamw
+from common.optim import clip_by_global_norm
+from common.step_protocol import OptimizerVerbs
+from common.training import load_optim_state_by_name, optim_state_by_name
 
-from .data_parallel import Replicas
+from .dp_trainer import counted_comm_bytes, forward_backward_rows, tensor_bytes
 
 
 def counted_allreduce_hook(group, bucket):
@@ -34,16 +39,55 @@ def counted_ddp(model, group, bucket_mb: float) -> DistributedDataParallel:
     return ddp
 
 
-class TorchDDP(Replicas):
-    """`train_dp.py --impl torch`: DistributedDataParallel, with the same verbs as NaiveDP and BucketedDP."""
+class TorchDDP(OptimizerVerbs):
+    """`train_dp.py --impl torch`: DistributedDataParallel behind the verbs of the step protocol, beside
+    NaiveDP and BucketedDP (dp_trainer.py). `optimizer` is built by the caller over `model`'s parameters:
+    AdamW here, ZeroRedundancyOptimizer for ZeRO stage 1 (zero_torch.py); `step`, `zero_grad` and
+    `set_lr` are its verbs (OptimizerVerbs)."""
 
-    def __init__(self, model, group, lr: float, weight_decay: float, tokens_per_step: int, bf16: bool = False,
-                 bucket_mb: float = 25.0):
-        super().__init__(model, counted_ddp(model, group, bucket_mb),
-                         build_adamw(model.named_parameters(), lr, weight_decay), tokens_per_step, bf16)
+    def __init__(self, model, group, optimizer, tokens_per_step: int, bf16: bool = False, bucket_mb: float = 25.0):
+        self.model, self.optimizer, self.named = model, optimizer, list(model.named_parameters())
+        self.ddp = counted_ddp(model, group, bucket_mb)
+        self.tokens_per_step, self.bf16 = tokens_per_step, bf16
 
-    def no_sync(self):
-        return self.module.no_sync()        # DDP's own: the buckets are not sent in this backward
+    def forward_backward(self, x, y, sync: bool = True):
+        # DDP's own no_sync(): the buckets are not sent in this backward, only the last one sends them
+        with nullcontext() if sync else self.ddp.no_sync():
+            return forward_backward_rows(self.ddp, x, y, self.tokens_per_step, self.bf16)
 
     def sync_gradients(self) -> None:
         pass    # nothing left: DDP's last backward waited for every bucket's all-reduce before returning
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        # Every replica holds the full gradient: its norm is already global, no collective needed.
+        return clip_by_global_norm([p.grad for p in self.model.parameters()], max_norm)
+
+    def memory(self) -> dict:
+        return measured_memory(self.model, self.optimizer)
+
+    def comm_bytes(self) -> dict:
+        return counted_comm_bytes()      # DDP's all-reduce goes through the counting hook
+
+    def full_state(self):
+        """(model state, AdamW state by name): every replica holds it whole."""
+        return self.model.state_dict(), optim_state_by_name(self.optimizer, self.named)
+
+    def load_optim_state(self, states: dict) -> None:
+        load_optim_state_by_name(self.optimizer, self.named, states)
+
+
+def local(t):
+    """The part of `t` this rank holds: a DTensor's local shard (FSDP2), else `t` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def measured_memory(model, optimizer) -> dict:
+    """What can be measured honestly: bytes of the local parameter / gradient shards and of the
+    optimizer state this rank keeps. Not measured: FSDP2's transient unsharded parameters and
+    reduce-scatter buffers, DDP's gradient buckets (another M bytes), ZeRO's broadcast buffers."""
+    params = [local(p) for p in model.parameters()]
+    grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+    states = getattr(optimizer, "optim", optimizer).state.values()      # ZeRO wraps a local AdamW
+    return {"param_bytes": tensor_bytes(params), "grad_bytes": tensor_bytes(grads),
+            "optim_bytes": tensor_bytes(local(t) for st in states for k, t in st.items()
+                                        if k != "step" and torch.is_tensor(t))}

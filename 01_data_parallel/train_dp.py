@@ -22,10 +22,10 @@ from common.errors import run_main
 from common.mesh import Mesh
 from common.metrics import RunLog, format_bytes
 from common.model import PRESETS, build_model, count_parameters
-from common.optim import lr_at
+from common.optim import build_adamw, lr_at
 from common.training import StepTimer, global_sum, resume_state, run_identity, should_save, stop_if_not_finite
 
-data_parallel = import_module("01_data_parallel.data_parallel")
+dp_trainer = import_module("01_data_parallel.dp_trainer")
 torch_dp = import_module("01_data_parallel.torch_dp")
 
 
@@ -53,25 +53,16 @@ def main(argv=None) -> list[dict]:
 
     # --- the model: a full replica on every rank -------------------------------------------------
     model = build_model(cfg, args.seed, rt.device)
-    start = 0
+    start = resume["step"] if resume else 0
     if resume:
         model.load_state_dict(resume["model"], strict=True)
-        start = resume["step"]
     trainer = build_trainer(args, model, dp_group)            # naive | bucketed | DDP, the same verbs
     if resume:
         trainer.load_optim_state(resume["optim"])
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
-    M = sum(p.numel() * p.element_size() for p in model.parameters())
-    log.config_table(f"data parallel — {args.impl}", {
-        "world size (= DP degree)": rt.world_size, "device / backend": f"{rt.device} / {rt.backend}",
-        "data": data.describe(),
-        "model": f"{args.model}: {count_parameters(cfg):,} parameters ({format_bytes(M)} fp32)",
-        "global batch": f"{args.global_batch} seq × {args.seq_len} tokens = {args.global_batch * args.seq_len:,} tokens",
-        "per rank": f"{args.global_batch // dp} seq in {args.microbatches} micro-batch(es)",
-        "all-reduce volume per rank": f"2(N-1)/N·M = {format_bytes(2 * (dp - 1) / dp * M)} sent (and as much received)",
-        "resumed from step": start or "-"})
+    log.config_table(f"data parallel — {args.impl}", config_rows(args, cfg, model, rt, data.describe(), start))
     if rt.world_size == 1:
         log.print("world size 1: the single-device reference. More ranks: "
                   "torchrun --nproc_per_node=4 01_data_parallel/train_dp.py")
@@ -109,15 +100,29 @@ def main(argv=None) -> list[dict]:
     return log.history
 
 
+def config_rows(args, cfg, model, rt, data: str, start: int) -> dict:
+    """The configuration table printed at start: the replicas, the batch split, the all-reduce volume."""
+    dp, M = rt.world_size, sum(p.numel() * p.element_size() for p in model.parameters())
+    tokens = args.global_batch * args.seq_len
+    return {
+        "world size (= DP degree)": dp, "device / backend": f"{rt.device} / {rt.backend}", "data": data,
+        "model": f"{args.model}: {count_parameters(cfg):,} parameters ({format_bytes(M)} fp32)",
+        "global batch": f"{args.global_batch} seq × {args.seq_len} tokens = {tokens:,} tokens",
+        "per rank": f"{args.global_batch // dp} seq in {args.microbatches} micro-batch(es)",
+        "all-reduce volume per rank": f"2(N-1)/N·M = {format_bytes(2 * (dp - 1) / dp * M)} sent "
+                                      "(and as much received)",
+        "resumed from step": start or "-"}
+
+
 def build_trainer(args, model, group):
-    """The trainer of `--impl`, chosen once: ours (data_parallel.py) or PyTorch's DDP (torch_dp.py)."""
-    kw = dict(lr=args.lr, weight_decay=args.weight_decay, tokens_per_step=args.global_batch * args.seq_len,
-              bf16=args.dtype == "bf16")
+    """The trainer of `--impl`, chosen once: ours (dp_trainer.py) or PyTorch's DDP (torch_dp.py)."""
+    kw = dict(tokens_per_step=args.global_batch * args.seq_len, bf16=args.dtype == "bf16")
     if args.impl == "naive":
-        return data_parallel.NaiveDP(model, group, **kw)
+        return dp_trainer.NaiveDP(model, group, args.lr, args.weight_decay, **kw)
     if args.impl == "bucketed":
-        return data_parallel.BucketedDP(model, group, bucket_mb=args.bucket_mb, **kw)
-    return torch_dp.TorchDDP(model, group, bucket_mb=args.bucket_mb, **kw)
+        return dp_trainer.BucketedDP(model, group, args.lr, args.weight_decay, bucket_mb=args.bucket_mb, **kw)
+    adamw = build_adamw(model.named_parameters(), args.lr, args.weight_decay)
+    return torch_dp.TorchDDP(model, group, adamw, bucket_mb=args.bucket_mb, **kw)
 
 
 if __name__ == "__main__":

@@ -63,28 +63,18 @@ def main(argv=None) -> list[dict]:
 
     # --- the model: built whole from the seed on every rank, then sharded --------------------------
     model = build_model(cfg, args.seed, rt.device)
-    M = sum(p.numel() * p.element_size() for p in model.parameters())
     start = resume["step"] if resume else 0
     if resume:
         model.load_state_dict(resume["model"], strict=True)
+    M = sum(p.numel() * p.element_size() for p in model.parameters())    # before stage 3 takes them away
     trainer = build_trainer(args, model, dp_group, rt.device)   # stage 1 | 2 | 3, ours or PyTorch's
     if resume:
         trainer.load_optim_state(resume["optim"])
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
-    stage, ours = args.zero_stage, args.impl == "ours"
-    impl = "by hand" if ours else ("ZeroRedundancyOptimizer + DDP" if stage == 1 else
-                                   f"FSDP2 fully_shard, reshard_after_forward={stage == 3}")
-    log.config_table(f"ZeRO stage {stage} — {impl}", {
-        "world size (= DP degree N)": rt.world_size, "device / backend": f"{rt.device} / {rt.backend}",
-        "data": data.describe(),
-        "model": f"{args.model}: {count_parameters(cfg):,} parameters, M = {format_bytes(M)} fp32",
-        "global batch": f"{args.global_batch} seq × {args.seq_len} tokens, {args.global_batch // dp} per rank",
-        "memory per rank (formula, α=2)": f"{FORMULAS[stage]} = {format_bytes(formula_bytes(stage, M, dp))} "
-                                          f"(plain DP: {format_bytes(formula_bytes(0, M, dp))})",
-        "units (gather / reduce granularity)": "embed, 8 blocks, norm+head" if ours else "torch's own",
-        "resumed from step": start or "-"})
+    log.config_table(f"ZeRO stage {args.zero_stage} — {implementation_name(args)}",
+                     config_rows(args, cfg, M, rt, data.describe(), start))
     if rt.world_size == 1:
         log.print("world size 1: the single-device reference. More ranks: "
                   "torchrun --nproc_per_node=4 01_data_parallel/train_zero.py --zero-stage 3")
@@ -124,13 +114,35 @@ def main(argv=None) -> list[dict]:
     return log.history
 
 
+def implementation_name(args) -> str:
+    """ZeRO by hand, or the PyTorch implementation that stands for this stage."""
+    if args.impl == "ours":
+        return "by hand"
+    return "ZeroRedundancyOptimizer + DDP" if args.zero_stage == 1 else \
+        f"FSDP2 fully_shard, reshard_after_forward={args.zero_stage == 3}"
+
+
+def config_rows(args, cfg, M: int, rt, data: str, start: int) -> dict:
+    """The configuration table printed at start: the model's M, and memory per rank by the formula."""
+    stage, N = args.zero_stage, rt.world_size
+    units = f"embed, {cfg.n_layers} blocks, norm+head" if args.impl == "ours" else "torch's own"
+    return {
+        "world size (= DP degree N)": N, "device / backend": f"{rt.device} / {rt.backend}", "data": data,
+        "model": f"{args.model}: {count_parameters(cfg):,} parameters, M = {format_bytes(M)} fp32",
+        "global batch": f"{args.global_batch} seq × {args.seq_len} tokens, {args.global_batch // N} per rank",
+        "memory per rank (formula, α=2)": f"{FORMULAS[stage]} = {format_bytes(formula_bytes(stage, M, N))} "
+                                          f"(plain DP: {format_bytes(formula_bytes(0, M, N))})",
+        "units (gather / reduce granularity)": units,
+        "resumed from step": start or "-"}
+
+
 def build_trainer(args, model, group, device):
     """The trainer of `--zero-stage` and `--impl`, chosen once: ours (zero_sharding.py for stages 1 and
     2, zero_stage3.py for 3) or PyTorch's (zero_torch.py). Each exposes the same verbs."""
     kw = dict(lr=args.lr, weight_decay=args.weight_decay, tokens_per_step=args.global_batch * args.seq_len,
               bf16=args.dtype == "bf16")
     if args.impl == "torch" and args.zero_stage == 1:
-        return zero_torch.TorchZero1(model, group, **kw)
+        return zero_torch.torch_zero1(model, group, **kw)
     if args.impl == "torch":
         return zero_torch.TorchFSDP2(model, group, device, args.zero_stage, **kw)
     if args.zero_stage == 3:

@@ -18,8 +18,8 @@ each rank 1/N of that work and of that state:
 
 How a shard is cut. The parameters are grouped into *units* (the embedding, each transformer block,
 the final norm with the head). A unit's tensors are laid end to end in one flat buffer, padded with
-zeros to a multiple of N, and rank i owns the i-th contiguous chunk (`FlatUnit`). One collective per
-unit moves the whole unit, instead of one small message per tensor.
+zeros to a multiple of N, and rank i owns the i-th contiguous chunk (flat_buffers.FlatLayout). One
+collective per unit moves the whole unit, instead of one small message per tensor.
 AdamW decays by parameter *name* (matrices yes, norm gains no), and a chunk can straddle two tensors,
 so the optimizer sees one *piece* per (tensor ∩ chunk), named after its tensor. AdamW is elementwise,
 so updating the pieces gives exactly the slices of the single-device update.
@@ -31,40 +31,8 @@ from common import comm
 from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr
 from common.step_protocol import counted_here, mark_replicated, replicas
 
-from .data_parallel import ForwardBackward
-
-
-class FlatUnit:
-    """The layout of one unit: tensors end to end, padded to a multiple of N; rank i owns chunk i."""
-
-    def __init__(self, name: str, named_params, world: int, rank: int):
-        self.name = name
-        self.names = [n for n, _ in named_params]
-        self.shapes = [p.shape for _, p in named_params]
-        self.numels = [p.numel() for _, p in named_params]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
-        self.numel = sum(self.numels)
-        self.chunk = -(-self.numel // world)              # ceil(numel / N): elements each rank owns
-        self.padded = self.chunk * world                  # ≤ numel + N - 1: the padding is < N elements
-        self.lo, self.hi = rank * self.chunk, (rank + 1) * self.chunk
-
-    def pieces(self):
-        """(name, start, end in my chunk, start, end in the tensor) for each tensor my chunk touches."""
-        for name, off, n in zip(self.names, self.offsets, self.numels):
-            a, b = max(off, self.lo), min(off + n, self.hi)
-            if a < b:
-                yield name, a - self.lo, b - self.lo, a - off, b - off
-
-    def flatten(self, tensors) -> torch.Tensor:
-        """The tensors end to end in a new (padded,) buffer; the padding is zero."""
-        flat = torch.zeros(self.padded, dtype=tensors[0].dtype, device=tensors[0].device)
-        for t, off, n in zip(tensors, self.offsets, self.numels):
-            flat[off:off + n].copy_(t.reshape(-1))
-        return flat
-
-    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views of a (padded,) buffer shaped like the unit's tensors (no copy)."""
-        return [flat[off:off + n].view(shape) for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
+from .dp_trainer import ForwardBackward
+from .flat_buffers import FlatLayout, groups_by_size
 
 
 def model_units(model) -> list[tuple[str, list]]:
@@ -76,22 +44,7 @@ def model_units(model) -> list[tuple[str, list]]:
     return units
 
 
-def units_by_size(named_params, unit_mb: float = 25.0) -> list[tuple[str, list]]:
-    """Group any (name, param) list into consecutive units of about `unit_mb` MB (for callers that
-    have no natural layers, e.g. a pipeline stage's subset of tensor-parallel shards)."""
-    units, current, size = [], [], 0
-    for name, p in named_params:
-        current.append((name, p))
-        size += p.numel() * p.element_size()
-        if size >= unit_mb * 2**20:
-            units.append((f"unit{len(units)}", current))
-            current, size = [], 0
-    if current:
-        units.append((f"unit{len(units)}", current))
-    return units
-
-
-def shard_pieces(unit: FlatUnit, shard: torch.Tensor, shard_grad: torch.Tensor) -> list:
+def shard_pieces(unit: FlatLayout, shard: torch.Tensor, shard_grad: torch.Tensor) -> list:
     """nn.Parameters that *alias* slices of this rank's shard (AdamW updates the shard in place),
     each named after its tensor so weight decay is chosen exactly as on one device."""
     out = []
@@ -145,12 +98,13 @@ class ZeroOptimizer:
         assert stage in (1, 2)
         self.group, self.stage, self.comm_name = group, stage, name
         world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-        units = units if units is not None else units_by_size(list(named_params))
+        if units is None:       # no natural layers (a pipeline stage's TP shards): units of ~25 MB
+            units = [(f"unit{i}", g) for i, g in enumerate(groups_by_size(named_params, 25.0))]
         self.units, self.params, self.flat_params, self.flat_grads, self.shard_grads = [], [], [], [], []
         self.pieces = []                   # (name, nn.Parameter viewing a slice of my shard), for AdamW
-        for unit_name, named in units:
-            unit = FlatUnit(unit_name, named, world, rank)
+        for _, named in units:
             params = [p for _, p in named]
+            unit = FlatLayout(params, world, rank, names=[n for n, _ in named])
             flat = unit.flatten([p.detach() for p in params])             # (padded,)
             for p, view in zip(params, unit.split(flat)):
                 p.data = view                                              # the model now reads `flat`

@@ -27,7 +27,8 @@ from common import comm
 from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr
 
 from . import zero_sharding
-from .data_parallel import ForwardBackward
+from .dp_trainer import ForwardBackward
+from .flat_buffers import FlatLayout
 
 
 class _GatherParams(torch.autograd.Function):
@@ -63,8 +64,8 @@ class ZeroStage3(ForwardBackward):
         self.model, self.group, self.prefetch, self.comm_name = model, group, prefetch, name
         world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
         self.units, self.shards, self.shard_grads, self.slots, pieces = [], [], [], [], []
-        for unit_name, named in units:
-            unit = zero_sharding.FlatUnit(unit_name, named, world, rank)
+        for _, named in units:
+            unit = FlatLayout([p for _, p in named], world, rank, names=[n for n, _ in named])
             flat = unit.flatten([p.detach() for _, p in named])             # (padded,) once, at start
             shard = torch.nn.Parameter(flat[unit.lo:unit.hi].clone())         # (padded/N,) kept at rest
             shard_grad = torch.zeros_like(shard)                              # (padded/N,)

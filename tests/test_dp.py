@@ -2,12 +2,17 @@
 
 Each world size runs in one spawned group (see dp_jobs.py): the losses and gradient norms of 10 steps
 and the gradients of step 1 of every implementation against world size 1, bucket timing on every
-rank, and every bad input.
+rank, and every bad input. Single-process: the flat buffers that buckets and ZeRO's units share.
 """
+from importlib import import_module
+
 import pytest
+import torch
 
 from dp_jobs import BAD_INPUT_MESSAGES, GRAD_VARIANTS, VARIANTS, reference, world_results
 from harness import assert_same_run, every_rank, ok
+
+flat_buffers = import_module("01_data_parallel.flat_buffers")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -49,3 +54,35 @@ def test_bad_input_fails_on_every_rank_with_one_message(kind):
         messages.add(message)
     assert len(messages) == 1, messages            # the same verdict everywhere
     assert BAD_INPUT_MESSAGES[kind] in messages.pop()
+
+
+def test_groups_by_size_closes_each_group_at_the_size():
+    """Buckets (and ZeRO's units without layers) are consecutive tensors closed as soon as they reach `mb`."""
+    sizes = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]                                  # in units of 64 KiB
+    named = [(f"t{i}", torch.zeros(n * 2**14)) for i, n in enumerate(sizes)]    # fp32: n × 64 KiB
+    for mb in (0.25, 0.5, 1.0, 100.0):
+        groups = flat_buffers.groups_by_size(named, mb)
+        assert [pair for g in groups for pair in g] == named, mb             # every tensor once, in order
+        for g in groups[:-1]:
+            size = [t.numel() * 4 for _, t in g]
+            assert sum(size) >= mb * 2**20 > sum(size[:-1]), (mb, size)      # closed by its last tensor
+        assert sum(t.numel() * 4 for _, t in groups[-1]) > 0, mb
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+def test_flat_layout_chunks_cover_every_element_once(world):
+    """Tensors end to end, padded to a multiple of N: the ranks' chunks split every tensor into
+    pieces that cover each of its elements exactly once, and the padding is zero."""
+    tensors = [torch.arange(n, dtype=torch.float32).reshape(-1, 1) + 100 * i for i, n in enumerate([5, 1, 12, 3])]
+    covered = [torch.zeros(t.numel()) for t in tensors]
+    for rank in range(world):
+        layout = flat_buffers.FlatLayout(tensors, world, rank, names=range(len(tensors)))
+        assert layout.padded % world == 0 and 0 <= layout.padded - layout.numel < world
+        flat = layout.flatten(tensors)                                     # (padded,)
+        assert torch.equal(flat[layout.numel:], torch.zeros(layout.padded - layout.numel))
+        assert all(torch.equal(v, t) for v, t in zip(layout.split(flat), tensors))
+        mine = flat[layout.lo:layout.hi]                                   # (padded/N,)
+        for i, a, b, ta, tb in layout.pieces():
+            assert torch.equal(mine[a:b], tensors[i].reshape(-1)[ta:tb])
+            covered[i][ta:tb] += 1
+    assert all(torch.equal(c, torch.ones_like(c)) for c in covered)
