@@ -1,6 +1,6 @@
 """Chapter 02 benchmark: what tensor parallelism communicates, what it saves, how fast it runs.
 
-    python 02_tensor_parallel/bench_tp.py            # about 5 minutes on a 2-core CPU
+    python 02_tensor_parallel/bench_tp.py            # a few minutes on a 2-core CPU
     python 02_tensor_parallel/bench_tp.py --quick    # fewer repeats
     python 02_tensor_parallel/bench_tp.py --only comm|throughput
 
@@ -130,17 +130,21 @@ def throughput(repeats, steps):
                                  "--metrics", str(path)] + flags)
                     rows = [json.loads(line) for line in path.read_text().splitlines()][1:]   # skip warm-up step
                     samples.setdefault((n, impl), []).append(statistics.median(r["tokens_per_s"] for r in rows))
+    rate = {key: statistics.median(s) for key, s in samples.items()}
+    tokens = 8 * 128                                     # one step: --global-batch × --seq-len
     lines = []
     for n in (1, 2, 4):
-        ours, torch_ = statistics.median(samples[(n, "ours")]), statistics.median(samples[(n, "torch")])
-        lines.append(f"| {n} | {ours:,.0f} | {torch_:,.0f} | {ours / torch_:.2f} | "
-                     f"{ours / statistics.median(samples[(1, 'ours')]):.2f} |")
+        ours, torch_ = rate[(n, "ours")], rate[(n, "torch")]
+        lines.append(f"| {n} | {ours:,.0f} | {torch_:,.0f} | {1e3 * tokens / ours:.0f} | {1e3 * tokens / torch_:.0f} | "
+                     f"{ours / torch_:.2f} | {ours / rate[(1, 'ours')]:.2f} | {torch_ / rate[(1, 'torch')]:.2f} |")
     (RESULTS / "throughput.md").write_text(
         f"Tokens/s, tiny model, --seq-len 128 --global-batch 8, {steps} steps (first dropped), median over "
         f"{repeats} interleaved repeats. TP degree = ranks. Machine: {MACHINE}.\n"
-        f"Command: `python 02_tensor_parallel/bench_tp.py {' '.join(sys.argv[1:])}`.\n\n"
-        "| ranks (TP) | ours tok/s | DTensor tok/s | ours / DTensor | ours vs 1 rank |\n|---|---|---|---|---|\n"
-        + "\n".join(lines) + "\n")
+        f"Command: `{' '.join(['python 02_tensor_parallel/bench_tp.py'] + sys.argv[1:])}`.\n\n"
+        "| ranks (TP) | ours tok/s | DTensor tok/s | ours ms/step | DTensor ms/step | ours / DTensor "
+        "| ours vs its 1 rank | DTensor vs its 1 rank |\n|---|---|---|---|---|---|---|---|\n"
+        + "\n".join(lines) + "\n\nms/step = 1,024 tokens ÷ the median tokens/s. Times and ratios are this "
+        "machine's: another CPU gives other values.\n")
 
 
 def main():

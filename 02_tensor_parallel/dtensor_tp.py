@@ -11,12 +11,15 @@ that says how its weight is sharded and how its inputs and outputs are laid out 
 
 DTensor decides the collectives from the placements, so the code says *what* is sharded and the
 library derives *where* f and g go: the opposite of this chapter's hand-written layers. Its
-collectives bypass common.comm, so this path reports no comm_bytes. Replicated KV heads (K < tp)
-have no ready-made style; this path needs the KV heads to split evenly.
+collectives bypass common.comm, so `comm_bytes` and `comm_bytes_tp` are null here (not measured;
+`comm_bytes_dp`, our own all-reduce, is). Replicated KV heads (K < tp) have no ready-made style;
+this path needs the KV heads to split evenly.
 
-`DTensorTrainer` wraps it all in the verbs of tp_trainer.TPTrainer, so train_tp.py's loop runs it
-unchanged.
+`DTensorTrainer` wraps it all in the verbs of common/step_protocol.py, side by side with
+tp_trainer.TPTrainer (what both need is a function of tp_trainer.py that both call), so train_tp.py's
+loop runs it unchanged.
 """
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -26,34 +29,56 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from common import comm
 from common.errors import require
 from common.model import loss_sum
-from common.step_protocol import mark_replicated
+from common.optim import build_adamw
+from common.step_protocol import OptimizerVerbs, mark_replicated
+from common.training import load_optim_state_by_name
 
-from .tp_trainer import TPTrainer
+from . import tp_trainer
 
 
-class DTensorTrainer(TPTrainer):
-    """TPTrainer's verbs with PyTorch's DTensor in place of this chapter's layers. Only what DTensor
-    does differently is written here: the sharding plan, the loss, the gradients' layouts."""
+class DTensorTrainer(OptimizerVerbs):
+    """The step verbs with PyTorch's DTensor in place of this chapter's layers: the same arguments as
+    TPTrainer, a sharding plan instead of our layers, DTensor's loss, its gradients' layouts."""
 
-    def parallelize(self, model, sequence_parallel: bool):
-        mesh = DeviceMesh.from_group(self.tp_group, device_type=self.device.type)   # DP stays on our groups
-        return parallelize_with_dtensor(model, mesh, sequence_parallel)
+    def __init__(self, model, tp_group, dp_group, *, sequence_parallel: bool, lr: float,
+                 weight_decay: float, tokens_per_step: int, device: torch.device, bf16: bool = False):
+        self.tp_group, self.dp_group, self.device, self.bf16 = tp_group, dp_group, device, bf16
+        self.coords = {"tp": dist.get_rank(tp_group)}       # where this rank sits, for counted_here
+        self.tokens_per_step = tokens_per_step
+        mesh = DeviceMesh.from_group(tp_group, device_type=device.type)   # DP stays on our groups
+        self.model = parallelize_with_dtensor(model, mesh, sequence_parallel)
+        self.named = list(self.model.named_parameters())
+        self.params = dict(self.named)
+        self.optimizer = build_adamw(self.named, lr, weight_decay)
 
-    def forward_backward(self, x, y, sync: bool = True):
-        with loss_parallel():            # the cross-entropy on vocabulary-sharded logits, backward included
-            return super().forward_backward(x, y, sync)
-
-    def loss_sum(self, logits, targets):
-        return loss_sum(logits, targets)       # (B, S, V) DTensor, Shard(-1): never gathered
+    def forward_backward(self, x, y, sync: bool = True) -> torch.Tensor:
+        """Forward and backward of one micro-batch (B, S); `sync` changes nothing, as in TPTrainer."""
+        # loss_parallel: the cross-entropy on vocabulary-sharded logits, backward included
+        with loss_parallel(), torch.autocast(self.device.type, torch.bfloat16, enabled=self.bf16):
+            logits = self.model(x)                        # (B, S, V) DTensor, Shard(-1): never gathered
+            loss = loss_sum(logits, y) / self.tokens_per_step
+            loss.backward()
+        return local(loss).detach()                       # the same on every TP rank
 
     def sync_gradients(self) -> None:
         settle_grads(self.model)                       # DTensor's gradient layouts (SP norms: all-reduce)
         allreduce_dp(self.model, self.dp_group)        # data parallelism over our own group
 
+    def clip_grad_norm(self, max_norm: float) -> float:
+        params = list(self.model.parameters())
+        return tp_trainer.clip_counted_once(params, [local(p.grad) for p in params], max_norm,
+                                            self.tp_group, self.coords)
 
-    @staticmethod
-    def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t
+    def memory(self) -> dict:
+        params = [p for _, p in self.named]
+        return tp_trainer.held_bytes([local(p) for p in params], [local(p.grad) for p in params],
+                                     [local(t) for t in tp_trainer.adamw_moments(self.optimizer)])
+
+    def comm_bytes(self) -> dict:
+        """DTensor's collectives bypass common.comm: TP's bytes (and so the total) are not measured."""
+        return {**tp_trainer.counted_bytes(), "comm_bytes": None, "comm_bytes_tp": None}
+
+    # --- checkpoints: the same consolidated single-device state as TPTrainer's -------------------
 
     def to_full(self, name, t):
         return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
@@ -64,6 +89,17 @@ class DTensorTrainer(TPTrainer):
         if not isinstance(p, DTensor):
             return full
         return distribute_tensor(full.to(p.device_mesh.device_type), p.device_mesh, p.placements)
+
+    def full_state(self) -> tuple[dict, dict]:
+        return tp_trainer.consolidated_state(self.named, self.optimizer, self.to_full)
+
+    def load_optim_state(self, states: dict) -> None:
+        load_optim_state_by_name(self.optimizer, self.named, states, self.to_local)
+
+
+def local(t):
+    """This rank's part of a tensor (a DTensor's local shard; a plain tensor, or None, as it is)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def parallelize_with_dtensor(model, mesh: DeviceMesh, sequence_parallel: bool = False):
@@ -114,4 +150,4 @@ def allreduce_dp(model, dp_group) -> None:
     if dist.get_world_size(dp_group) > 1:
         for p in model.parameters():
             if p.grad is not None:
-                comm.all_reduce(DTensorTrainer.local(p.grad), group=dp_group, name="dp")
+                comm.all_reduce(local(p.grad), group=dp_group, name="dp")

@@ -2,6 +2,7 @@
 
     python 02_tensor_parallel/lab_answers.py          # runs every command of LAB.md
 """
+import json
 import sys
 from pathlib import Path
 
@@ -41,7 +42,9 @@ same numbers in another order (TP sums partial matmuls across ranks; DP sums two
 batch) differs by float32 round-off (~1e-7), and the difference grows slowly over the steps because AdamW divides each update by
 the running RMS of the gradients: a 1e-7 difference in a gradient whose RMS is small becomes a
 larger relative difference in the weights. The root README's equivalence table shows how far it
-grows over 50 steps in fp32 and in bf16.
+grows over 50 steps in fp32 and in bf16. These digits are round-off on this machine: on another CPU
+a student sees other ones, of the same order, possibly at other steps; every step within 1e-5 (exit
+status 0) holds on every machine.
 
 **If step 1 differs**, the forward is wrong, before any gradient exists: the first suspects are
 the loss normalisation (a local token count instead of the global one), a missing g (an
@@ -106,7 +109,9 @@ parameters), so even it moves by less than 1e-5 until {first_above(b_grad)}. The
 gradient by its own running RMS, so a gradient that is about half the right one, with the right
 sign, produces nearly the same update; the replicas drift apart slowly. A bug that the loss hides
 for many steps is why the tests compare gradients (and every rank's copy of a replicated tensor),
-not only losses.""")
+not only losses. Machine dependence: (a) is a large error and starts at step 2 on any CPU;
+the step at which (b)'s small drift passes 1e-5 comes from round-off amplified by AdamW and can come
+a step or two earlier or later on another machine.""")
 
     # 5. -------------------------------------------------------------------------------------------
     key.run("torchrun --nproc_per_node=8 02_tensor_parallel/train_tp.py --steps 5 --seq-len 32 --global-batch 8 --metrics runs/lab02/tp8.jsonl --quiet")
@@ -133,7 +138,9 @@ query heads only.""")
 {failures}
 
 Both are checked on every rank before any communication, so nobody waits for a peer that has
-already given up.""")
+already given up. The script prints the one line and no traceback; what follows it on the screen is
+torchrun's own report (its launcher's traceback, ending in `ChildFailedError`, and the table of
+failed ranks).""")
 
     # 7. -------------------------------------------------------------------------------------------
     key.run("torchrun --nproc_per_node=2 02_tensor_parallel/train_tp.py --steps 10 --seq-len 32 --global-batch 8 --impl torch --metrics runs/lab02/dt.jsonl --quiet")
@@ -146,8 +153,11 @@ came out of the backward of the vocab-parallel lookup) while the parameter is `S
 norms' gradients come out `Partial`. Computing the norm of the *local* gradients then counts the
 embedding's whole table on every rank (N times too much) and the norms' partial sums instead of
 their sum. `settle_grads` redistributes each gradient to its parameter's placement: Replicate →
-Shard is a local slice, Partial → Replicate an all-reduce. Throughput: the ratio column of
-`results/throughput.md` (from `python 02_tensor_parallel/bench_tp.py`).""")
+Shard is a local slice, Partial → Replicate an all-reduce. `comm_bytes_tp` in `dt.jsonl`:
+**{json.dumps(key.rows("runs/lab02/dt.jsonl")[-1]["comm_bytes_tp"])}** (not measured: DTensor's collectives
+bypass the counter). Throughput: the ratio columns of
+`results/throughput.md` (from `python 02_tensor_parallel/bench_tp.py`); times and their ratios are
+the measuring machine's and vary by CPU and load.""")
     key.write()
 
 

@@ -18,7 +18,6 @@ API (chapter 04 imports this module with importlib.import_module("02_tensor_para
     tp_to_full(name, local, tp_group, n_kv_heads=None) -> full tensor (weights and AdamW moments)
     tp_to_local(name, full, tp_rank, tp_size, n_kv_heads=None) -> this rank's slice
         n_kv_heads is needed only when KV heads are replicated (n_kv_heads < tp_size).
-    full_state_dict(model, tp_group) -> consolidated single-device state dict (reference names)
 
 Which dimension is split follows from the parameter's name, the same rule in both directions:
 wq wk wv w_gate w_up lm_head tok_emb along dim 0 (output rows / vocabulary), wo w_down along dim 1
@@ -166,10 +165,4 @@ def tp_to_local(name: str, full: torch.Tensor, tp_rank: int, tp_size: int, n_kv_
     if _kv_replicated(name, tp_size, n_kv_heads):
         return full.chunk(n_kv_heads, dim=0)[tp_rank // (tp_size // n_kv_heads)]
     return full.chunk(tp_size, dim=dim)[tp_rank]
-
-
-def full_state_dict(model, tp_group) -> dict:
-    """The consolidated single-device state dict (reference names), on every TP rank."""
-    K = model.cfg.n_kv_heads
-    return {name: tp_to_full(name, p.detach(), tp_group, K) for name, p in model.named_parameters()}
 

@@ -71,22 +71,19 @@ class ColumnParallelLinear(TPRegion):
     Each output slice depends on all of x, so the layer starts with f (the sum of the ranks' input
     gradients in backward). `apply_f=False`: the caller has applied f already, once for several
     layers reading the same input (q, k, v; gate, up): three f's would all-reduce three gradients
-    instead of their sum. `gather_output`: all-gather the slices into the whole y at the end."""
+    instead of their sum. The output stays split: the next layer (row-parallel, or the vocab-parallel
+    loss after the LM head) wants it so."""
 
-    def __init__(self, weight, group, sequence_parallel=False, gather_output=False, apply_f=True):
+    def __init__(self, weight, group, sequence_parallel=False, apply_f=True):
         super().__init__()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.gather_output, self.apply_f = gather_output, apply_f
+        self.group, self.sequence_parallel, self.apply_f = group, sequence_parallel, apply_f
         self.weight = mark_layout(nn.Parameter(_shard(weight, 0, rank, size)), 0, 1)   # (out/tp, in)
 
     def forward(self, x):                # (B, S, in), or (B, S/tp, in) with SP
         if self.apply_f:
             x = self.f(x)                # f: (B, S, in), whole on every rank
-        y = F.linear(x, self.weight)     # (B, S, out/tp): this rank's output features
-        if self.gather_output:
-            y = tp_operators.gather_from_last_dim(y, self.group)   # (B, S, out)
-        return y
+        return F.linear(x, self.weight)  # (B, S, out/tp): this rank's output features
 
 
 class RowParallelLinear(TPRegion):

@@ -21,24 +21,14 @@ sequence, and replaces f and g by another conjugate pair (the paper calls them g
 An all-reduce *is* a reduce-scatter followed by an all-gather, so the pair moves the same bytes as
 f and g, but the norms and residual adds in between now work on S/tp tokens instead of S.
 
-Also here: `scatter_to_sequence_parallel_region` (split forward / all-gather backward) and the
-last-dimension pair `gather_from_last_dim` / `split_to_last_dim` used when a column-parallel linear
-must hand back its whole output. Every collective goes through common.comm with name="tp", so its
-bytes are counted. Every operator takes its process group as an argument: the TP group may be a
-small part of the world (chapter 04 runs it under pipeline stages and data parallelism).
+Every collective goes through common.comm with name="tp", so its bytes are counted. Every operator
+takes its process group as an argument: the TP group may be a small part of the world (chapter 04
+runs it under pipeline stages and data parallelism).
 """
 import torch
 import torch.distributed as dist
 
 from common import comm
-
-
-def _size(group) -> int:
-    return dist.get_world_size(group)
-
-
-def _rank(group) -> int:
-    return dist.get_rank(group)
 
 
 # --- collectives along any dimension (comm's wrappers gather and scatter along dim 0) ---------------
@@ -51,7 +41,7 @@ def _all_reduce(x, group):
 
 def _all_gather(x, dim, group):
     """Concatenate every rank's x along `dim`. Bytes: (N-1)/N of the gathered tensor, each way."""
-    N = _size(group)
+    N = dist.get_world_size(group)
     if N == 1:
         return x
     shard = x.movedim(dim, 0).contiguous()                                        # (n, ...)
@@ -62,21 +52,13 @@ def _all_gather(x, dim, group):
 
 def _reduce_scatter(x, dim, group):
     """Sum x over ranks; rank i keeps the i-th chunk along `dim`. Bytes: (N-1)/N of x, each way."""
-    N = _size(group)
+    N = dist.get_world_size(group)
     if N == 1:
         return x
     full = x.movedim(dim, 0).contiguous()                                         # (N·n, ...)
     out = torch.empty((full.shape[0] // N,) + full.shape[1:], dtype=x.dtype, device=x.device)   # (n, ...)
     comm.reduce_scatter_into(out, full, group=group, name="tp")
     return out.movedim(0, dim).contiguous()
-
-
-def _split(x, dim, group):
-    """This rank's chunk of x along `dim` (no communication)."""
-    N = _size(group)
-    if N == 1:
-        return x
-    return x.chunk(N, dim=dim)[_rank(group)].contiguous()
 
 
 # --- Megatron's f and g -------------------------------------------------------------------------------
@@ -136,48 +118,6 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 
-class ScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Keep this rank's chunk along the sequence forward (no communication), all-gather backward.
-    Used to enter the sequence-parallel layout from a tensor every rank holds whole."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):     # (B, S, D) -> (B, S/tp, D)
-        ctx.dim, ctx.group = dim, group
-        return _split(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-# --- the last dimension: a column-parallel layer that hands back its whole output ---------------------
-
-class GatherFromLastDim(torch.autograd.Function):
-    """All-gather along the last dimension forward, keep this rank's chunk backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):          # (..., n/tp) -> (..., n)
-        ctx.group = group
-        return _all_gather(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):             # every rank holds the whole grad: no communication needed
-        return _split(grad, -1, ctx.group), None
-
-
-class SplitToLastDim(torch.autograd.Function):
-    """Keep this rank's chunk of the last dimension forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):          # (..., n) -> (..., n/tp)
-        ctx.group = group
-        return _split(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, -1, ctx.group), None
-
-
 # Short functional names, as used by the layers. `dim` is the sequence dimension (1 in (B, S, D)).
 def copy_to_tp_region(x, group):
     return CopyToTensorParallelRegion.apply(x, group)
@@ -193,15 +133,3 @@ def gather_from_sequence_parallel_region(x, group, dim=1):
 
 def reduce_scatter_to_sequence_parallel_region(x, group, dim=1):
     return ReduceScatterToSequenceParallelRegion.apply(x, dim, group)
-
-
-def scatter_to_sequence_parallel_region(x, group, dim=1):
-    return ScatterToSequenceParallelRegion.apply(x, dim, group)
-
-
-def gather_from_last_dim(x, group):
-    return GatherFromLastDim.apply(x, group)
-
-
-def split_to_last_dim(x, group):
-    return SplitToLastDim.apply(x, group)

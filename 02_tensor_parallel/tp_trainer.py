@@ -1,8 +1,10 @@
 """One training step of tensor parallelism (with data parallelism around it), behind the step verbs.
 
 `train_tp.py` drives a trainer through the verbs of common/step_protocol.py, in one straight loop:
-`TPTrainer` (this chapter's layers) or `dtensor_tp.DTensorTrainer` (PyTorch's DTensor, the same
-verbs), chosen once before the loop.
+`TPTrainer` (this chapter's layers) or `dtensor_tp.DTensorTrainer` (PyTorch's DTensor), chosen once
+before the loop. The two are siblings: each implements the verbs in its own file, and what both need
+(the norm with each replicated gradient counted once, the bytes a rank holds, the consolidated
+checkpoint) is a function at the end of this file that both call.
 
 Where the communication happens:
 - inside `forward_backward`: the f and g of every block (tp_layers.py), the vocab-parallel loss;
@@ -15,6 +17,7 @@ from importlib import import_module
 import torch
 import torch.distributed as dist
 
+from common import comm
 from common.optim import build_adamw, clip_by_global_norm
 from common.step_protocol import OptimizerVerbs, counted_here, replicas
 from common.training import load_optim_state_by_name, optim_state_by_name
@@ -39,16 +42,9 @@ class TPTrainer(OptimizerVerbs):
         self.tp_rank, self.tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
         self.coords = {"tp": self.tp_rank}                 # where this rank sits, for counted_here
         self.n_kv_heads, self.tokens_per_step = model.cfg.n_kv_heads, tokens_per_step
-        self.model = self.parallelize(model, sequence_parallel)
+        self.model = tensor_parallel.parallelize_model(model, tp_group, sequence_parallel)   # keeps my slices
         self.named = list(self.model.named_parameters())
-        self.params = dict(self.named)
         self.optimizer = build_adamw(self.named, lr, weight_decay)
-
-    def parallelize(self, model, sequence_parallel: bool):
-        return tensor_parallel.parallelize_model(model, self.tp_group, sequence_parallel)
-
-    def loss_sum(self, local_logits, targets):
-        return tensor_parallel.tp_loss_sum(local_logits, targets, self.tp_group)   # (B, S, V/tp) never gathered
 
     # --- the step protocol ----------------------------------------------------------------------
 
@@ -62,9 +58,9 @@ class TPTrainer(OptimizerVerbs):
             for layer in model.layers:
                 h = layer(h, model.rope_cos, model.rope_sin)      # f ... g twice per block
             logits = model.head(h)                                # (B, S, V/tp): never gathered
-            loss = self.loss_sum(logits, y) / self.tokens_per_step
+            loss = tensor_parallel.tp_loss_sum(logits, y, self.tp_group) / self.tokens_per_step
             loss.backward()
-        return self.local(loss).detach()                          # the same on every TP rank
+        return loss.detach()                                      # the same on every TP rank
 
     def sync_gradients(self) -> None:
         # TP: the gradients that are partial sums over the TP group after backward: norm gains with
@@ -75,26 +71,18 @@ class TPTrainer(OptimizerVerbs):
         data_parallel.allreduce_gradients(self.model, self.dp_group)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        # Each gradient element counted once within the TP group; DP replicas agree already.
         params = list(self.model.parameters())
-        counted = [self.local(p.grad) for p in params if p.grad is not None and counted_here(replicas(p), self.coords)]
-        every = [self.local(p.grad) for p in params]
-        return clip_by_global_norm(counted, max_norm, groups=[self.tp_group], all_grads=every)
+        return clip_counted_once(params, [p.grad for p in params], max_norm, self.tp_group, self.coords)
 
     def memory(self) -> dict:
         """Bytes held by this rank: its slices of the weights, their gradients, AdamW's two moments."""
-        def nbytes(tensors):
-            return sum(self.local(t).numel() * t.element_size() for t in tensors if t is not None)
-        moments = [t for st in self.optimizer.state.values() for k, t in st.items() if k != "step"]
-        return {"param_bytes": nbytes(self.params.values()),
-                "grad_bytes": nbytes(p.grad for p in self.params.values()), "optim_bytes": nbytes(moments)}
+        params = [p for _, p in self.named]
+        return held_bytes(params, [p.grad for p in params], adamw_moments(self.optimizer))
+
+    def comm_bytes(self) -> dict:
+        return counted_bytes()
 
     # --- checkpoints: the consolidated single-device state, in any layout ------------------------
-
-    @staticmethod
-    def local(t):
-        """This rank's part of a tensor (ours are plain tensors already; DTensor's are not)."""
-        return t
 
     def to_full(self, name: str, t: torch.Tensor) -> torch.Tensor:
         return tensor_parallel.tp_to_full(name, t, self.tp_group, self.n_kv_heads)
@@ -104,8 +92,43 @@ class TPTrainer(OptimizerVerbs):
 
     def full_state(self) -> tuple[dict, dict]:
         """(weights, AdamW state) as the single-device model names them. A collective in each TP group."""
-        model = {name: self.to_full(name, p.detach()) for name, p in self.named}
-        return model, optim_state_by_name(self.optimizer, self.named, self.to_full)
+        return consolidated_state(self.named, self.optimizer, self.to_full)
 
     def load_optim_state(self, states: dict) -> None:
         load_optim_state_by_name(self.optimizer, self.named, states, self.to_local)
+
+
+# --- what both trainers call (this file's and dtensor_tp.DTensorTrainer), on the tensors this rank holds ---
+
+def clip_counted_once(params, grads, max_norm: float, tp_group, coords: dict) -> float:
+    """The global gradient norm, clipped to `max_norm`: `grads[i]` is this rank's part of
+    `params[i]`'s gradient (None: none). Each element is counted once within the TP group
+    (counted_here: a replicated gradient by its first holder); DP replicas agree already."""
+    counted = [g for p, g in zip(params, grads) if g is not None and counted_here(replicas(p), coords)]
+    return clip_by_global_norm(counted, max_norm, groups=[tp_group], all_grads=grads)
+
+
+def held_bytes(params, grads, moments) -> dict:
+    """The step protocol's `memory()` from this rank's local tensors (None: not allocated)."""
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return {"param_bytes": nbytes(params), "grad_bytes": nbytes(grads), "optim_bytes": nbytes(moments)}
+
+
+def adamw_moments(optimizer) -> list:
+    """AdamW's state tensors (two moments per parameter; the step counters left out)."""
+    return [t for st in optimizer.state.values() for k, t in st.items() if k != "step"]
+
+
+def counted_bytes() -> dict:
+    """This step's bytes on the wire as common/comm.py counted them (sent + received): all, TP, DP."""
+    by_group = comm.COUNTER.by_group()
+    return {"comm_bytes": comm.COUNTER.total(), "comm_bytes_tp": by_group.get("tp", 0),
+            "comm_bytes_dp": by_group.get("dp", 0)}
+
+
+def consolidated_state(named, optimizer, to_full) -> tuple[dict, dict]:
+    """(weights, AdamW state) by single-device name; `to_full(name, t)` turns a local part into the
+    full tensor (a collective in the TP group)."""
+    model = {name: to_full(name, p.detach()) for name, p in named}
+    return model, optim_state_by_name(optimizer, named, to_full)

@@ -65,7 +65,6 @@ def main(argv=None) -> list[dict]:
     data = TextData(args.data, args.seq_len, args.seed)
     cfg = PRESETS[args.model]
     resume = resume_state(args)
-    tokens_per_step = args.global_batch * args.seq_len
 
     # --- the model: build the full one from the seed (or the checkpoint); the trainer keeps this
     # rank's slices. Ours or DTensor's, chosen once: the loop below is the same for both.
@@ -74,33 +73,19 @@ def main(argv=None) -> list[dict]:
     if resume:                           # the consolidated state: each rank keeps its slice
         model.load_state_dict(resume["model"], strict=True)
         start = resume["step"]
-    Trainer = dtensor_tp.DTensorTrainer if args.impl == "torch" else tp_trainer.TPTrainer
-    trainer = Trainer(model, mesh.group("tp"), dp_group, sequence_parallel=args.sequence_parallel, lr=args.lr,
-                      weight_decay=args.weight_decay, tokens_per_step=tokens_per_step, device=rt.device,
-                      bf16=args.dtype == "bf16")
+    trainer = build_trainer(args, model, mesh, rt.device)
     if resume:
         trainer.load_optim_state(resume["optim"])
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
-    param_bytes = trainer.memory()["param_bytes"]
-    M = count_parameters(cfg) * 4
-    B, S, D = args.global_batch // dp // args.microbatches, args.seq_len, cfg.dim
-    log.config_table(f"tensor parallel — {args.impl}{' + sequence parallel' if args.sequence_parallel else ''}", {
-        "world size": f"{rt.world_size} = DP {dp} × TP {tp}", "device / backend": f"{rt.device} / {rt.backend}",
-        "data": data.describe(),
-        "mesh (dp, tp)": "\n" + mesh.describe(),
-        "model": f"{args.model}: {count_parameters(cfg):,} parameters ({format_bytes(M)} fp32)",
-        "parameters per rank": f"{format_bytes(param_bytes)} (full/tp = {format_bytes(M / tp)})",
-        "heads per rank": f"{cfg.n_heads // tp} query, {max(1, cfg.n_kv_heads // tp)} KV"
-                          + (f" (each KV head on {tp // cfg.n_kv_heads} ranks)" if cfg.n_kv_heads < tp else ""),
-        "activations per f/g": f"B·S·D = {B}·{S}·{D} floats = {format_bytes(B * S * D * 4)} per all-reduce",
-        "global batch": f"{args.global_batch} seq × {args.seq_len} tokens = {tokens_per_step:,} tokens",
-        "resumed from step": start or "-"})
+    log.config_table(f"tensor parallel — {args.impl}{' + sequence parallel' if args.sequence_parallel else ''}",
+                     layout_rows(args, cfg, mesh, rt, data, trainer.memory(), start))
     if rt.world_size == 1:
         log.print("world size 1: the single-device reference. More ranks: "
                   "torchrun --nproc_per_node=4 02_tensor_parallel/train_tp.py [--sequence-parallel]")
 
+    tokens_per_step = args.global_batch * args.seq_len
     log.start(start + 1)
     for step in range(start + 1, args.steps + 1):
         comm.COUNTER.reset()
@@ -120,20 +105,53 @@ def main(argv=None) -> list[dict]:
             trainer.zero_grad()
         loss_value = global_sum(local_loss, dp_group)
         stop_if_not_finite(step, loss_value, grad_norm, args)
-        by_group = comm.COUNTER.by_group()
         log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
-                     comm_bytes=comm.COUNTER.total(), comm_bytes_tp=by_group.get("tp", 0),
-                     comm_bytes_dp=by_group.get("dp", 0), **trainer.memory(),
+                     **trainer.comm_bytes(), **trainer.memory(),
                      tp=tp, dp=dp, sequence_parallel=args.sequence_parallel, impl=args.impl)
         if should_save(args, step):      # a collective inside each TP group, written by global rank 0
             full_model, full_optim = trainer.full_state()
             if rt.is_main:
                 path = checkpoint.save(args.checkpoint_dir, step, full_model, full_optim, run_identity(args))
                 log.note(f"checkpoint saved: {path}")
-    log.finish({"parameters per rank": format_bytes(param_bytes),
-                "TP bytes / step (this rank)": format_bytes(log.history[-1]["comm_bytes_tp"]) if log.history else "-"})
+    log.finish(summary_rows(log.history))
     shutdown(rt)
     return log.history
+
+
+def build_trainer(args, model, mesh, device):
+    """The trainer of `--impl`, chosen once: ours (tp_trainer.py) or PyTorch's DTensor (dtensor_tp.py),
+    siblings with the same verbs and the same arguments."""
+    Trainer = dtensor_tp.DTensorTrainer if args.impl == "torch" else tp_trainer.TPTrainer
+    return Trainer(model, mesh.group("tp"), mesh.group("dp"), sequence_parallel=args.sequence_parallel,
+                   lr=args.lr, weight_decay=args.weight_decay, tokens_per_step=args.global_batch * args.seq_len,
+                   device=device, bf16=args.dtype == "bf16")
+
+
+def layout_rows(args, cfg, mesh, rt, data, memory: dict, start: int) -> dict:
+    """The configuration table printed at start: the grid, what each rank holds, what an f or g moves."""
+    tp, dp = mesh.size("tp"), mesh.size("dp")
+    M = count_parameters(cfg) * 4
+    B, S, D = args.global_batch // dp // args.microbatches, args.seq_len, cfg.dim
+    return {
+        "world size": f"{rt.world_size} = DP {dp} × TP {tp}", "device / backend": f"{rt.device} / {rt.backend}",
+        "data": data.describe(), "mesh (dp, tp)": "\n" + mesh.describe(),
+        "model": f"{args.model}: {count_parameters(cfg):,} parameters ({format_bytes(M)} fp32)",
+        "parameters per rank": f"{format_bytes(memory['param_bytes'])} (full/tp = {format_bytes(M / tp)})",
+        "heads per rank": f"{cfg.n_heads // tp} query, {max(1, cfg.n_kv_heads // tp)} KV"
+                          + (f" (each KV head on {tp // cfg.n_kv_heads} ranks)" if cfg.n_kv_heads < tp else ""),
+        "activations per f/g": f"B·S·D = {B}·{S}·{D} floats = {format_bytes(B * S * D * 4)} per all-reduce",
+        "global batch": f"{args.global_batch} seq × {args.seq_len} tokens = {args.global_batch * args.seq_len:,} tokens",
+        "resumed from step": start or "-"}
+
+
+def summary_rows(history: list[dict]) -> dict:
+    """The rows added to the end-of-run summary: what this rank holds and sends for TP."""
+    if not history:
+        return {}
+    tp_bytes = history[-1]["comm_bytes_tp"]
+    return {"parameters per rank": format_bytes(history[-1]["param_bytes"]),
+            "TP bytes / step (this rank)": "— (not measured: DTensor bypasses common.comm)"
+                                           if tp_bytes is None else format_bytes(tp_bytes)}
 
 
 if __name__ == "__main__":

@@ -65,26 +65,6 @@ def check_operators():
     y.backward(torch.full_like(y, float(r)))                     # gathered: chunk j holds j
     want = torch.cat([torch.full_like(mine, float(j)) for j in range(N)], dim=1)
     assert torch.equal(x.grad, want)
-
-    # scatter (split) forward, all-gather backward
-    x = full.clone().requires_grad_()
-    y = tp_operators.scatter_to_sequence_parallel_region(x, group)
-    assert torch.equal(y, mine)
-    y.backward(torch.ones_like(y) * r)
-    assert torch.equal(x.grad, want)
-
-    # last dim: gather forward, split backward; split forward, gather backward
-    last = _randn(3, 2 * N, seed=2)
-    x = last.chunk(N, -1)[r].clone().requires_grad_()
-    y = tp_operators.gather_from_last_dim(x, group)
-    assert torch.equal(y, last)
-    y.backward(last * 2)
-    assert torch.equal(x.grad, last.chunk(N, -1)[r] * 2)
-    x = last.clone().requires_grad_()
-    y = tp_operators.split_to_last_dim(x, group)
-    assert torch.equal(y, last.chunk(N, -1)[r])
-    y.backward(torch.full_like(y, float(r)))
-    assert torch.equal(x.grad, torch.cat([torch.full((3, 2), float(j)) for j in range(N)], dim=-1))
     return True
 
 
@@ -127,12 +107,11 @@ def check_layers(sp: bool):
     seq = "seq" if sp else "full"                          # the layout between parallel regions
     x = _randn(B, S, D, seed=3)
 
-    # column (gathered and split output), row
-    for gather in (True, False):
-        dense = torch.nn.Linear(D, Fh, bias=False)
-        par = tp_layers.ColumnParallelLinear(dense.weight, group, sp, gather_output=gather)
-        _twin(dense, par, x, seq, "full" if gather else "last")
-        torch.testing.assert_close(par.weight.grad, dense.weight.grad.chunk(N, 0)[r], **TOL)
+    # column (output split along the features), row
+    dense = torch.nn.Linear(D, Fh, bias=False)
+    par = tp_layers.ColumnParallelLinear(dense.weight, group, sp)
+    _twin(dense, par, x, seq, "last")
+    torch.testing.assert_close(par.weight.grad, dense.weight.grad.chunk(N, 0)[r], **TOL)
     dense = torch.nn.Linear(Fh, D, bias=False)
     par = tp_layers.RowParallelLinear(dense.weight, group, sp)
     _twin(dense, par, _randn(B, S, Fh, seed=4), "last", seq)
@@ -221,9 +200,8 @@ def check_partial_stage(sp: bool):
     for i in ("2", "5"):
         got = stage.layers[i](got, stage.rope_cos, stage.rope_sin)
     torch.testing.assert_close(got, _mine(want, "seq") if sp else want, rtol=1e-5, atol=1e-5)
-    full = tensor_parallel.full_state_dict(stage, group)
-    for name, t in full.items():
-        torch.testing.assert_close(t, dense.get_parameter(name))
+    for name, p in stage.named_parameters():        # gathered back: the single-device weights
+        torch.testing.assert_close(tensor_parallel.tp_to_full(name, p, group, cfg.n_kv_heads), dense.get_parameter(name))
     return True
 
 
