@@ -30,7 +30,6 @@ from common.timeline import Timeline
 from common.training import StepTimer, global_sum, resume_state, run_identity, should_save, stop_if_not_finite
 
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")          # chapter 02: the TP loss
-pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")      # chapter 03: measured bubble
 parallel_3d = import_module("04_3d_combined.parallel_3d")                      # this chapter: each rank's piece
 trainer_3d = import_module("04_3d_combined.trainer_3d")                        # this chapter: the loop's verbs
 console_3d = import_module("04_3d_combined.console_3d")                        # this chapter: what it prints
@@ -91,11 +90,8 @@ def main(argv=None) -> list[dict]:
         memory = trainer.memory()
         loss_value = global_sum(local_loss, dist.group.WORLD)                  # last stage, tp rank 0
         stop_if_not_finite(step, loss_value, grad_norm, args)
-        # the step's traffic, by group (counted before validation adds its forward-only sends)
-        extra = {"comm_bytes": comm.COUNTER.total(), **{f"comm_bytes_{g}": comm.COUNTER.total(g) for g in ("dp", "tp", "pp")},
-                 "optim_bytes": memory["optim_bytes"],
-                 **pipeline_trainer.step_stats(timeline, memory["peak_activation_bytes"], mesh.group("pp"), layout.pp,
-                                               rt.device)}
+        # the step's bytes by group (before validation adds its sends), memory, the measured bubble
+        extra = trainer_3d.step_metrics(memory, timeline, mesh, layout, rt.device, groups=("dp", "tp", "pp"))
         if (args.val_every and step % args.val_every == 0) or step == args.steps:
             extra["val_loss"] = trainer_3d.validation_loss(trainer, my_specs, data, step, args, layout, mesh, loss_fn,
                                                            shape, rt.device)

@@ -23,6 +23,7 @@ from importlib import import_module
 
 import torch
 
+from common import comm
 from common.data import shard_rows
 from common.optim import build_adamw, clip_by_global_norm
 from common.step_protocol import counted_here, replicas
@@ -139,6 +140,14 @@ def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shap
         trainer_class = Trainer3D
     executor = build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timeline)
     return trainer_class(executor, plan, named, optimizer, mesh, layout.microbatches)
+
+
+def step_metrics(memory: dict, timeline, mesh, layout, device, groups: tuple) -> dict:
+    """The step's bytes by group (common.comm's counter), AdamW's bytes, and chapter 03's measured bubble
+    and per-stage activation peaks (an all-gather of four numbers over the pipeline group)."""
+    return {"comm_bytes": comm.COUNTER.total(), **{f"comm_bytes_{g}": comm.COUNTER.total(g) for g in groups},
+            "optim_bytes": memory["optim_bytes"],
+            **pipeline_trainer.step_stats(timeline, memory["peak_activation_bytes"], mesh.group("pp"), layout.pp, device)}
 
 
 def validation_loss(trainer, my_specs, data, step: int, args, layout, mesh, loss_fn, act_shape, device) -> float:
