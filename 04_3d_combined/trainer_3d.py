@@ -37,7 +37,7 @@ from common.training import load_optim_state_by_name, optim_state_by_name
 data_parallel = import_module("01_data_parallel.data_parallel")           # chapter 01: async all-reduce
 zero_sharding = import_module("01_data_parallel.zero_sharding")           # chapter 01: ZeRO-1
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")     # chapter 02: TP gradients, loss
-pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")  # chapter 03: runs a schedule
+measured_executor = import_module("03_pipeline_parallel.measured_executor")  # chapter 03: runs a schedule
 pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")    # chapter 03: the pipeline's verbs
 expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")    # chapter 05: which are experts
 router_statistics = import_module("05_moe_expert_parallel.router_statistics")  # chapter 05: summed over the grid
@@ -149,7 +149,7 @@ def build_trainer(model, specs, plan, mesh, args, cfg, loss_fn, act_shape, devic
         if local is not None:
             load_optim_state_by_name(optimizer, named, local)
         trainer_class = Trainer3D
-    executor = pipeline_executor.PipelineExecutor(
+    executor = measured_executor.MeasuredExecutor(
         model, specs, mesh.coord("pp"), mesh.group_ranks["pp"], mesh.group("pp"), act_shape,   # (mb, S or S/tp, D)
         loss_fn=loss_fn, loss_scale=args.global_batch * args.seq_len, device=device,
         autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline)
