@@ -22,7 +22,13 @@ computes the stage input's gradient, which the previous rank is waiting for, and
 the few parameters outside linear layers, while each linear layer leaves (x, dy) behind; W computes
 those layers' dW = dyᵀ x. Stage 0 has nobody waiting for an input gradient: its B does nothing and
 its W is the whole backward.
+
+Measurement is not in this file: measured_executor.py wraps the same methods (receive, compute,
+send, wait_sends) with timeline spans and counts the activation bytes alive, for the bubble and
+memory the chapter reports.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
@@ -60,33 +66,46 @@ def incoming_order(schedule, me: int, n_stages: int) -> dict[int, list[Key]]:
             for src in range(p) if src != me}
 
 
-def stage_parameters(model: nn.Module, stage) -> list[nn.Parameter]:
-    mods = ([model.tok_emb] if stage.first else []) + [model.layers[i] for i in stage.layers] + (
-        [model.norm, model.lm_head] if stage.last else [])
+def stage_parameters(model: nn.Module, spec) -> list[nn.Parameter]:
+    """The trainable parameters of one stage (a StageSpec) of the pruned stage model."""
+    mods = ([model.tok_emb] if spec.first else []) + [model.layers[i] for i in spec.layers] + (
+        [model.norm, model.lm_head] if spec.last else [])
     return [p for m in mods for p in m.parameters() if p.requires_grad]
+
+
+@dataclass
+class InFlight:
+    """One micro-batch on one stage, from its F until its last backward action (B, or W)."""
+    inp: torch.Tensor                         # the stage input: tokens (mb, S) on stage 0, else (mb, S, D)
+    out: torch.Tensor                         # the output (mb, S, D); on the last stage its scaled loss
+    grad_out: torch.Tensor | None = None      # d loss / d out, once B has received it
+    pending: list | None = None               # zero bubble: each linear layer's (weight, x, dy) left for W
 
 
 class PipelineExecutor:
     """Runs schedules for one pipeline rank.
 
     model      the pruned stage model (prune_to_stages), holding this rank's stages
-    specs      every StageSpec of the pipeline (all ranks, all virtual stages)
+    specs      every StageSpec of the pipeline (all ranks, all virtual stages); specs[s] describes stage s
     pp_rank    this rank's position in the pipeline; pp_ranks: the GLOBAL ranks of the pipeline
                group in stage order (torch.distributed addresses peers by global rank)
     group      the pipeline process group (not necessarily the world: chapter 04 passes its own)
     act_shape  shape of one message, e.g. (mb, S, D); dtype of the activations
     loss_fn    loss_fn(logits, targets) -> SUMMED loss (vocab-parallel in chapter 04)
     loss_scale the loss is divided by this (the global token count), see common/model.loss_sum
+
+    A stage is named by its global index (an int, as in an Action); its StageSpec is `specs[stage]`.
+    What this class does not do is measure: measured_executor.py times its actions and messages and
+    counts the activation bytes alive, around the same methods.
     """
 
     def __init__(self, model, specs, pp_rank: int, pp_ranks: list[int], group, act_shape, loss_fn, loss_scale,
-                 dtype=torch.float32, device="cpu", autocast_dtype=None, timeline=None):
+                 dtype=torch.float32, device="cpu", autocast_dtype=None):
         self.model, self.specs, self.me, self.ranks, self.group = model, specs, pp_rank, pp_ranks, group
         self.p, self.n = len(pp_ranks), len(specs)
         self.act_shape, self.dtype, self.device = tuple(act_shape), dtype, torch.device(device)
-        self.loss_fn, self.loss_scale, self.autocast_dtype, self.timeline = loss_fn, loss_scale, autocast_dtype, timeline
+        self.loss_fn, self.loss_scale, self.autocast_dtype = loss_fn, loss_scale, autocast_dtype
         self.stage_params = {s.index: stage_parameters(model, s) for s in specs if s.index % self.p == pp_rank}
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.store, self.b_params = None, None    # set up by the first schedule with W actions
 
     def _split_weight_grads(self) -> None:
@@ -94,6 +113,36 @@ class PipelineExecutor:
         self.store = zero_bubble.WeightGradStore()
         deferred = zero_bubble.split_linears(self.model, self.store)
         self.b_params = {s: [p for p in params if id(p) not in deferred] for s, params in self.stage_params.items()}
+
+    # --- the step -------------------------------------------------------------------------------
+    def run(self, schedule, tokens: list, targets: list, on_stage_grads_ready=None) -> torch.Tensor:
+        """Run this rank's actions for one step. tokens/targets: the m micro-batches (mb, S) each
+        (used on the first / last stage only). Gradients accumulate into .grad.
+        on_stage_grads_ready(stage): called as soon as a stage's gradients are final for this step
+        (after its last B or W), while the rest of the schedule still runs (the trainer starts the
+        data-parallel all-reduce of that stage there).
+        Returns the summed scaled loss of the micro-batches this rank finished (last stage; 0 elsewhere)."""
+        actions = schedule[self.me]
+        self.split = any(a.kind == "W" for a in actions)      # zero bubble: B and W are two actions
+        if self.split and self.store is None:
+            self._split_weight_grads()
+        self.order = incoming_order(schedule, self.me, self.n)
+        self.posted, self.local, self.sends = {}, {}, []
+        self.in_flight: dict[tuple[int, int], InFlight] = {}  # (micro-batch, stage) -> its tensors
+        self.loss = torch.zeros((), device=self.device)
+        last_grad_action = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
+        for i, a in enumerate(actions):
+            if i + 1 < len(actions):
+                self.post_ahead(actions[i + 1])         # start the next message's transfer now
+            received = self.receive(a)                  # the input this action waits for, if any
+            outgoing = self.compute(a, received, tokens, targets)
+            if outgoing is not None:
+                self.send(*outgoing)
+            if on_stage_grads_ready and last_grad_action[a.stage] == i:
+                on_stage_grads_ready(a.stage)
+        self.wait_sends()
+        assert not self.in_flight and not self.posted, "schedule left work unfinished"
+        return self.loss
 
     # --- messages --------------------------------------------------------------------------------
     def _post_until(self, key: Key, src: int) -> None:
@@ -104,12 +153,14 @@ class PipelineExecutor:
             buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)   # (mb, S, D)
             self.posted[k] = (buf, comm.recv(buf, src=self.ranks[src], group=self.group, name="pp"))
 
-    def _post_ahead(self, a) -> None:
+    def post_ahead(self, a) -> None:
+        """Post the irecv of the message action `a` will wait for (and of those sent before it)."""
         need = needed_message(a, self.n, self.p)
         if need and need[1] != self.me:
             self._post_until(*need)
 
-    def _receive(self, a):
+    def receive(self, a):
+        """The message action `a` waits for (None if it needs none), waited for."""
         need = needed_message(a, self.n, self.p)
         if need is None:
             return None
@@ -118,134 +169,70 @@ class PipelineExecutor:
             return self.local.pop(key)
         self._post_until(key, src)
         buf, work = self.posted.pop(key)
-        t = self._now()
         work.wait()
-        self._span("recv", t, mb=a.mb, stage=a.stage)
-        return buf
+        return buf                                      # (mb, S, D)
 
-    def _send(self, key: Key, dst: int, tensor) -> None:
+    def send(self, key: Key, dst: int, tensor) -> None:
+        """Post an isend; it is waited for at the end of the step (`wait_sends`), so it never blocks."""
         if dst == self.me:
             self.local[key] = tensor.detach()
             return
-        t = self._now()
         self.sends.append((tensor, comm.send(tensor.detach(), dst=self.ranks[dst], group=self.group, name="pp")))
-        self._span("send", t, mb=key[1], stage=key[2], what=key[0])   # posting the isend: its own span
 
-    # --- timeline: F/B/W spans hold compute only; posting a send and waiting for a recv are their own ---
-    def _now(self):
-        return self.timeline.now() if self.timeline else 0.0
-
-    def _span(self, kind, start, **args):
-        if self.timeline:
-            self.timeline.add(kind, start, self.timeline.now(), **args)
+    def wait_sends(self) -> None:
+        for _, work in self.sends:                      # the buffers must outlive their isend
+            work.wait()
 
     # --- the three kinds of work ---------------------------------------------------------------------
+    def compute(self, a, received, tokens: list, targets: list):
+        """Run action `a` on its input; returns the message to send on, (key, destination rank,
+        tensor), or None."""
+        if a.kind == "F":
+            return self._forward(a, received, tokens[a.mb], targets[a.mb])
+        if a.kind == "B":
+            return self._backward(a, received)
+        self._weights(a)
+        return None                                     # W sends nothing
+
     def _forward(self, a, inp, tokens, targets):
-        stage = self.specs[a.stage]
-        if stage.first:
+        spec = self.specs[a.stage]
+        if spec.first:
             inp = tokens                                                   # (mb, S) token ids
         else:
             inp.requires_grad_(True)                                       # we want d loss / d input
-        saved = []                       # every tensor autograd keeps for backward (counted below)
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), \
-                torch.autocast(self.device.type, self.autocast_dtype or torch.float32,
-                               enabled=self.autocast_dtype is not None):
-            out = pipeline_stages.stage_forward(self.model, stage, inp)            # (mb, S, D) or logits
-            if stage.last:
+        with torch.autocast(self.device.type, self.autocast_dtype or torch.float32,
+                            enabled=self.autocast_dtype is not None):
+            out = pipeline_stages.stage_forward(self.model, spec, inp)     # (mb, S, D) or logits
+            if spec.last:
                 out = self.loss_fn(out, targets) / self.loss_scale         # this micro-batch's share
-        nbytes = self._bytes(saved)
-        self.state[(a.mb, a.stage)] = {"inp": inp, "out": out, "bytes": nbytes}
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        if stage.last:
+        self.in_flight[(a.mb, a.stage)] = InFlight(inp, out)
+        if spec.last:
             self.loss += out.detach().float()
             return None
-        return ("act", a.mb, a.stage + 1), (a.stage + 1) % self.p, out          # sent by `run`
+        return ("act", a.mb, a.stage + 1), (a.stage + 1) % self.p, out
 
-    def _backward(self, a, grad_out, split: bool):
-        st, stage = self.state[(a.mb, a.stage)], self.specs[a.stage]
-        st["grad_out"] = grad_out
-        if not split:                                   # plain backward: input AND weight gradients
-            torch.autograd.backward(st["out"], grad_out)
-            self._release(a)
-            grad_in = None if stage.first else st["inp"].grad
-        elif stage.first:                               # nobody waits for d loss / d tokens: all in W
+    def _backward(self, a, grad_out):
+        spec, held = self.specs[a.stage], self.in_flight[(a.mb, a.stage)]
+        held.grad_out = grad_out
+        if not self.split:                              # plain backward: input AND weight gradients
+            torch.autograd.backward(held.out, grad_out)
+            del self.in_flight[(a.mb, a.stage)]
+        elif spec.first:                                # nobody waits for d loss / d tokens: all in W
             return None
         else:                                           # B of zero bubble: dW of linear layers waits
             with self.store.deferring() as pending:
-                torch.autograd.backward(st["out"], grad_out, inputs=[st["inp"]] + self.b_params[a.stage])
-            grad_in = st["inp"].grad                    # (mb, S, D)
-            # The graph is freed; what stays until W is each linear layer's (x, dy).
-            st["pending"], kept = pending, self._bytes(t for _, x, dy in pending for t in (x, dy))
-            self.live += kept - st["bytes"]
-            st["bytes"] = kept
-        if stage.first:
+                torch.autograd.backward(held.out, grad_out, inputs=[held.inp] + self.b_params[a.stage])
+            held.pending = pending    # the graph is freed; what stays until W is each linear layer's (x, dy)
+        if spec.first:
             return None
-        return ("grad", a.mb, a.stage - 1), (a.stage - 1) % self.p, grad_in        # (mb, S, D), sent by `run`
+        return ("grad", a.mb, a.stage - 1), (a.stage - 1) % self.p, held.inp.grad    # (mb, S, D)
 
     def _weights(self, a):
-        st = self.state[(a.mb, a.stage)]
-        if "pending" in st:                             # the dW = dyᵀ x that B left
-            zero_bubble.apply_weight_grads(st["pending"])
+        held = self.in_flight.pop((a.mb, a.stage))
+        if held.pending is not None:                    # the dW = dyᵀ x that B left
+            zero_bubble.apply_weight_grads(held.pending)
         else:                                           # stage 0: B did nothing, W is the whole backward
-            torch.autograd.backward(st["out"], st["grad_out"])
-        self._release(a)
-
-    def _bytes(self, tensors) -> int:
-        """Bytes of distinct storages among `tensors`, parameters left out."""
-        seen, total = set(self.param_ptrs), 0
-        for t in tensors:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
-                total += t.untyped_storage().nbytes()
-        return total
-
-    def _release(self, a):
-        st = self.state.pop((a.mb, a.stage))
-        self.live -= st["bytes"]
-
-    # --- the step -------------------------------------------------------------------------------
-    def run(self, schedule, tokens: list, targets: list, on_stage_grads_ready=None) -> dict:
-        """Run this rank's actions for one step. tokens/targets: the m micro-batches (mb, S) each
-        (used on the first / last stage only). Gradients accumulate into .grad.
-        on_stage_grads_ready(stage): called as soon as a stage's gradients are final for this step
-        (after its last B or W), while the rest of the schedule still runs (chapter 04 starts the
-        data-parallel all-reduce of that stage there).
-        Returns {"loss": summed scaled loss of the micro-batches this rank finished (last stage; 0
-        elsewhere), "peak_activation_bytes": the most activation bytes alive at once}."""
-        actions = schedule[self.me]
-        split = any(a.kind == "W" for a in actions)
-        if split and self.store is None:
-            self._split_weight_grads()
-        self.order = incoming_order(schedule, self.me, self.n)
-        self.posted, self.local, self.state, self.sends = {}, {}, {}, []
-        self.live, self.peak = 0, 0
-        self.loss = torch.zeros((), device=self.device)
-        last_grad_action = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
-        for i, a in enumerate(actions):
-            if i + 1 < len(actions):
-                self._post_ahead(actions[i + 1])        # start the next message's transfer now
-            received = self._receive(a)                 # a "recv" span if it has to wait
-            t = self._now()
-            if a.kind == "F":
-                outgoing = self._forward(a, received, tokens[a.mb], targets[a.mb])
-            elif a.kind == "B":
-                outgoing = self._backward(a, received, split)
-            else:
-                self._weights(a)
-                outgoing = None                         # W sends nothing
-            self._span(a.kind, t, mb=a.mb, stage=a.stage)  # compute only ...
-            if outgoing is not None:
-                self._send(*outgoing)                   # ... the isend is a "send" span of its own
-            if on_stage_grads_ready and last_grad_action[a.stage] == i:
-                on_stage_grads_ready(a.stage)
-        t = self._now()
-        for _, work in self.sends:                      # the buffers must outlive their isend
-            work.wait()
-        self._span("send", t, wait="all")               # blocked until every send of the step is done
-        assert not self.state and not self.posted, "schedule left work unfinished"
-        return {"loss": self.loss, "peak_activation_bytes": self.peak}
+            torch.autograd.backward(held.out, held.grad_out)
 
 
 @torch.no_grad()
@@ -258,22 +245,22 @@ def forward_only_loss_sum(model, my_specs, pp_rank: int, pp_ranks: list[int], gr
     p = len(pp_ranks)
     total = torch.zeros((), device=device)
     local, sends = {}, []
-    for stage in my_specs:                                  # increasing stage index
+    for spec in my_specs:                                   # increasing stage index
         for mb, (x, y) in enumerate(zip(inputs, targets)):
-            if stage.first:
+            if spec.first:
                 inp = x                                     # (mb, S) tokens
-            elif (stage.index - 1) % p == pp_rank:
-                inp = local.pop((mb, stage.index))          # the previous stage lives on this rank too
+            elif (spec.index - 1) % p == pp_rank:
+                inp = local.pop((mb, spec.index))           # the previous stage lives on this rank too
             else:
                 inp = torch.empty(act_shape, device=device)  # (mb, S, D), or (mb, S/tp, D) with SP
-                comm.recv(inp, src=pp_ranks[(stage.index - 1) % p], group=group, name="pp").wait()
-            out = pipeline_stages.stage_forward(model, stage, inp)
-            if stage.last:
+                comm.recv(inp, src=pp_ranks[(spec.index - 1) % p], group=group, name="pp").wait()
+            out = pipeline_stages.stage_forward(model, spec, inp)
+            if spec.last:
                 total += loss_fn(out, y)
-            elif (stage.index + 1) % p == pp_rank:
-                local[(mb, stage.index + 1)] = out
+            elif (spec.index + 1) % p == pp_rank:
+                local[(mb, spec.index + 1)] = out
             else:
-                sends.append((out, comm.send(out, dst=pp_ranks[(stage.index + 1) % p], group=group, name="pp")))
+                sends.append((out, comm.send(out, dst=pp_ranks[(spec.index + 1) % p], group=group, name="pp")))
     for _, work in sends:
         work.wait()
     return total

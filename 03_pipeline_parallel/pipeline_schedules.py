@@ -76,6 +76,20 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> list[list[Action]]:
 
     out = []
     for r in range(p):
+        # How many forwards before the first backward? Rank r's first backward is B(micro-batch 0,
+        # last chunk): it can start only once micro-batch 0 has been through every stage and its
+        # gradient is back. Count the slots from rank r's first forward, one action per slot, every
+        # rank starting one slot after the rank before it:
+        #   (v-1)·p   its forwards of micro-batches 0..p-1 through chunks 0..v-2 (the group of p
+        #             goes round the p ranks once per chunk, one forward per slot)
+        #   1         micro-batch 0 through its last chunk, here
+        #   p-1-r     the same forward on ranks r+1 .. p-1 (the last stage, whose B follows at once)
+        #   p-1-r     that backward on ranks p-1 .. r+1, back to rank r
+        # So rank r can run (v-1)·p + 2(p-1-r) + 1 forwards before B(0, last chunk) arrives: the
+        # warm-up, then the steady state's first F. Each hop costs two slots (there and back), which
+        # leaves every steady-state message a full F + B of slack before it is needed. (Fewer
+        # warm-up forwards also work: the rank idles here instead of in the cool-down, with fewer
+        # micro-batches in flight; with F = B = 1 the simulated step is as long.)
         warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
         acts = []
         # === warmup ===  enough forwards that the first backward of the last chunk can arrive

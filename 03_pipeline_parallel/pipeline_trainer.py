@@ -10,10 +10,13 @@
     clip_grad_norm(max)     each stage holds different parameters: squared norms add up over the pipeline
     step(), zero_grad(), set_lr(lr), memory()   AdamW's, on this rank's stages
 
-PyTorch's own pipeline runtime sits behind the same verbs in torch_pipelining.py. Chapter 04 extends
-this class with tensor parallelism (04_3d_combined/trainer_3d.py).
-`step_stats` measures what a pipeline step is about: its bubble and each stage's activation peak.
+The comparison with PyTorch, torch_pipelining.TorchPipelineTrainer, implements the same verbs beside
+this class; what both do alike is written once, in the functions at the end of this file. Chapter 04
+extends this class with tensor parallelism (04_3d_combined/trainer_3d.py).
+`step_stats` turns a step's timeline into what a pipeline step is about: its bubble and each stage's
+activation peak.
 """
+import math
 from importlib import import_module
 
 import torch
@@ -26,15 +29,12 @@ from common.step_protocol import OptimizerVerbs
 data_parallel = import_module("01_data_parallel.data_parallel")
 
 
-def _tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 class PipelineTrainer(OptimizerVerbs):
     """One pipeline rank's stages, replicated over `dp_group`, trained with AdamW.
 
-    executor   a PipelineExecutor holding this rank's stage model (pipeline_executor.py); it offers
-               `model`, `stage_params` ({stage: its parameters}) and `run`
+    executor   a MeasuredExecutor holding this rank's stage model (measured_executor.py): it offers
+               `model`, `stage_params` ({stage: its parameters}), `run` and, after a step,
+               `peak_activation_bytes`
     schedule   every rank's action list (pipeline_schedules.build_schedule); the executor runs ours
     optimizer  AdamW over the stage model's parameters
     """
@@ -43,12 +43,11 @@ class PipelineTrainer(OptimizerVerbs):
         self.executor, self.schedule, self.optimizer, self.m = executor, schedule, optimizer, microbatches
         self.model, self.pp_group = executor.model, pp_group
         self.dp_sync = data_parallel.AsyncGradAllReduce(dp_group)
-        # One replica (dp = 1): nothing to sum, so no hook; otherwise each stage's all-reduce is launched
-        # from inside the schedule. That covers every parameter only if each one belongs to a stage:
-        in_stages = {id(p) for params in executor.stage_params.values() for p in params}
-        assert all(id(p) in in_stages for p in self.model.parameters() if p.requires_grad), "a parameter in no stage"
+        # One replica (dp = 1): nothing to sum, so no callback; otherwise each stage's all-reduce is
+        # launched from inside the schedule, which covers every parameter only if each one is in a stage.
+        check_every_parameter_in_a_stage(self.model, executor.stage_params)
         self.on_stage_grads_ready = self._all_reduce_stage if dist.get_world_size(dp_group) > 1 else None
-        self.peak_activation_bytes = 0
+        self.peak_activation_bytes = None
 
     def forward_backward(self, x, y, sync: bool = True) -> torch.Tensor:
         """x, y: (B/dp, S) this replica's rows. All m micro-batches go through the schedule in this one
@@ -56,9 +55,9 @@ class PipelineTrainer(OptimizerVerbs):
         over the micro-batches its last stage finished (0 on the other ranks)."""
         xs = [shard_rows(x, i, self.m) for i in range(self.m)]                   # m × (mb, S)
         ys = [shard_rows(y, i, self.m) for i in range(self.m)]
-        out = self.executor.run(self.schedule, xs, ys, on_stage_grads_ready=self.on_stage_grads_ready)
-        self.peak_activation_bytes = out["peak_activation_bytes"]
-        return out["loss"]
+        loss = self.executor.run(self.schedule, xs, ys, on_stage_grads_ready=self.on_stage_grads_ready)
+        self.peak_activation_bytes = self.executor.peak_activation_bytes
+        return loss
 
     def _all_reduce_stage(self, stage: int) -> None:
         """Called by the executor after `stage`'s last B (or W) of the step: one flat buffer, one async
@@ -69,30 +68,52 @@ class PipelineTrainer(OptimizerVerbs):
         self.dp_sync.wait()
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        # Each stage holds different parameters: the squared norms add up over the pipeline group.
-        return clip_by_global_norm([p.grad for p in self.model.parameters()], max_norm, groups=[self.pp_group])
+        return clip_over_stages(self.model, max_norm, self.pp_group)
 
     def memory(self) -> dict:
-        """Bytes on this rank: its stages' parameters, gradients, AdamW moments, and the most
-        activation bytes alive at once during the last step (the schedule's memory footprint)."""
-        params = list(self.model.parameters())
-        return {"param_bytes": _tensor_bytes(params), "grad_bytes": _tensor_bytes(p.grad for p in params),
-                "optim_bytes": optim_bytes(self.optimizer), "peak_activation_bytes": self.peak_activation_bytes}
+        return stage_memory(self.model, self.optimizer, self.peak_activation_bytes)
 
 
-def step_stats(timeline, peak: int, pp_group, pp: int, device) -> dict:
-    """Measured bubble fraction of this step over the pipeline, and each stage's activation peak."""
+# --- what both pipeline trainers (ours and torch_pipelining's) do alike -------------------------------
+def check_every_parameter_in_a_stage(model, stage_params: dict) -> None:
+    in_stages = {id(p) for params in stage_params.values() for p in params}
+    assert all(id(p) in in_stages for p in model.parameters() if p.requires_grad), "a parameter in no stage"
+
+
+def clip_over_stages(model, max_norm: float, pp_group) -> float:
+    """Each stage holds different parameters: the squared norms add up over the pipeline group."""
+    return clip_by_global_norm([p.grad for p in model.parameters()], max_norm, groups=[pp_group])
+
+
+def stage_memory(model, optimizer, peak_activation_bytes: int | None) -> dict:
+    """Bytes on this rank: its stages' parameters, gradients, AdamW moments, and the most activation
+    bytes alive at once during the last step (the schedule's footprint; None: not measured)."""
+    params = list(model.parameters())
+    return {"param_bytes": _tensor_bytes(params), "grad_bytes": _tensor_bytes(p.grad for p in params),
+            "optim_bytes": optim_bytes(optimizer), "peak_activation_bytes": peak_activation_bytes}
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def step_stats(timeline, peak: int | None, pp_group, pp: int, device) -> dict:
+    """Measured bubble fraction of this step over the pipeline, and each stage's activation peak.
+    Both None where not measured (PyTorch's runtime records no timeline and counts no bytes)."""
     busy = first = last = 0.0
     evs = [e for e in timeline.step_events() if e["kind"] in ("F", "B", "W")]
     if evs:
         busy = sum(e["end"] - e["start"] for e in evs)
         first, last = min(e["start"] for e in evs), max(e["end"] for e in evs)
-    mine = torch.tensor([busy, first, last, float(peak)], dtype=torch.float64, device=device)
+    mine = torch.tensor([busy, first, last, math.nan if peak is None else float(peak)], dtype=torch.float64,
+                        device=device)
     every = [torch.zeros_like(mine) for _ in range(pp)]
     if pp > 1:
         dist.all_gather(every, mine, group=pp_group)     # four numbers per rank: bookkeeping, not counted
     else:
         every = [mine]
     span = max(t[2].item() for t in every) - min(t[1].item() for t in every)
-    bubble = 1 - sum(t[0].item() for t in every) / (pp * span) if span > 0 else float("nan")
-    return {"bubble_fraction": bubble, "peak_activation_bytes": [int(t[3].item()) for t in every]}
+    bubble = 1 - sum(t[0].item() for t in every) / (pp * span) if span > 0 else None
+    peaks = [t[3].item() for t in every]
+    return {"bubble_fraction": bubble,
+            "peak_activation_bytes": None if any(map(math.isnan, peaks)) else [int(b) for b in peaks]}

@@ -1,6 +1,7 @@
 """Draw pipeline timelines: per-rank Gantt charts, several schedules stacked, bubble vs theory.
 
-    # real runs (traces written by train_pp.py --timeline), stacked for comparison
+    # real runs, stacked for comparison: traces written with --timeline PATH by train_pp.py,
+    # train_1f1b.py, train_gpipe.py (chapter 03) or 04_3d_combined/train_3d.py
     python 03_pipeline_parallel/plot_timeline.py runs/gpipe.json runs/1f1b.json --out runs/compare.png
     # on paper: unit costs F=1, B=2 (zero-bubble: B=1, W=1); nothing runs
     python 03_pipeline_parallel/plot_timeline.py --simulate gpipe:4:8 1f1b:4:8 interleaved:4:8:2 zb-h1:4:8 --out sim.png
@@ -8,9 +9,10 @@
 Each box is one action with its micro-batch number (F blue, B green, W orange); grey is idle time
 inside the step (no F, B or W running). Real runs also show, as thin strips under the boxes, the
 time a rank was blocked waiting for a message (recv, red) and spent posting sends (send, purple).
-Stacked panels share one time axis, so a schedule with a shorter step is visibly shorter. The title
-of each panel gives the bubble measured on that timeline (idle share of ranks × step time) next to
-the theory (p-1)/(m+p-1), or (p-1)/(v·m+p-1) for interleaved.
+The legend lists only the kinds the figure shows (no W without zero bubble). Stacked panels share
+one time axis, so a schedule with a shorter step is visibly shorter. The title of each panel gives
+the bubble measured on that timeline (idle share of ranks × step time) next to the theory
+(p-1)/(m+p-1), or (p-1)/(v·m+p-1) for interleaved.
 """
 import argparse
 import sys
@@ -28,7 +30,7 @@ from common.timeline import COMPUTE, bubble_fraction, idle_events, load_trace  #
 
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
 COLORS = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452", "idle": "#dddddd", "recv": "#c44e52", "send": "#8172b3"}
-LABELS = {"F": "forward F", "B": "backward B (input-grad for zb)", "W": "weight-grad W", "idle": "idle",
+LABELS = {"F": "forward F", "B": "backward B", "W": "weight-grad W", "idle": "idle",
           "recv": "waiting for a recv", "send": "posting / waiting for sends"}
 MESSAGES = ("send", "recv")
 
@@ -90,8 +92,9 @@ def plot(panels: list[tuple[list[dict], dict]], out, unit: str = "ms", suptitle:
     for ax, (events, meta) in zip(axes[:, 0], panels):
         draw(ax, events, meta, unit)
         ax.xaxis.set_tick_params(labelbottom=True)          # every panel keeps its tick labels
-    kinds = [k for k in COLORS if k not in MESSAGES or any(e["kind"] == k for ev, _ in panels for e in ev)]
-    fig.legend([plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in kinds], [LABELS[k] for k in kinds],
+    kinds = legend_kinds(panels)
+    labels = {**LABELS, "B": "backward B (input-grad only where W follows)"} if "W" in kinds else LABELS
+    fig.legend([plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in kinds], [labels[k] for k in kinds],
                loc="lower center", ncol=len(kinds), fontsize=8)
     if suptitle:
         fig.suptitle(suptitle, fontsize=10)
@@ -102,6 +105,14 @@ def plot(panels: list[tuple[list[dict], dict]], out, unit: str = "ms", suptitle:
     return out
 
 
+def legend_kinds(panels: list[tuple[list[dict], dict]]) -> list[str]:
+    """The kinds of box and strip the panels show, in COLORS order: a legend lists nothing else."""
+    shown = {e["kind"] for events, _ in panels for e in events}
+    if any(idle_events(events) for events, _ in panels):
+        shown.add("idle")
+    return [k for k in COLORS if k in shown]
+
+
 def plot_bubble(measured: dict[int, tuple[list[int], list[float]]], out, title: str, schedule: str = "1f1b"):
     """Measured bubble against micro-batches, one colour per p: measured solid, theory dashed.
     measured: {p: (ms, bubble fractions)}."""
@@ -109,7 +120,8 @@ def plot_bubble(measured: dict[int, tuple[list[int], list[float]]], out, title: 
     for i, (p, (ms, values)) in enumerate(sorted(measured.items())):
         color = f"C{i}"
         ax.plot(ms, values, "o-", color=color, label=f"measured p={p}")
-        ax.plot(ms, [pipeline_schedules.theory_bubble(schedule, p, m) for m in ms], "--", color=color, label=f"theory p={p}")
+        ax.plot(ms, [pipeline_schedules.theory_bubble(schedule, p, m) for m in ms], "--", color=color,
+                label=f"theory (p−1)/(m+p−1), p={p}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("bubble fraction")
@@ -124,7 +136,8 @@ def plot_bubble(measured: dict[int, tuple[list[int], list[float]]], out, title: 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("traces", nargs="*", help="trace JSON files written by train_pp.py --timeline")
+    ap.add_argument("traces", nargs="*", help="trace JSON files written with --timeline PATH by train_pp.py, "
+                    "train_1f1b.py, train_gpipe.py or 04_3d_combined/train_3d.py")
     ap.add_argument("--simulate", nargs="*", default=[], metavar="NAME:P:M[:V]",
                     help="schedules to draw from unit costs, e.g. 1f1b:4:8 interleaved:4:8:2")
     ap.add_argument("--step", type=int, default=None, help="which step of the traces (default: the last)")

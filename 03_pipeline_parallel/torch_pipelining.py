@@ -10,17 +10,25 @@ divide the gradients by the number of micro-batches, which our normalisation alr
 Its messages do not go through common/comm.py, so its pp bytes are not counted, and it records no
 timeline, so its bubble is not measured.
 
-`TorchPipelineTrainer` gives train_pp.py's loop the same verbs as ours (pipeline_trainer.py): only
-forward_backward differs, and torch's runtime tells nobody when a stage's gradients are final, so
-each stage's data-parallel all-reduce starts after the whole schedule.
+`TorchPipelineTrainer` gives train_pp.py's loop the same verbs as ours, beside our PipelineTrainer
+(pipeline_trainer.py) rather than inside it: clipping and memory are the functions both call. Only
+forward_backward differs: torch's runtime cuts the rows into micro-batches itself, and tells nobody
+when a stage's gradients are final, so each stage's data-parallel all-reduce starts after the whole
+schedule.
 """
+from importlib import import_module
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import pipelining as tpp
 
 from common.model import Transformer
+from common.step_protocol import OptimizerVerbs
 
 from . import pipeline_executor, pipeline_stages, pipeline_trainer
+
+data_parallel = import_module("01_data_parallel.data_parallel")
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
                    "zb-h1": "ScheduleInterleavedZeroBubble"}
@@ -48,39 +56,43 @@ class ChunkModule(nn.Module):
         return pipeline_stages.stage_forward(self, self.spec, x)
 
 
-class TorchPipeline:
-    """torch.distributed.pipelining's runtime over this rank's stages; `model` and `stage_params` as in
-    our PipelineExecutor, so PipelineTrainer can drive either."""
+class TorchPipelineTrainer(OptimizerVerbs):
+    """The step protocol with torch.distributed.pipelining running this rank's stages.
 
-    def __init__(self, schedule: str, model, my_specs, n_stages: int, m: int, group, device, loss_fn):
-        self.model = model
+    schedule   the schedule's name (TORCH_SCHEDULES picks torch's class)
+    model      the pruned stage model; my_specs its StageSpecs, n_stages the pipeline's p·v
+    m          micro-batches per step; loss_fn(logits, y) -> this micro-batch's scaled loss sum
+    optimizer  AdamW over the stage model's parameters, as for ours
+    """
+
+    def __init__(self, schedule: str, model, my_specs, n_stages: int, m: int, loss_fn, optimizer, dp_group,
+                 pp_group, device):
+        self.model, self.optimizer, self.pp_group = model, optimizer, pp_group
         self.stage_params = {s.index: pipeline_executor.stage_parameters(model, s) for s in my_specs}
-        self.stages = [tpp.PipelineStage(ChunkModule(model, s), s.index, n_stages, device, group=group)
-                       for s in my_specs]
-        self.first = any(s.first for s in my_specs)
-        self.last = any(s.last for s in my_specs)
+        pipeline_trainer.check_every_parameter_in_a_stage(model, self.stage_params)
+        self.first, self.last = any(s.first for s in my_specs), any(s.last for s in my_specs)
+        stages = [tpp.PipelineStage(ChunkModule(model, s), s.index, n_stages, device, group=pp_group)
+                  for s in my_specs]
         cls = getattr(tpp, TORCH_SCHEDULES[schedule])
-        stages = self.stages if schedule in ("interleaved", "zb-h1") else self.stages[0]
-        self.schedule = cls(stages, m, loss_fn=loss_fn, scale_grads=False)
-
-    def run(self, x, y, on_stage_grads_ready=None) -> torch.Tensor:
-        """One step on the whole local batch (torch splits it into micro-batches); returns the loss sum.
-        on_stage_grads_ready(stage) is called for each stage once the schedule is over."""
-        losses = []
-        kwargs = {"target": y, "losses": losses} if self.last else {}
-        self.schedule.step(*([x] if self.first else []), **kwargs)
-        if on_stage_grads_ready:
-            for stage in self.stage_params:
-                on_stage_grads_ready(stage)
-        return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=x.device)
-
-
-class TorchPipelineTrainer(pipeline_trainer.PipelineTrainer):
-    """PipelineTrainer with a TorchPipeline in the executor's place, running torch's schedule object."""
-
-    def __init__(self, runtime: TorchPipeline, optimizer, microbatches: int, dp_group, pp_group):
-        super().__init__(runtime, runtime.schedule, optimizer, microbatches, dp_group, pp_group)
+        self.runtime = cls(stages if schedule in ("interleaved", "zb-h1") else stages[0], m, loss_fn=loss_fn,
+                           scale_grads=False)
+        self.dp_sync, self.replicated = data_parallel.AsyncGradAllReduce(dp_group), dist.get_world_size(dp_group) > 1
 
     def forward_backward(self, x, y, sync: bool = True) -> torch.Tensor:
-        """x, y: (B/dp, S); torch cuts them into the m micro-batches itself."""
-        return self.executor.run(x, y, on_stage_grads_ready=self.on_stage_grads_ready)
+        """x, y: (B/dp, S); torch cuts them into the m micro-batches itself. Returns the loss sum of
+        the micro-batches this rank's last stage finished (0 elsewhere)."""
+        losses = []
+        self.runtime.step(*([x] if self.first else []), **({"target": y, "losses": losses} if self.last else {}))
+        if self.replicated:                 # every stage's gradients are final only now
+            for params in self.stage_params.values():
+                self.dp_sync.launch(params)
+        return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=x.device)
+
+    def sync_gradients(self) -> None:
+        self.dp_sync.wait()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return pipeline_trainer.clip_over_stages(self.model, max_norm, self.pp_group)
+
+    def memory(self) -> dict:
+        return pipeline_trainer.stage_memory(self.model, self.optimizer, None)   # activations: not measured

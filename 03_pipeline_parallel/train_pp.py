@@ -10,13 +10,16 @@
 (Mesh dp × pp; each stage's gradients all-reduced over dp as soon as they are final, see pipeline_trainer.py).
 """
 import sys
+from argparse import Namespace
 from importlib import import_module
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common` and the chapters
 
 import torch
 import torch.distributed as dist
+from rich.table import Table
 
 from common import checkpoint, comm
 from common.cli import OUTPUT_FILE, POSITIVE_INT, base_parser, check_common, pipeline_microbatches
@@ -33,9 +36,17 @@ from common.training import (StepTimer, consolidate_on_rank0, global_sum, load_o
 
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")   # who runs what, when
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")         # the model cut into stages
-pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")     # runs a schedule
+measured_executor = import_module("03_pipeline_parallel.measured_executor")     # runs a schedule, measured
 pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")       # the loop's verbs
 torch_pipelining = import_module("03_pipeline_parallel.torch_pipelining")       # --impl torch
+
+
+class Layout(NamedTuple):
+    """The run's shape, computed from the flags and the world size."""
+    dp: int            # data-parallel replicas of the pipeline
+    pp: int            # pipeline ranks
+    m: int             # micro-batches per step
+    v: int             # virtual stages (model chunks) per rank
 
 
 def parse_args(argv=None, schedule=None):
@@ -55,82 +66,54 @@ def parse_args(argv=None, schedule=None):
     p.add_argument("--timeline", type=OUTPUT_FILE, default=None,
                    help="write every rank's events as a Chrome trace JSON here (default: none)")
     p.add_argument("--print-schedule", action="store_true", help="draw the per-rank schedule as text and exit")
-    args = p.parse_args(argv)
-    world = env_world_size()
-    if args.pp is None:
-        args.pp = world if not args.print_schedule else 4
-    require(args.print_schedule or world % args.pp == 0,
-            f"--pp {args.pp} does not divide the world size {world}; use a divisor of {world} "
-            f"or launch with --nproc_per_node={args.pp}")
-    dp = 1 if args.print_schedule else world // args.pp
-    args.microbatches = pipeline_microbatches(args, dp, args.pp)
-    check_common(args, dp=dp)
+    return p.parse_args(argv)
+
+
+def pipeline_layout(args, world: int) -> Layout:
+    """dp × pp and the micro-batch count, from the flags and the world size; a layout that cannot run
+    is refused here, on every rank alike, before any communication."""
+    pp = args.pp or (4 if args.print_schedule else world)
+    require(args.print_schedule or world % pp == 0,
+            f"--pp {pp} does not divide the world size {world}; use a divisor of {world} "
+            f"or launch with --nproc_per_node={pp}")
+    dp = 1 if args.print_schedule else world // pp
+    m = pipeline_microbatches(args, dp, pp)
+    check_common(Namespace(**vars(args) | {"microbatches": m}), dp=dp)
     if args.impl == "torch":
-        require(args.microbatches >= args.pp * args.virtual_stages or args.schedule == "gpipe",
+        require(m >= pp * args.virtual_stages or args.schedule == "gpipe",
                 f"torch.distributed.pipelining's {args.schedule} needs --microbatches ≥ the number of stages "
-                f"({args.pp * args.virtual_stages}); use --microbatches {args.pp * args.virtual_stages}")
-    return args
+                f"({pp * args.virtual_stages}); use --microbatches {pp * args.virtual_stages}")
+    return Layout(dp, pp, m, args.virtual_stages)
 
 
 def main(argv=None, schedule=None) -> list[dict]:
     args = parse_args(argv, schedule)
     cfg = PRESETS[args.model]
     # Pure functions of the flags, identical on every rank, before any communication: bad layouts fail here.
-    plan = pipeline_schedules.build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
-    specs = pipeline_stages.stage_specs(cfg, args.pp, args.virtual_stages, args.seq_len)   # all p·v stages
+    layout = pipeline_layout(args, env_world_size())
+    plan = pipeline_schedules.build_schedule(args.schedule, layout.pp, layout.m, layout.v)   # every rank's actions
+    specs = pipeline_stages.stage_specs(cfg, layout.pp, layout.v, args.seq_len)              # all p·v stages
     if args.print_schedule:
-        print(f"{args.schedule}: p={args.pp} m={args.microbatches} v={args.virtual_stages}; "
-              f"theory bubble {pipeline_schedules.theory_bubble(args.schedule, args.pp, args.microbatches, args.virtual_stages):.3f}")
-        print(pipeline_schedules.format_schedule(plan, len(specs)))
-        return []
+        return print_schedule(args.schedule, layout, plan, specs)
     rt = init_distributed(args.device, args.timeout)
-    mesh = Mesh(rt.rank, rt.world_size, dp=rt.world_size // args.pp, pp=args.pp)
-    dp_rank, dp = mesh.coord("dp"), mesh.size("dp")
-    pp_group, pp_rank, pp = mesh.group("pp"), mesh.coord("pp"), mesh.size("pp")
+    mesh = Mesh(rt.rank, rt.world_size, dp=layout.dp, pp=layout.pp)
+    dp_rank, pp_group = mesh.coord("dp"), mesh.group("pp")
     data = TextData(args.data, args.seq_len, args.seed)
     resume = resume_state(args)
-    m, v = args.microbatches, args.virtual_stages
-
     # --- the stage model: the full model built from the seed, pruned to this rank's layers ---------
-    my_specs = pipeline_stages.rank_stages(specs, pp, pp_rank)
+    my_specs = pipeline_stages.rank_stages(specs, layout.pp, mesh.coord("pp"))
     model = pipeline_stages.prune_to_stages(build_model(cfg, args.seed, rt.device), my_specs)
     named = list(model.named_parameters())
     optimizer = build_adamw(named, args.lr, args.weight_decay)
-    start = 0
-    if resume:              # the checkpoint holds the whole model: take this stage's names from it
-        own = model.state_dict()
-        model.load_state_dict({k: resume["model"][k] for k in own if k in resume["model"]}, strict=True)
-        load_optim_state_by_name(optimizer, named, resume["optim"])
-        start = resume["step"]
-
-    tokens_per_step = args.global_batch * args.seq_len
-    mb_rows = args.global_batch // dp // m
-    timeline = Timeline(rt.rank)
-    trainer = build_trainer(args, model, optimizer, specs, my_specs, plan, mesh, (mb_rows, args.seq_len, cfg.dim),
-                            rt.device, timeline)
-
+    start = load_stage_state(model, optimizer, named, resume)
+    timeline = Timeline(rt.rank)                     # every rank's spans on one clock: the measured bubble
+    act_shape = (args.global_batch // layout.dp // layout.m, args.seq_len, cfg.dim)   # one message: (mb, S, D)
+    trainer = build_trainer(args, layout, model, optimizer, specs, my_specs, plan, mesh, act_shape, rt.device, timeline)
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
-    log.config_table(f"pipeline parallel — {args.schedule} ({args.impl})", {
-        "world size": f"{rt.world_size} = dp {dp} × pp {pp}", "device / backend": f"{rt.device} / {rt.backend}",
-        "data": data.describe(),
-        "model": f"{args.model}: {count_parameters(cfg):,} parameters, {cfg.n_layers} layers",
-        "micro-batches": f"m = {m} of {mb_rows} seq × {args.seq_len} tokens (per data-parallel rank)",
-        "virtual stages": v,
-        "theory bubble": f"{pipeline_schedules.theory_bubble(args.schedule, pp, m, v):.3f}",
-        "resumed from step": start or "-"})
-    if rt.is_main and not args.quiet:
-        from rich.table import Table
-        table = Table(title="stages (balanced by forward FLOPs/token)", title_justify="left")
-        for col in ("stage", "rank", "holds", "params", "cost"):
-            table.add_column(col)
-        for row in pipeline_stages.partition_table(cfg, specs, pp, args.seq_len):
-            table.add_row(str(row["stage"]), str(row["rank"]), row["holds"], f"{row['params']:,}", f"{row['cost']:.1%}")
-        log.print(table)
-    if rt.world_size == 1:
-        log.print("world size 1: a one-stage pipeline (the reference). More stages: "
-                  "torchrun --nproc_per_node=4 03_pipeline_parallel/train_1f1b.py")
+    print_layout(log, args, cfg, layout, specs, data, rt, start)
 
+    tokens_per_step = args.global_batch * args.seq_len
     dist.barrier()                                   # every rank starts the first step together
     log.start(start + 1)
     for step in range(start + 1, args.steps + 1):
@@ -140,7 +123,7 @@ def main(argv=None, schedule=None) -> list[dict]:
         timeline.begin_step(step)
         with StepTimer(rt.device) as timer:
             x, y = data.global_batch(step, args.global_batch)                 # (global_batch, S)
-            x, y = shard_rows(x, dp_rank, dp).to(rt.device), shard_rows(y, dp_rank, dp).to(rt.device)
+            x, y = shard_rows(x, dp_rank, layout.dp).to(rt.device), shard_rows(y, dp_rank, layout.dp).to(rt.device)
             # the whole schedule in one call: m micro-batches of (mb, S), every F and B, the sends and
             # receives; each stage's DP all-reduce starts as soon as its last backward is done
             local_loss = trainer.forward_backward(x, y)
@@ -151,7 +134,7 @@ def main(argv=None, schedule=None) -> list[dict]:
         memory = trainer.memory()
         loss_value = global_sum(local_loss, dist.group.WORLD)   # only last-stage ranks hold a loss
         stop_if_not_finite(step, loss_value, grad_norm, args)
-        stats = pipeline_trainer.step_stats(timeline, memory["peak_activation_bytes"], pp_group, pp, rt.device)
+        stats = pipeline_trainer.step_stats(timeline, memory["peak_activation_bytes"], pp_group, layout.pp, rt.device)
         log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
                      comm_bytes=comm.COUNTER.total(), comm_bytes_pp=comm.COUNTER.total("pp"), **stats)
         if should_save(args, step):
@@ -160,34 +143,92 @@ def main(argv=None, schedule=None) -> list[dict]:
             if rt.is_main:
                 log.note(f"checkpoint saved: {checkpoint.save(args.checkpoint_dir, step, full_model, full_optim, run_identity(args))}")
     if args.timeline:
-        events = timeline.gather()
-        if rt.is_main:
-            write_chrome_trace(args.timeline, events, {
-                "schedule": args.schedule, "impl": args.impl, "pp": pp, "dp": dp, "microbatches": m,
-                "virtual_stages": v, "theory_bubble": pipeline_schedules.theory_bubble(args.schedule, pp, m, v),
-                **timeline.clock_metadata()})
-            log.note(f"timeline written: {args.timeline} (open in ui.perfetto.dev or plot_timeline.py)")
-    last = log.history[-1] if log.history else {}
-    log.finish({"bubble fraction (last step)": f"{last.get('bubble_fraction', 0):.3f}",
-                "peak activations per stage": ", ".join(format_bytes(b) for b in last.get("peak_activation_bytes", []))})
+        write_timeline(args, layout, timeline, log, rt.is_main)
+    log.finish(summary_rows(log.history[-1], args.schedule, layout) if log.history else None)
     shutdown(rt)
     return log.history
 
 
-def build_trainer(args, model, optimizer, specs, my_specs, plan, mesh, act_shape, device, timeline):
+def load_stage_state(model, optimizer, named, resume) -> int:
+    """The checkpoint holds the whole model: take this rank's names from it. Returns the step to
+    continue from (0: a fresh run)."""
+    if not resume:
+        return 0
+    own = model.state_dict()
+    model.load_state_dict({k: resume["model"][k] for k in own if k in resume["model"]}, strict=True)
+    load_optim_state_by_name(optimizer, named, resume["optim"])
+    return resume["step"]
+
+
+def build_trainer(args, layout, model, optimizer, specs, my_specs, plan, mesh, act_shape, device, timeline):
     """Our executor or PyTorch's pipeline runtime, chosen once: the loop drives either through the same
     verbs. The loss: summed cross-entropy over the global token count (common/model.loss_sum)."""
-    pp_group, dp_group, m = mesh.group("pp"), mesh.group("dp"), args.microbatches
+    pp_group, dp_group = mesh.group("pp"), mesh.group("dp")
     tokens_per_step = args.global_batch * args.seq_len
     if args.impl == "torch":
-        runtime = torch_pipelining.TorchPipeline(args.schedule, model, my_specs, len(specs), m, pp_group, device,
-                                                 lambda logits, y: loss_sum(logits, y) / tokens_per_step)
-        return torch_pipelining.TorchPipelineTrainer(runtime, optimizer, m, dp_group, pp_group)
-    executor = pipeline_executor.PipelineExecutor(
+        return torch_pipelining.TorchPipelineTrainer(
+            args.schedule, model, my_specs, len(specs), layout.m, lambda logits, y: loss_sum(logits, y) / tokens_per_step,
+            optimizer, dp_group, pp_group, device)
+    executor = measured_executor.MeasuredExecutor(
         model, specs, mesh.coord("pp"), mesh.group_ranks["pp"], pp_group, act_shape=act_shape,   # (mb, S, D)
         loss_fn=loss_sum, loss_scale=tokens_per_step, device=device,
         autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline)
-    return pipeline_trainer.PipelineTrainer(executor, plan, optimizer, m, dp_group, pp_group)
+    return pipeline_trainer.PipelineTrainer(executor, plan, optimizer, layout.m, dp_group, pp_group)
+
+
+# --- what the run prints ---------------------------------------------------------------------------
+def print_schedule(name: str, layout: Layout, plan, specs) -> list:
+    """--print-schedule: the theory bubble, then the schedule drawn as text (no processes)."""
+    print(f"{name}: p={layout.pp} m={layout.m} v={layout.v}; "
+          f"theory bubble {pipeline_schedules.theory_bubble(name, layout.pp, layout.m, layout.v):.3f}")
+    print(pipeline_schedules.format_schedule(plan, len(specs)))
+    return []
+
+
+def print_layout(log, args, cfg, layout: Layout, specs, data, rt, start: int) -> None:
+    """The configuration, and the stage table: which rank holds which layers, at what cost."""
+    mb_rows = args.global_batch // layout.dp // layout.m
+    log.config_table(f"pipeline parallel — {args.schedule} ({args.impl})", {
+        "world size": f"{rt.world_size} = dp {layout.dp} × pp {layout.pp}",
+        "device / backend": f"{rt.device} / {rt.backend}", "data": data.describe(),
+        "model": f"{args.model}: {count_parameters(cfg):,} parameters, {cfg.n_layers} layers",
+        "micro-batches": f"m = {layout.m} of {mb_rows} seq × {args.seq_len} tokens (per data-parallel rank)",
+        "virtual stages": layout.v,
+        "theory bubble": f"{theory_bubble(args.schedule, layout):.3f} (measured: in the summary at the end)",
+        "resumed from step": start or "-"})
+    table = Table(title="stages (balanced by forward FLOPs/token)", title_justify="left")
+    for col in ("stage", "rank", "holds", "params", "cost"):
+        table.add_column(col)
+    for row in pipeline_stages.partition_table(cfg, specs, layout.pp, args.seq_len):
+        table.add_row(str(row["stage"]), str(row["rank"]), row["holds"], f"{row['params']:,}", f"{row['cost']:.1%}")
+    log.print(table)
+    if rt.world_size == 1:
+        log.print("world size 1: a one-stage pipeline (the reference). More stages: "
+                  "torchrun --nproc_per_node=4 03_pipeline_parallel/train_1f1b.py")
+
+
+def summary_rows(last: dict, schedule: str, layout: Layout) -> dict:
+    """The end of the summary: the last step's bubble, measured beside the theory, and activation peaks."""
+    theory, bubble = theory_bubble(schedule, layout), last.get("bubble_fraction")
+    peaks = last.get("peak_activation_bytes")
+    return {"bubble, last step": (f"measured {bubble:.3f}" if bubble is not None else "not measured (no timeline)")
+            + f" · theory {theory:.3f}",
+            "peak activations per stage": ", ".join(map(format_bytes, peaks)) if peaks else "not measured"}
+
+
+def theory_bubble(schedule: str, layout: Layout) -> float:
+    return pipeline_schedules.theory_bubble(schedule, layout.pp, layout.m, layout.v)
+
+
+def write_timeline(args, layout: Layout, timeline, log, is_main: bool) -> None:
+    """Every rank's spans, gathered on rank 0 (a collective) and written as one Chrome trace."""
+    events = timeline.gather()
+    if is_main:
+        write_chrome_trace(args.timeline, events, {
+            "schedule": args.schedule, "impl": args.impl, "pp": layout.pp, "dp": layout.dp,
+            "microbatches": layout.m, "virtual_stages": layout.v, "theory_bubble": theory_bubble(args.schedule, layout),
+            **timeline.clock_metadata()})
+        log.note(f"timeline written: {args.timeline} (open in ui.perfetto.dev or plot_timeline.py)")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ from common.training import global_sum, load_optim_state_by_name, optim_state_by
 
 zero_sharding = import_module("01_data_parallel.zero_sharding")           # chapter 01: ZeRO-1
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")     # chapter 02: TP gradients, loss
-pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")  # chapter 03: runs a schedule
+pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")  # chapter 03: forward-only pass
+measured_executor = import_module("03_pipeline_parallel.measured_executor")  # chapter 03: runs a schedule, measured
 pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")    # chapter 03: the pipeline's verbs
 
 
@@ -118,7 +119,7 @@ def build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timelin
     """Chapter 03's executor for this rank's stages. Build it after the optimizer: ZeRO moves the
     parameters into flat buffers, and the executor notes where the parameters live (to leave them
     out of its activation bytes)."""
-    return pipeline_executor.PipelineExecutor(
+    return measured_executor.MeasuredExecutor(
         model, specs, mesh.coord("pp"), mesh.group_ranks["pp"], mesh.group("pp"), act_shape,   # (mb, S or S/tp, D)
         loss_fn=loss_fn, loss_scale=args.global_batch * args.seq_len, device=device,
         autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline)

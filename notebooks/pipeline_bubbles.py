@@ -32,7 +32,9 @@ plot_timeline = import_module("03_pipeline_parallel.plot_timeline")
 out_dir = Path(tempfile.mkdtemp(prefix="nb_bubbles_"))
 
 # %% [markdown]
-# ## 1. The bubble as m grows (theory and simulation agree for GPipe and 1F1B)
+# ## 1. The bubble as m grows
+# Solid: the GPipe and 1F1B theory `(p-1)/(m+p-1)` (their simulations give the same numbers); dotted:
+# ZB-H1 simulated with unit costs.
 
 # %%
 ms = [1, 2, 4, 8, 16, 32]
@@ -40,7 +42,7 @@ fig, ax = plt.subplots(figsize=(7, 4))
 for p in (2, 4, 8):
     theory = [pipeline_schedules.theory_bubble("1f1b", p, m) for m in ms]
     zb_h1 = [pipeline_schedules.simulate(pipeline_schedules.build_schedule("zb-h1", p, m), p)["bubble"] for m in ms]
-    line, = ax.plot(ms, theory, "o-", label=f"GPipe/1F1B theory (p-1)/(m+p-1), p={p}")
+    line, = ax.plot(ms, theory, "o-", label=f"GPipe/1F1B theory (p−1)/(m+p−1), p={p}")
     ax.plot(ms, zb_h1, "x:", color=line.get_color(), label=f"ZB-H1 p={p} (simulated)")
 ax.set_xscale("log", base=2); ax.set_xlabel("micro-batches m"); ax.set_ylabel("bubble fraction")
 ax.legend(fontsize=7); ax.grid(alpha=0.3)
@@ -57,8 +59,9 @@ show_png(plot_timeline.plot(panels, out_dir / "simulated.png", "units"), "bubble
 # %% [markdown]
 # ## 3. The same schedules for real (`torchrun ... --timeline`)
 #
-# On a 2-core laptop the ranks share cores, so the measured bubble is not the theory's: a rank that
-# waits lends its core to the others, and the message passing adds gaps the theory has not.
+# The measured bubble is not the theory's: the message passing adds gaps the theory has not, and
+# with more ranks than cores (4 ranks on a 2-core laptop) a rank that waits lends its core to the
+# others, so the measurement is waiting time, not capacity lost.
 
 # %%
 traces = []

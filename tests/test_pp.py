@@ -107,6 +107,9 @@ def test_world_4(reference, tmp_path):
     assert 0 < bubble_fraction(last) < 1
     history = ok(results[2])
     assert len(history[-1]["peak_activation_bytes"]) == 4 and history[-1]["comm_bytes_pp"] > 0
+    torch_row = ok(results[6])[-1]          # torch's runtime: no timeline, no activation ledger
+    assert torch_row["bubble_fraction"] is None and torch_row["peak_activation_bytes"] is None, \
+        "a quantity torch's runtime does not measure is null, never a number"
 
 
 def test_torchrun_bad_input_exits_cleanly():

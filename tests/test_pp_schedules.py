@@ -215,3 +215,11 @@ def test_split_linear_defers_weight_grads_and_w_completes_them():
     for (name, p_ref), p in zip(ref.named_parameters(), split.parameters()):
         if name != "tok_emb.weight":
             torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_timeline_legend_lists_only_what_is_drawn():
+    plot_timeline = import_module("03_pipeline_parallel.plot_timeline")
+    one_f_one_b, zb = (plot_timeline.simulated_events(name, 4, 8) for name in ("1f1b", "zb-h1"))
+    assert plot_timeline.legend_kinds([one_f_one_b]) == ["F", "B", "idle"]       # 1F1B has no W
+    assert plot_timeline.legend_kinds([one_f_one_b, zb]) == ["F", "B", "W", "idle"]
+
