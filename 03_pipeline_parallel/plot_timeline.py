@@ -1,7 +1,7 @@
 """Draw pipeline timelines: per-rank Gantt charts, several schedules stacked, bubble vs theory.
 
     # real runs, stacked for comparison: traces written with --timeline PATH by train_pp.py,
-    # train_1f1b.py, train_gpipe.py (chapter 03) or 04_3d_combined/train_3d.py
+    # train_1f1b.py, train_gpipe.py (chapter 03), 04_3d_combined/train_3d.py or 05_moe_expert_parallel/train_4d.py
     python 03_pipeline_parallel/plot_timeline.py runs/gpipe.json runs/1f1b.json --out runs/compare.png
     # on paper: unit costs F=1, B=2 (zero-bubble: B=1, W=1); nothing runs
     python 03_pipeline_parallel/plot_timeline.py --simulate gpipe:4:8 1f1b:4:8 interleaved:4:8:2 zb-h1:4:8 --out sim.png
@@ -137,7 +137,7 @@ def plot_bubble(measured: dict[int, tuple[list[int], list[float]]], out, title: 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("traces", nargs="*", help="trace JSON files written with --timeline PATH by train_pp.py, "
-                    "train_1f1b.py, train_gpipe.py or 04_3d_combined/train_3d.py")
+                    "train_1f1b.py, train_gpipe.py, 04_3d_combined/train_3d.py or 05_moe_expert_parallel/train_4d.py")
     ap.add_argument("--simulate", nargs="*", default=[], metavar="NAME:P:M[:V]",
                     help="schedules to draw from unit costs, e.g. 1f1b:4:8 interleaved:4:8:2")
     ap.add_argument("--step", type=int, default=None, help="which step of the traces (default: the last)")

@@ -40,8 +40,11 @@ def weight_grad(weight, x, dy) -> torch.Tensor:
     return (dy2.t() @ x2).to(weight.dtype)
 
 
+@torch.no_grad()
 def apply_weight_grads(pending: list) -> None:
-    """The W action: the postponed dW = dyᵀ x of each layer, added into .grad."""
+    """The W action: the postponed dW = dyᵀ x of each layer, added into .grad. Outside autograd: x is
+    an activation of the graph, so dyᵀ x would otherwise be a gradient that itself requires grad (and
+    drags a graph into every collective that later reads .grad)."""
     for weight, x, dy in pending:
         g = weight_grad(weight, x, dy)
         weight.grad = g if weight.grad is None else weight.grad.add_(g)

@@ -133,7 +133,7 @@ ax.set_title("the fuller the experts may get, the fewer tokens are dropped")
 ax.grid(alpha=0.3)
 show(fig, "05_moe_dropped_vs_capacity")
 
-rows = runs[f"EP {N}"]
+rows = runs[f"ep {N}"]
 T, L, D, E, k = BATCH * SEQ // N, cfg.n_layers, cfg.dim, cfg.n_experts, cfg.top_k     # T: tokens per rank
 formula = L * (8 * (N - 1) / N * T * k * D * 4 + 16 * (N - 1) * E // N)
 measured = sum(r["comm_bytes_ep"] for r in rows) / len(rows)

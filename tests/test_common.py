@@ -293,7 +293,10 @@ def test_an_interrupted_launch_stops_the_run_and_what_it_started(tmp_path):
                       "open(sys.argv[1] + '.tmp', 'w').write(f'{os.getpgid(0)} {child.pid}')\n"
                       "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\n"
                       "time.sleep(120)\n")
-    driver = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, %r)\n"
+    # The driver answers SIGINT with KeyboardInterrupt, as a Jupyter kernel does, even when this test
+    # runs in a background job (whose children inherit SIGINT ignored)
+    driver = subprocess.Popen([sys.executable, "-c", "import signal, sys; sys.path.insert(0, %r)\n"
+                               "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
                                "from common.launch import launch\n"
                                "launch(%r, 1, [%r], echo=False)\n" % (str(ROOT), str(script), str(pids))],
                               start_new_session=True, stderr=subprocess.PIPE, text=True)
