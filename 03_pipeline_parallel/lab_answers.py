@@ -28,7 +28,8 @@ def in_flight(out: str) -> str:
 def bubble_reading(b1: float, bz: float, cores: int) -> str:
     """The "why" of §5, for what this run measured on a machine with `cores` cores."""
     shared = cores < 4
-    where = (f"Here four ranks share {cores} cores" if shared else f"Here each of the four ranks has a core ({cores} in all)")
+    where = (f"Here four ranks share {cores} cores" if shared
+             else f"Here each of the four ranks has a core ({cores} in all)")
     if b1 > 0.273 + 0.02:
         first = (f"1F1B measured **above** the theory (+{b1 - 0.273:.3f}). The theory assumes every stage computes "
                  f"at a fixed speed on a processor of its own, and hand-overs that cost nothing. {where}"

@@ -105,29 +105,29 @@ class SparseLayers(nn.ModuleDict):
         return super().__getitem__(str(i))
 
 
-def prune_to_stages(model: nn.Module, stages: list[StageSpec]) -> nn.Module:
-    """Keep only what `stages` need of a full model (in place); reference parameter names survive.
+def prune_to_stages(model: nn.Module, specs: list[StageSpec]) -> nn.Module:
+    """Keep only what the stages `specs` need of a full model (in place); reference parameter names survive.
 
     Works on any model with the Transformer's attribute layout (tok_emb, layers, norm, lm_head),
     including one whose layers were already made tensor-parallel.
     """
-    keep = sorted(i for s in stages for i in s.layers)
+    keep = sorted(i for s in specs for i in s.layers)
     model.layers = SparseLayers({i: model.layers[i] for i in keep})
-    if not any(s.first for s in stages):
+    if not any(s.first for s in specs):
         model.tok_emb = None
-    if not any(s.last for s in stages):
+    if not any(s.last for s in specs):
         model.norm = None
         model.lm_head = None
     return model
 
 
-def stage_forward(model: nn.Module, stage: StageSpec, x):
+def stage_forward(model: nn.Module, spec: StageSpec, x):
     """One stage's forward: tokens (mb, S) or hidden (mb, S, D) in; hidden (mb, S, D) or logits out.
 
     Only `model.embed`, `model.layers[i]` and `model.head` are used, so a model whose layers were
     made tensor-parallel (chapter 04) runs here unchanged (its head may return vocab-local logits).
     """
-    h = model.embed(x) if stage.first else x                          # (mb, S, D)
-    for i in stage.layers:
+    h = model.embed(x) if spec.first else x                           # (mb, S, D)
+    for i in spec.layers:
         h = model.layers[i](h, model.rope_cos, model.rope_sin)        # (mb, S, D)
-    return model.head(h) if stage.last else h                         # (mb, S, V) on the last stage
+    return model.head(h) if spec.last else h                          # (mb, S, V) on the last stage

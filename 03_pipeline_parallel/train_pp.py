@@ -166,9 +166,9 @@ def build_trainer(args, layout, model, optimizer, specs, my_specs, plan, mesh, a
     pp_group, dp_group = mesh.group("pp"), mesh.group("dp")
     tokens_per_step = args.global_batch * args.seq_len
     if args.impl == "torch":
-        return torch_pipelining.TorchPipelineTrainer(
-            args.schedule, model, my_specs, len(specs), layout.m, lambda logits, y: loss_sum(logits, y) / tokens_per_step,
-            optimizer, dp_group, pp_group, device)
+        scaled_loss = lambda logits, y: loss_sum(logits, y) / tokens_per_step     # noqa: E731
+        return torch_pipelining.TorchPipelineTrainer(args.schedule, model, my_specs, len(specs), layout.m, scaled_loss,
+                                                     optimizer, dp_group, pp_group, device)
     executor = measured_executor.MeasuredExecutor(
         model, specs, mesh.coord("pp"), mesh.group_ranks["pp"], pp_group, act_shape=act_shape,   # (mb, S, D)
         loss_fn=loss_sum, loss_scale=tokens_per_step, device=device,
