@@ -10,7 +10,6 @@
 (Mesh dp × pp; each stage's gradients all-reduced over dp as soon as they are final, see pipeline_trainer.py).
 """
 import sys
-from argparse import Namespace
 from importlib import import_module
 from pathlib import Path
 from typing import NamedTuple
@@ -78,7 +77,7 @@ def pipeline_layout(args, world: int) -> Layout:
             f"or launch with --nproc_per_node={pp}")
     dp = 1 if args.print_schedule else world // pp
     m = pipeline_microbatches(args, dp, pp)
-    check_common(Namespace(**vars(args) | {"microbatches": m}), dp=dp)
+    check_common(args, dp=dp, microbatches=m)
     if args.impl == "torch":
         require(m >= pp * args.virtual_stages or args.schedule == "gpipe",
                 f"torch.distributed.pipelining's {args.schedule} needs --microbatches ≥ the number of stages "

@@ -38,11 +38,12 @@ def grid_rows(mesh, extra_cols: tuple = ()) -> tuple[list[str], list[list[str]]]
 
 
 def ranks_text(value) -> str:
-    """A coordinate, or a list of ranks written compactly (a 12-column grid still fits 80 columns)."""
+    """A coordinate, or a list of ranks written compactly (`0,2,4,6`): the 12-column 4D grid fits the
+    160 columns the console uses in a pipe or a notebook; an 80-column terminal folds its cells."""
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-def grid_table(mesh, title: str, cols: list[str], rows: list[list[str]]) -> Table:
+def grid_table(title: str, cols: list[str], rows: list[list[str]]) -> Table:
     """The grid as a rich table (a header wraps onto two lines before a cell does)."""
     table = Table(title=title, title_justify="left")
     for col in cols:

@@ -112,7 +112,7 @@ def main(argv=None) -> list[dict]:
 def print_start(log, rt, args, cfg, layout, mesh, data, start: int) -> None:
     """The configuration table and the grid: which rank holds which coordinates and groups."""
     cols, rows = console_3d.grid_rows(mesh)
-    grid = console_3d.grid_table(mesh, "the mesh: grid = arange(world).view(dp, pp, tp)", cols, rows)
+    grid = console_3d.grid_table("the mesh: grid = arange(world).view(dp, pp, tp)", cols, rows)
     console_3d.print_start(log, rt, "3D parallel pretraining", console_3d.config_rows(args, cfg, layout, rt, data, start),
                            grid, "torchrun --nproc_per_node=8 04_3d_combined/train_3d.py")
 

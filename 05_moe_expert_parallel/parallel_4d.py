@@ -58,6 +58,7 @@ def decide_layout(args, world: int) -> tuple[Layout4D, object]:
     """Chapter 04's degrees and checks (TP defaults to 1 here: the experts stay whole on every TP
     rank, so TP would only split the attention), then EP's, on every rank before any communication."""
     cfg = moe_model_config(args)                                     # the preset, with --top-k applied
+    # --tp not given: 1, unless --dp and --pp are both given (then TP takes what the world leaves)
     tp = args.tp if args.tp is not None else (1 if args.dp is None or args.pp is None else None)
     layout = parallel_3d.decide_layout(args, cfg, world, degrees=(args.dp, tp, args.pp))
     ep = args.ep if args.ep is not None else default_ep(layout.dp, cfg.n_experts)

@@ -118,7 +118,7 @@ def print_start(log, rt, args, cfg, layout, mesh, data, start: int) -> None:
     cols.append("experts")
     for row in rows:
         row.append(parallel_4d.experts_held(cfg.n_experts, int(row[cols.index("ep")]), layout.ep))
-    grid = console_3d.grid_table(mesh, "the mesh: grid = arange(world).view(edp, ep, pp, tp), dp = (edp, ep)", cols, rows)
+    grid = console_3d.grid_table("the mesh: grid = arange(world).view(edp, ep, pp, tp), dp = (edp, ep)", cols, rows)
     config = console_3d.config_rows(args, cfg, layout, rt, data, start)
     config["experts"] = parallel_4d.describe_experts(cfg, args, layout)
     console_3d.print_start(log, rt, "4D parallel pretraining", config, grid,
