@@ -23,7 +23,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import comm
-from common.model import causal_attention
 from common.step_protocol import mark_replicated
 
 from . import tp_operators
@@ -142,6 +141,7 @@ class ParallelAttention(TPRegion):
             self.kv_head = rank // self.kv_replicas          # the one KV head this rank's queries read
             self.wk = ReplicatedKVHead(dense.wk.weight, self.kv_head, hd, self.kv_replicas)          # (hd, D)
             self.wv = ReplicatedKVHead(dense.wv.weight, self.kv_head, hd, self.kv_replicas)
+        self.attend = dense.attend       # the attention core on the local heads (common.model.Attention)
 
     def forward(self, x, cos, sin):      # (B, S, D), or (B, S/tp, D) with SP
         x = self.f(x)                    # f, once for q, k and v: (B, S, D) on every rank
@@ -149,7 +149,7 @@ class ParallelAttention(TPRegion):
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H/tp, S, hd)
         k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K/tp or 1, S, hd)
         v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        y = self.wo(causal_attention(q, k, v, cos, sin))   # (B, S, H/tp·hd) -> (B, S, D), a partial sum
+        y = self.wo(self.attend(q, k, v, cos, sin))        # (B, S, H/tp·hd) -> (B, S, D), a partial sum
         return self.g(y)                 # g: (B, S, D), or (B, S/tp, D) with SP
 
 

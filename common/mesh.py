@@ -7,11 +7,13 @@ they sit inside the node, where the links are fastest, because TP communicates i
 A rank's coordinates are where its number sits in the grid. Its group along a dimension is the line
 of the grid through it along that dimension, e.g. its TP group is grid[d, p, :].
 
-A *joined* dimension reads several adjacent dimensions as one (DeviceMesh calls it flattening). Chapter
+A *joined* dimension reads several dimensions as one (DeviceMesh calls it flattening). Chapter
 05's 4D run splits the data-parallel dimension in two, `arange(world).view(dp/ep, ep, pp, tp)`:
 "ep" (the ranks that share their experts) and "edp" (the ranks holding the same experts), while
 `joined={"dp": ("edp", "ep")}` keeps "dp", the whole data-parallel group, with the same ranks and
-coordinates (d = edp·ep + ep) as the grid `view(dp, pp, tp)`.
+coordinates (d = edp·ep + ep) as the grid `view(dp, pp, tp)`. The parts need not be neighbours:
+chapter 06 sums gradients over `dp_cp = ("edp", "ep", "cp")` of the grid (edp, ep, pp, cp, tp), the
+ranks that differ only in those coordinates, numbered in grid order.
 """
 import itertools
 
@@ -41,7 +43,7 @@ class Mesh:
         self.joined = dict(joined or {})                                       # e.g. {"dp": ("edp", "ep")}
         for name, parts in self.joined.items():
             at = [dims.index(d) for d in parts]
-            require(at == list(range(at[0], at[0] + len(at))), f"joined dimension {name}: {parts} must be adjacent")
+            require(at == sorted(at), f"joined dimension {name}: {parts} must be in the grid's order {dims}")
         self.groups, self.group_ranks = {}, {}
         for dim in dims + tuple(self.joined):
             # Every rank must call new_group for every group, in the same order, even for groups it

@@ -143,13 +143,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # The attention core, (q, k, v, cos, sin) -> (B, S, h·hd): a plain attribute (no weights), so
+        # that chapter 06 can put its context-parallel attention in its place.
+        self.attend = causal_attention
 
     def forward(self, x, cos, sin):                          # x: (B, S, D)
         B, S, _ = x.shape
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, S, hd)
         k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, S, hd)
         v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, S, hd)
-        return self.wo(causal_attention(q, k, v, cos, sin))                        # (B, S, D)
+        return self.wo(self.attend(q, k, v, cos, sin))                             # (B, S, D)
 
 
 class SwiGLU(nn.Module):

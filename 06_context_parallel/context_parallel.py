@@ -1,0 +1,90 @@
+"""Context parallelism: each rank of a CP group holds S/cp positions of every sequence in its rows.
+
+Every layer but one works position by position and needs nothing from the other CP ranks: the
+embedding, the norms, the MLP (or the experts), the head and the loss. RoPE needs each token's
+*global* position. Attention is the one layer that mixes positions: a query at position i reads the
+keys and values of every position j ≤ i, most of which live on other ranks. This file puts a
+context-parallel core in place of each attention's (the `attend` attribute of common/model.py's
+Attention and of chapter 02's ParallelAttention), and nothing else changes in the model:
+
+    attend(q, k, v, cos, sin)        q: (B, h, S/cp, hd), k and v: (B, kv, S/cp, hd), this rank's positions
+        rotate q and k by the angles of their global positions      (cos, sin: the model's whole tables)
+        ring_attention(q, k, v)      K/V blocks travel the ring (ring_attention.py), or
+        allgather_attention(...)     K/V all-gathered, dK/dV reduce-scattered (allgather_attention.py)
+        -> (B, S/cp, h·hd)
+
+Gradients. Every weight is replicated over the CP ranks, and each CP rank's gradient comes from its
+own positions: like data parallelism's rows, they are summed — over one dp × cp group, with a single
+all-reduce per tensor. The loss is summed over this rank's tokens and divided by the *global* token
+count, so that sum is exactly the single-device gradient of the mean loss.
+"""
+
+import torch
+import torch.distributed as dist
+
+from common.cli import POSITIVE_INT
+from common.errors import require
+from common.model import apply_rope
+
+from .allgather_attention import allgather_attention
+from .cp_split import SPLITS, SequenceSplit, check_split
+from .ring_attention import WORK, ring_attention
+
+ATTENTIONS = {"ring": ring_attention, "allgather": allgather_attention}
+
+
+def add_cp_args(p, cp_help: str) -> None:
+    g = p.add_argument_group("context parallelism")
+    g.add_argument("--cp", type=POSITIVE_INT, default=None, help=cp_help)
+    g.add_argument("--cp-split", default="zigzag", choices=SPLITS,
+                   help="who holds which positions: zigzag (2·cp chunks, rank r holds chunks r and 2cp−1−r: "
+                        "equal causal work) or contiguous (rank r holds the r-th S/cp)")
+    g.add_argument("--cp-attention", default="ring", choices=tuple(ATTENTIONS),
+                   help="ring: K/V blocks passed around the CP ring, overlapping compute; allgather: K/V "
+                        "all-gathered before local attention, dK/dV reduce-scattered")
+
+
+def check_cp(args, cp: int) -> None:
+    """The CP checks that need no communication (the caller checks cp against the world size)."""
+    check_split(args.seq_len, cp, args.cp_split)
+    require(cp == 1 or not getattr(args, "sequence_parallel", False),
+            "--sequence-parallel splits each sequence over the TP ranks, and --cp already splits it over the CP "
+            "ranks; use one of the two (context parallelism here, or --cp 1 with --sequence-parallel)")
+
+
+class ContextParallelAttention:
+    """The attention core of one block over the CP group (a plain callable: it holds no weights)."""
+
+    def __init__(self, group, split: SequenceSplit, variant: str):
+        self.group, self.split, self.attention = group, split, ATTENTIONS[variant]
+        self.positions = split.positions(dist.get_rank(group))          # (S/cp,): my global positions
+
+    def __call__(self, q, k, v, cos, sin):     # q (B, h, S/cp, hd), k v (B, kv, S/cp, hd), cos sin (max S, hd/2)
+        at = self.positions.to(cos.device)
+        q, k = apply_rope(q, cos[at], sin[at]), apply_rope(k, cos[at], sin[at])   # each token's own angle
+        # The ring's online softmax runs in fp32 whatever the autocast: its merge is where bf16 would hurt.
+        with torch.autocast(q.device.type, enabled=False):
+            out = self.attention(q.float(), k.float(), v.float(), self.group, self.split).to(q.dtype)
+        B, h, S, hd = out.shape                                          # (B, h, S/cp, hd)
+        return out.transpose(1, 2).reshape(B, S, h * hd)                 # (B, S/cp, h·hd)
+
+
+def attention_over_cp(model, group, split: SequenceSplit, variant: str) -> None:
+    """The step inserted into a composition: every attention of this rank's piece (single-device or
+    TP-sharded: both call `self.attend`) gets the context-parallel core. Nothing else changes."""
+    for module in model.modules():
+        if hasattr(module, "attend"):
+            module.attend = ContextParallelAttention(group, split, variant)
+
+
+def cp_step_metrics(group, cp: int, device) -> dict:
+    """`attn_work_imbalance`: max over min, over the CP ranks, of the attention score entries each
+    computed this step (ring_attention.WORK; an all-gather of one number: bookkeeping, not counted)."""
+    mine = torch.tensor([float(WORK.entries)], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(cp)]
+    if cp > 1:
+        dist.all_gather(every, mine, group=group)
+    else:
+        every = [mine]
+    works = [t.item() for t in every]
+    return {"attn_work_imbalance": max(works) / min(works) if min(works) > 0 else None}

@@ -1,0 +1,164 @@
+"""Chapter 06 — context parallelism. Every rank holds S/cp positions of each sequence in its rows.
+
+    python 06_context_parallel/train_cp.py                                    # world size 1: the reference
+    torchrun --nproc_per_node=4 06_context_parallel/train_cp.py               # CP=4 (ring attention, zig-zag)
+    torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --cp 2        # CP=2 × DP=2
+    torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --cp-split contiguous
+    torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --cp-attention allgather
+    torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --cp 2 --tp 2  # CP=2 × TP=2
+
+The CP degree defaults to what --dp and --tp leave of the world size (both default to 1); with --cp
+given, DP takes what is left. The grid is
+arange(world).view(dp, cp, tp): TP innermost, then CP. The same flags give the same losses in every layout.
+"""
+import sys
+from importlib import import_module
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common` and the chapters
+
+import torch
+
+from common import checkpoint, comm
+from common.cli import POSITIVE_INT, base_parser, check_common
+from common.data import TextData, shard_rows
+from common.distributed import env_world_size, init_distributed, shutdown
+from common.errors import require, run_main
+from common.mesh import Mesh
+from common.metrics import RunLog, format_bytes
+from common.model import PRESETS, build_model, count_parameters
+from common.optim import lr_at
+from common.training import StepTimer, global_sum, resume_state, run_identity, should_save, stop_if_not_finite
+
+tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")     # chapter 02: the TP checks
+context_parallel = import_module("06_context_parallel.context_parallel")  # this chapter: CP's pieces
+cp_trainer = import_module("06_context_parallel.cp_trainer")              # this chapter: the step verbs
+cp_split = import_module("06_context_parallel.cp_split")                  # this chapter: who holds which positions
+ring_attention = import_module("06_context_parallel.ring_attention")      # this chapter: the bytes formula, the work
+
+
+def parse_args(argv=None):
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--dp", type=POSITIVE_INT, default=None,
+                   help="data-parallel degree (default: what --cp and --tp leave of the world if --cp is given, else 1)")
+    p.add_argument("--tp", type=POSITIVE_INT, default=1, help="tensor-parallel degree (default 1)")
+    context_parallel.add_cp_args(p, "context-parallel degree (default: what --dp and --tp leave of the world)")
+    return p.parse_args(argv)
+
+
+def decide_degrees(args, world: int) -> tuple[int, int, int]:
+    """(dp, cp, tp), after every check that needs no communication: each rank raises the same one-line
+    ConfigError, naming the flag and the fix, before any collective."""
+    tp, cp = args.tp, args.cp
+    dp = args.dp if args.dp is not None else (max(1, world // (cp * tp)) if cp is not None else 1)
+    cp = cp if cp is not None else max(1, world // (dp * tp))
+    require(dp * cp * tp == world,
+            f"--dp {dp} × --cp {cp} × --tp {tp} = {dp * cp * tp} must equal the world size {world}; change the "
+            f"degrees (--cp must divide {world // max(1, dp * tp) or world}) or launch with --nproc_per_node={dp * cp * tp}")
+    check_common(args, dp=dp)                # the batch splits over dp only: every CP rank has the same rows
+    context_parallel.check_cp(args, cp)
+    tensor_parallel.check_tp_config(PRESETS[args.model], tp, args.seq_len, False)
+    return dp, cp, tp
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    dp, cp, tp = decide_degrees(args, env_world_size())
+    rt = init_distributed(args.device, args.timeout)
+    # TP innermost (it talks inside every layer), then CP (every attention), then DP (once per step)
+    mesh = Mesh(rt.rank, rt.world_size, joined={"dp_cp": ("dp", "cp")}, dp=dp, cp=cp, tp=tp)
+    dp_rank, cp_rank, cp_group = mesh.coord("dp"), mesh.coord("cp"), mesh.group("cp")
+    split = cp_split.SequenceSplit(args.seq_len, cp, args.cp_split)
+    data = TextData(args.data, args.seq_len, args.seed)
+    cfg = PRESETS[args.model]
+    resume = resume_state(args)
+
+    # --- the model: the full one from the seed (or the checkpoint); the trainer keeps this rank's TP
+    # slices, then puts the context-parallel core into every attention
+    model = build_model(cfg, args.seed, rt.device)
+    start = 0
+    if resume:
+        model.load_state_dict(resume["model"], strict=True)
+        start = resume["step"]
+    tokens_per_step = args.global_batch * args.seq_len          # global: each token counted once
+    trainer = cp_trainer.CPTrainer(model, mesh.group("tp"), cp_group, mesh.group("dp_cp"), split, args.cp_attention,
+                                   lr=args.lr, weight_decay=args.weight_decay, tokens_per_step=tokens_per_step,
+                                   device=rt.device, bf16=args.dtype == "bf16")
+    if resume:
+        trainer.load_optim_state(resume["optim"])
+
+    log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
+    log.config_table("context parallel", layout_rows(args, cfg, mesh, rt, data, split, start))
+    if rt.world_size == 1:
+        log.print("world size 1: the single-device reference. More ranks: "
+                  "torchrun --nproc_per_node=4 06_context_parallel/train_cp.py [--cp-split contiguous]")
+
+    log.start(start + 1)
+    for step in range(start + 1, args.steps + 1):
+        comm.COUNTER.reset()
+        ring_attention.WORK.reset()
+        lr = lr_at(step, args.lr, args.warmup, args.steps)
+        trainer.set_lr(lr)
+        with StepTimer(rt.device) as timer:
+            x, y = data.global_batch(step, args.global_batch)                 # (global_batch, S)
+            x, y = shard_rows(x, dp_rank, dp), shard_rows(y, dp_rank, dp)     # my rows: (global_batch/dp, S)
+            x, y = split.take(x, cp_rank), split.take(y, cp_rank)             # my positions: (global_batch/dp, S/cp)
+            x, y = x.to(rt.device), y.to(rt.device)
+            local_loss = torch.zeros((), device=rt.device)
+            for mb in range(args.microbatches):
+                xm, ym = shard_rows(x, mb, args.microbatches), shard_rows(y, mb, args.microbatches)
+                local_loss += trainer.forward_backward(xm, ym, sync=mb == args.microbatches - 1)
+            trainer.sync_gradients()         # TP's leftovers, then ONE all-reduce over dp × cp
+            grad_norm = trainer.clip_grad_norm(args.clip)
+            trainer.step()
+            trainer.zero_grad()
+        bytes_cp = comm.COUNTER.total("cp")                                    # before the bookkeeping below
+        loss_value = global_sum(local_loss, mesh.group("dp_cp"))               # my rows' and positions' share
+        stop_if_not_finite(step, loss_value, grad_norm, args)
+        log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
+                     **trainer.comm_bytes(), comm_bytes_cp=bytes_cp, **trainer.memory(),
+                     **context_parallel.cp_step_metrics(cp_group, cp, rt.device),
+                     dp=dp, cp=cp, tp=tp, cp_split=args.cp_split, cp_attention=args.cp_attention)
+        if should_save(args, step):      # a collective inside each TP group, written by global rank 0
+            full_model, full_optim = trainer.full_state()
+            if rt.is_main:
+                path = checkpoint.save(args.checkpoint_dir, step, full_model, full_optim, run_identity(args))
+                log.note(f"checkpoint saved: {path}")
+    log.finish(summary_rows(log.history))
+    shutdown(rt)
+    return log.history
+
+
+def layout_rows(args, cfg, mesh, rt, data, split, start: int) -> dict:
+    """The configuration table printed at start: the grid, the positions each CP rank holds, the ring's bytes."""
+    dp, cp, tp = mesh.size("dp"), mesh.size("cp"), mesh.size("tp")
+    B, S, hd = args.global_batch // dp // args.microbatches, args.seq_len, cfg.head_dim
+    kv = max(1, cfg.n_kv_heads // tp)
+    chunks = " ".join(f"r{r}:" + "+".join(f"[{a},{b})" for a, b in split.chunks(r)) for r in range(cp))
+    per_layer = ring_attention.cp_bytes(args.cp_attention, B, S, cp, kv, hd, 4)
+    return {
+        "world size": f"{rt.world_size} = DP {dp} × CP {cp} × TP {tp}", "device / backend": f"{rt.device} / {rt.backend}",
+        "data": data.describe(), "mesh (dp, cp, tp)": "\n" + mesh.describe(),
+        "model": f"{args.model}: {count_parameters(cfg):,} parameters ({format_bytes(count_parameters(cfg) * 4)} fp32)",
+        "positions per CP rank": f"{S // cp} of {S} ({args.cp_split}): {chunks}",
+        "attention": f"{args.cp_attention}: {format_bytes(per_layer)} sent + received per layer and micro-batch "
+                     f"(forward + backward, fp32)" if cp > 1 else "one rank: plain causal attention",
+        "gradients": f"summed over dp × cp = {dp * cp} ranks (one all-reduce per tensor)",
+        "global batch": f"{args.global_batch} seq × {S} tokens = {args.global_batch * S:,} tokens",
+        "resumed from step": start or "-"}
+
+
+def summary_rows(history: list[dict]) -> dict:
+    """The rows added to the end-of-run summary: the CP traffic, activations, and the work balance."""
+    if not history:
+        return {}
+    last = history[-1]
+    imbalance = last["attn_work_imbalance"]
+    return {"CP bytes / step (this rank)": format_bytes(last["comm_bytes_cp"]),
+            "peak activation bytes (this rank)": format_bytes(last["peak_activation_bytes"]),
+            "attention work, max / min over CP": "-" if imbalance is None else f"{imbalance:.3f}"}
+
+
+if __name__ == "__main__":
+    run_main(main)
