@@ -38,9 +38,10 @@ pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")    # c
 
 class Trainer3D(pipeline_trainer.PipelineTrainer):
     """One rank of the grid: its pipeline stage(s), TP-sharded, replicated over DP; AdamW."""
+    grad_dim = "dp"       # the mesh dimension whose ranks' gradients are summed (chapter 06: "dp_cp")
 
     def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int):
-        super().__init__(executor, schedule, optimizer, microbatches, mesh.group("dp"), mesh.group("pp"))
+        super().__init__(executor, schedule, optimizer, microbatches, mesh.group(self.grad_dim), mesh.group("pp"))
         self.named, self.tp_group, self.mesh = named, mesh.group("tp"), mesh
         # The norm sums squares over the groups whose ranks hold different parts of the model.
         self.norm_groups = [self.tp_group, self.pp_group]
@@ -151,14 +152,19 @@ def step_metrics(memory: dict, timeline, mesh, layout, device, groups: tuple) ->
             **pipeline_trainer.step_stats(timeline, memory["peak_activation_bytes"], mesh.group("pp"), layout.pp, device)}
 
 
-def validation_loss(trainer, my_specs, data, step: int, args, layout, mesh, loss_fn, act_shape, device) -> float:
+def validation_loss(trainer, my_specs, data, step: int, args, layout, mesh, loss_fn, act_shape, device,
+                    take=None) -> float:
     """Mean cross-entropy of `--val-batches` held-out global batches: a forward-only pass of the pipeline
-    (chapter 03), each data-parallel rank on its rows; the TP ranks of the last stage count it once."""
+    (chapter 03), each data-parallel rank on its rows; the TP ranks of the last stage count it once.
+    `take(t)`: a later chapter's cut of those rows (chapter 06: this rank's positions)."""
     m, dp_rank = layout.microbatches, mesh.coord("dp")
     total = torch.zeros((), device=device)
     for i in range(args.val_batches):
         x, y = data.global_batch(step * 1000 + i, args.global_batch, split="valid")
-        x, y = shard_rows(x, dp_rank, layout.dp).to(device), shard_rows(y, dp_rank, layout.dp).to(device)
+        x, y = shard_rows(x, dp_rank, layout.dp), shard_rows(y, dp_rank, layout.dp)
+        if take is not None:
+            x, y = take(x), take(y)
+        x, y = x.to(device), y.to(device)
         total += pipeline_executor.forward_only_loss_sum(
             trainer.model, my_specs, mesh.coord("pp"), mesh.group_ranks["pp"], mesh.group("pp"),
             [shard_rows(x, k, m) for k in range(m)], [shard_rows(y, k, m) for k in range(m)], loss_fn, act_shape, device)

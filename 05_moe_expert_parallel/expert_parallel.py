@@ -58,7 +58,8 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x):                                     # (B, S, D): this rank's rows
         B, S, D = x.shape
-        routing = route(x, self.router, self.selection_bias, self.top_k, self.options.capacity_factor)
+        routing = route(x, self.router, self.selection_bias, self.top_k, self.options.capacity_factor,
+                        self.options.sequence_group)
         self.stats.add(routing)
 
         # 1. permute: this rank's kept slots grouped by expert, hence by destination rank

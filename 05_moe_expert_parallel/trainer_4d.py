@@ -31,11 +31,12 @@ trainer_3d = import_module("04_3d_combined.trainer_3d")              # chapter 0
 
 class Trainer4D(trainer_3d.Trainer3D):
     """Chapter 04's rank of the grid, whose MoE layers hold E/ep experts; AdamW."""
+    expert_grad_dim = "edp"   # the ranks holding the same experts (chapter 06: "edp_cp")
 
     def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, router: RouterStatistics):
         super().__init__(executor, schedule, named, optimizer, mesh, microbatches)
         self.experts = {id(p) for n, p in named if is_expert_param(n)}     # (none if dense)
-        self.expert_sync = data_parallel.AsyncGradAllReduce(mesh.group("edp"))
+        self.expert_sync = data_parallel.AsyncGradAllReduce(mesh.group(self.expert_grad_dim))
         self.norm_groups.append(mesh.group("ep"))       # ep ranks hold different experts: their squares add up
         self.router = router                            # this rank's MoE layers' statistics
 
@@ -66,8 +67,9 @@ class Trainer4D(trainer_3d.Trainer3D):
 
 
 def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shape, device, timeline,
-                  full_optim=None) -> Trainer4D:
-    """Chapter 04's pieces (AdamW on this rank's piece, the executor), plus this rank's router statistics."""
+                  full_optim=None, trainer_class=Trainer4D) -> Trainer4D:
+    """Chapter 04's pieces (AdamW on this rank's piece, the executor), plus this rank's router statistics.
+    `trainer_class`: Trainer4D, or a later chapter's subclass of it."""
     named = list(model.named_parameters())
     optimizer = trainer_3d.build_adamw_for(named, args, trainer_3d.local_optim_state(full_optim, mesh, layout, cfg))
     executor = trainer_3d.build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timeline)
@@ -76,4 +78,4 @@ def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shap
     layers = {int(i): block.mlp for i, block in model.layers.items() if hasattr(block.mlp, "stats")}
     router = RouterStatistics(layers, cfg.n_layers, cfg.n_experts, routing_options(args, args.global_batch, args.seq_len),
                               args.router_bias_rate, device, counted=counted_here({"tp": layout.tp}, mesh.coords))
-    return Trainer4D(executor, plan, named, optimizer, mesh, layout.microbatches, router)
+    return trainer_class(executor, plan, named, optimizer, mesh, layout.microbatches, router)

@@ -14,14 +14,19 @@ Balancing statistics are taken *per sequence* (the "routing group" of GShard; De
 sequence-wise balance loss): fᵢ, Pᵢ and the capacity of each expert are computed over the S tokens of
 one sequence. Every layout of the course splits the global batch by whole sequences (data-parallel
 rows, micro-batches, expert-parallel ranks routing their own rows), so each statistic is computed on
-one rank from the same numbers whatever the layout, and nothing needs communicating to get it.
+one rank from the same numbers whatever the layout, and nothing needs communicating to get it, with
+one exception: chapter 06's context parallelism splits each sequence's positions, and `route` then sums
+the per-sequence counts over the CP group (`sequence_group`).
 """
 import math
 from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+from common import comm
 
 
 @dataclass
@@ -42,10 +47,13 @@ class RoutingOptions:
     capacity_factor: float | None = None   # None: dropless; else capacity ⌈CF·S·k/E⌉ per expert per sequence
     aux_weight: float = 0.0   # × aux_sum: α / (sequences in the step), so the layer adds α·(mean over sequences)
     z_weight: float = 0.0     # × z_sum:   β / (tokens in the step)
+    sequence_group: object = None   # chapter 06: the ranks holding the other positions of my sequences
 
 
-def route(x, router: torch.nn.Linear, selection_bias, top_k: int, capacity_factor=None) -> Routing:
-    """Softmax router with top-k selection, on x: (B, S, D). Rows are whole sequences."""
+def route(x, router: torch.nn.Linear, selection_bias, top_k: int, capacity_factor=None, sequence_group=None) -> Routing:
+    """Softmax router with top-k selection, on x: (B, S, D). Rows are whole sequences, or, with
+    `sequence_group` (chapter 06's context parallelism), this rank's S positions of each sequence, the
+    group's ranks holding the rest: the balance statistics are then made whole across it (see below)."""
     B, S, _ = x.shape
     E = router.out_features
     logits = router(x).float()                                   # (B, S, E), fp32 even under autocast
@@ -64,8 +72,16 @@ def route(x, router: torch.nn.Linear, selection_bias, top_k: int, capacity_facto
     # no gradient), Pᵢ = mean probability of expert i over its S tokens (differentiable). Uniform routing
     # gives fᵢ = Pᵢ = 1/E and E·Σᵢ fᵢPᵢ = 1, so α times it is exactly α.
     per_sequence = F.one_hot(chosen, E).sum(dim=(1, 2))                          # (B, E) slots per expert
-    f = per_sequence.float() / (S * top_k)                                       # (B, E)
-    P = probs.mean(dim=1)                                                        # (B, E)
+    # Under context parallelism each of the group's `parts` ranks holds S of the sequence's parts·S tokens.
+    # fᵢ (a count, no gradient) is summed over the group; Pᵢ's mean over the sequence is the sum of each
+    # rank's mean over its S tokens divided by parts. E·Σᵢ fᵢPᵢ is linear in P: the ranks' terms add up to
+    # the sequence's, and so do their gradients (summed over dp × cp like every other).
+    whole, parts = per_sequence, 1
+    if sequence_group is not None and dist.get_world_size(sequence_group) > 1:
+        whole, parts = per_sequence.clone(), dist.get_world_size(sequence_group)
+        comm.all_reduce(whole, sequence_group, name="cp")                        # (B, E) the whole sequence's
+    f = whole.float() / (S * parts * top_k)                                      # (B, E)
+    P = probs.mean(dim=1) / parts                                                # (B, E) my tokens' share
     aux_sum = (E * (f * P).sum(dim=-1)).sum()
     # Router z-loss (ST-MoE): keeps the logits small, so the softmax stays out of fp32/bf16 trouble.
     z_sum = torch.logsumexp(logits, dim=-1).pow(2).sum()
