@@ -17,7 +17,7 @@ import torch.distributed as dist
 from common import comm
 
 from .cp_split import SequenceSplit
-from .ring_attention import WORK, attend_block, block_grads, compute_dtype  # noqa: F401  (WORK: one tally)
+from .ring_attention import WORK, attend_block, block_grads, compute_dtype  # noqa: F401  (WORK: the one tally)
 
 
 class AllGatherAttention(torch.autograd.Function):

@@ -162,27 +162,28 @@ class RingAttention(torch.autograd.Function):
             # (the first to hold block j after its owner), follows the block around the ring, and its last
             # hop brings it home to rank j, which adds its own share, computed at step 0: cp−1 hops, like
             # the block itself.
+            own = partial = None        # our own block's share; the partial sum of the block held last step
             for t in range(cp):
                 hop = []                                                      # what goes to rank r+1 now
                 if t < cp - 1:
                     kv_next = torch.empty_like(kv)
                     hop.append((kv, kv_next))
-                if t >= 2:              # last step's partial sum (its block is the one rank r+1 holds now)
+                if partial is not None:     # last step's partial sum: its block is the one rank r+1 holds now
                     partial_in = torch.empty_like(partial)
                     hop.append((partial, partial_in))
                 works = comm.exchange(hop, nxt, prv, group, "cp")
-                dkv = torch.zeros(kv.shape, dtype=out.dtype, device=q.device)   # this rank's share, block r−t
+                dkv = torch.zeros(kv.shape, dtype=out.dtype, device=q.device)   # our share of block r−t
                 block_grads(qf, kv, split.pairs(r, (r - t) % cp), do, lse, delta, dq, dkv)
                 wait(works)
-                if t >= 2:
+                if partial is not None:
                     dkv += partial_in                                         # the shares of ranks r−t+1 .. r−1
                 if t == 0:
-                    own = dkv                                                 # our own block's first share
+                    own = dkv
                 else:
                     partial = dkv
                 if t < cp - 1:
                     kv = kv_next
-            if cp > 1:                  # the last hop: every partial sum is complete and goes home
+            if partial is not None:     # the last hop: every partial sum is complete and goes home
                 home = torch.empty_like(partial)
                 wait(comm.exchange([(partial, home)], nxt, prv, group, "cp"))
                 own += home
