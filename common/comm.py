@@ -8,7 +8,7 @@ a group of N ranks:
     all-gather      sends (N-1)/N·n, receives (N-1)/N·n        (n = the gathered output)
     reduce-scatter  sends (N-1)/N·n, receives (N-1)/N·n        (n = the full input)
     broadcast       the root sends n, every other rank receives n
-    send / recv     exactly the tensor's bytes
+    send / recv     exactly the tensor's bytes (also each message of a ring's `exchange`)
     all-to-all      exactly the bytes that leave (and arrive at) this rank
 
 These are the volumes the textbook formulas talk about; the backend may move bytes differently
@@ -98,6 +98,21 @@ def send(t, dst: int, group=None, name="pp"):
 def recv(t, src: int, group=None, name="pp"):
     COUNTER.add(name, 0, _nbytes(t))
     return dist.irecv(t, src=src, group=group)
+
+
+def exchange(pairs: list, dst: int, src: int, group=None, name="pp") -> list:
+    """One hop of a ring: each (outgoing, incoming) pair sends `outgoing` to global rank `dst` and receives
+    `incoming` from global rank `src`. All are posted together as one batch and the works returned: wait on
+    them before reading an incoming tensor or writing an outgoing one. Message i carries tag i, so several
+    messages in flight between the same two ranks never mix (every rank posts the same list). One batch,
+    not separate isend/irecv calls, because NCCL runs a rank's sends and receives to one peer in order: in
+    a ring of two, each rank would wait in its send for a neighbour waiting in its own."""
+    ops = []
+    for tag, (outgoing, incoming) in enumerate(pairs):
+        COUNTER.add(name, _nbytes(outgoing), _nbytes(incoming))
+        ops += [dist.P2POp(dist.isend, outgoing.contiguous(), dst, group, tag),
+                dist.P2POp(dist.irecv, incoming, src, group, tag)]
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 def all_to_all_single(output, inp, output_splits, input_splits, group=None, name="ep"):
