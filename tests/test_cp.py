@@ -1,0 +1,120 @@
+"""Chapter 06: context parallelism reproduces the single device, end to end.
+
+Every layout runs 06_context_parallel/train_cp.py (dense tiny) or train_5d.py (tiny-moe, balancing terms
+10× the defaults) and is compared, step by step and on every rank, with the same script at world size 1
+(which uses plain `scaled_dot_product_attention`): `loss` and `grad_norm` within the harness's round-off
+tolerances (assert_same_run), `aux_loss` and `z_loss` within 1e-5, the same expert loads. On the way:
+
+    comm_bytes_cp      exactly the bytes formula of ring_attention.cp_bytes, layer by layer
+    attn_work_imbalance   1 with the zig-zag split, cp with the contiguous one
+    peak_activation_bytes flat (within 5 %) as S and cp double together at the same rows per rank
+    a CP × TP run        (a loss counted once per TP group, not halved or doubled)
+    a resume            cp 4's checkpoint of step 2 continued as cp 2 × dp 2 with the all-gather attention
+                        and the contiguous split
+    bad input           one message on every rank, before any communication
+
+One spawned group per world size: 1 (the references), 4 (train_cp's layouts, a 4D-plus-CP run, bad
+input) and 16 (dp 2 = edp 1 × ep 2, pp 2, cp 2, tp 2: all five dimensions at once).
+"""
+from importlib import import_module
+
+import pytest
+
+from harness import assert_one_config_error, assert_same_run, every_rank, max_rel_diff, ok, run_group
+
+CP = "06_context_parallel.train_cp:main"
+FIVE = "06_context_parallel.train_5d:main"
+STEPS = 4
+BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet"]
+MOE = ["--model", "tiny-moe", "--aux-loss-coef", "0.1", "--z-loss-coef", "0.01", "--sample-tokens", "0",
+       "--val-every", "2"]
+# name -> flags; all at world size 4, against train_cp.py at world size 1
+CP_RUNS = {"cp4 ring zigzag": ["--cp", "4"],
+           "cp2 × dp2 ring contiguous": ["--cp", "2", "--cp-split", "contiguous"],
+           "cp2 × tp2 ring zigzag": ["--cp", "2", "--tp", "2"]}
+FIVE_RUNS = {4: {"dp2·ep2 × cp2": ["--dp", "2", "--ep", "2", "--tp", "1", "--pp", "1", "--cp", "2"]},
+             16: {"dp2·ep2 × pp2 × cp2 × tp2": ["--dp", "2", "--ep", "2", "--tp", "2", "--pp", "2", "--cp", "2"]}}
+# S and cp double together at 8 rows per rank: the same tokens per rank, so the same activation bytes
+FLAT = {"S 64, cp 2 × dp 2": ["--seq-len", "64", "--cp", "2", "--global-batch", "16"],
+        "S 128, cp 4": ["--seq-len", "128", "--cp", "4"]}
+BAD = {"zig-zag chunks": (CP, ["--seq-len", "36", "--cp", "4"], "--seq-len 36"),
+       "cp not the world": (CP, ["--cp", "3"], "must equal the world size 4"),
+       "longer than the model": (CP, ["--seq-len", "512"], "exceeds the tiny preset's max_seq_len 256"),
+       "5d cp does not divide": (FIVE, ["--cp", "3"], "--cp 3 does not divide the world size 4"),
+       "5d capacity": (FIVE, ["--cp", "2", "--capacity-factor", "1.0"], "leave --capacity-factor out")}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    jobs = {"cp": (CP, BASE), "5d": (FIVE, BASE + MOE), "flat": (CP, ["--steps", "1", "--quiet"] + BASE[2:6])}
+    return dict(zip(jobs, (ok(r) for r in run_group(1, list(jobs.values()), timeout_s=600))))
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("cp_ckpt"))
+    jobs = {name: (CP, BASE + flags) for name, flags in CP_RUNS.items()}
+    jobs["cp4 ring zigzag"] = (CP, BASE + CP_RUNS["cp4 ring zigzag"] + ["--checkpoint-dir", ckpt,
+                                                                        "--checkpoint-every", "2"])
+    jobs["point"] = ("test_3d:point_latest_at", ckpt, "step_000002.pt")
+    jobs["resumed cp2 × dp2 allgather"] = (CP, BASE + ["--cp", "2", "--cp-attention", "allgather", "--cp-split",
+                                                       "contiguous", "--checkpoint-dir", ckpt, "--resume"])
+    jobs.update({name: (FIVE, BASE + MOE + flags) for name, flags in FIVE_RUNS[4].items()})
+    jobs.update({name: (CP, ["--steps", "1", "--quiet", "--global-batch", "8"] + flags) for name, flags in FLAT.items()})
+    jobs.update({f"bad {k}": (main, ["--steps", "1", "--quiet"] + argv) for k, (main, argv, _) in BAD.items()})
+    out = {4: dict(zip(jobs, run_group(4, list(jobs.values()), timeout_s=900)))}
+    jobs16 = {name: (FIVE, BASE + MOE + flags) for name, flags in FIVE_RUNS[16].items()}
+    out[16] = dict(zip(jobs16, run_group(16, list(jobs16.values()), timeout_s=900)))
+    return out
+
+
+def cp_bytes_per_step(history_row) -> int:
+    """ring_attention.cp_bytes for one attention call, times the layers and micro-batches of a step."""
+    ring_attention = import_module("06_context_parallel.ring_attention")
+    from common.model import PRESETS
+    cfg, r = PRESETS["tiny"], history_row
+    rows = 8 // r["dp"]
+    return cfg.n_layers * ring_attention.cp_bytes(r["cp_attention"], rows, 32, r["cp"], cfg.n_kv_heads // r["tp"],
+                                                  cfg.head_dim, 4)
+
+
+@pytest.mark.parametrize("name", sorted(CP_RUNS))
+def test_every_cp_layout_matches_one_device(groups, reference, name):
+    history = assert_same_run(groups[4][name], reference["cp"], name)          # loss and grad_norm, every rank
+    for row in history:
+        assert row["comm_bytes_cp"] == cp_bytes_per_step(row), (name, row["step"])
+        want = 1.0 if row["cp_split"] == "zigzag" else float(row["cp"])
+        assert row["attn_work_imbalance"] == pytest.approx(want), name
+
+
+def test_resume_from_cp4_into_cp2_with_the_other_attention(groups, reference):
+    history = assert_same_run(groups[4]["resumed cp2 × dp2 allgather"], reference["cp"][2:], "resumed")   # steps 3, 4
+    for row in history:
+        assert row["comm_bytes_cp"] == cp_bytes_per_step(row) and row["attn_work_imbalance"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("world", sorted(FIVE_RUNS))
+def test_5d_layouts_match_chapter_05_on_one_device(groups, reference, world):
+    ref = reference["5d"]
+    for name in FIVE_RUNS[world]:
+        history = assert_same_run(groups[world][name], ref, name)
+        for rank, mine in enumerate(every_rank(groups[world][name])):
+            for key in ("aux_loss", "z_loss"):
+                assert max_rel_diff([r[key] for r in mine], [r[key] for r in ref]) <= 1e-5, (name, rank, key)
+            assert [r["expert_load"] for r in mine] == [r["expert_load"] for r in ref], (name, rank)
+            assert [r.get("val_loss") is None for r in mine] == [r.get("val_loss") is None for r in ref]
+            vals = [(a["val_loss"], b["val_loss"]) for a, b in zip(mine, ref) if "val_loss" in b]
+            assert vals and max_rel_diff(*map(list, zip(*vals))) <= 1e-6, (name, rank)
+        assert history[-1]["comm_bytes_cp"] > 0 and history[-1]["attn_work_imbalance"] == pytest.approx(1.0), name
+
+
+def test_activation_bytes_stay_flat_as_seq_len_and_cp_double_together(groups, reference):
+    one = reference["flat"][0]["peak_activation_bytes"]                     # S 32 on one rank
+    for name in FLAT:
+        for rank, history in enumerate(every_rank(groups[4][name])):
+            assert abs(history[0]["peak_activation_bytes"] / one - 1) <= 0.05, (name, rank, one)
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_bad_cp_input_fails_on_every_rank_with_one_message(groups, kind):
+    assert_one_config_error(groups[4][f"bad {kind}"], BAD[kind][2])
