@@ -60,7 +60,7 @@ def main(argv=None) -> list[dict]:
     if resume:
         trainer.load_optim_state(resume["optim"])
 
-    log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    log = RunLog(rt.rank, args.steps, args.metrics, args.quiet, append=args.resume)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
     log.config_table(f"data parallel — {args.impl}", config_rows(args, cfg, model, rt, data.describe(), start))
     if rt.world_size == 1:

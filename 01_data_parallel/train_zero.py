@@ -71,7 +71,7 @@ def main(argv=None) -> list[dict]:
     if resume:
         trainer.load_optim_state(resume["optim"])
 
-    log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    log = RunLog(rt.rank, args.steps, args.metrics, args.quiet, append=args.resume)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
     log.config_table(f"ZeRO stage {args.zero_stage} — {implementation_name(args)}",
                      config_rows(args, cfg, M, rt, data.describe(), start))

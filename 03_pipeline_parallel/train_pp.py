@@ -108,7 +108,7 @@ def main(argv=None, schedule=None) -> list[dict]:
     timeline = Timeline(rt.rank)                     # every rank's spans on one clock: the measured bubble
     act_shape = (args.global_batch // layout.dp // layout.m, args.seq_len, cfg.dim)   # one message: (mb, S, D)
     trainer = build_trainer(args, layout, model, optimizer, specs, my_specs, plan, mesh, act_shape, rt.device, timeline)
-    log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    log = RunLog(rt.rank, args.steps, args.metrics, args.quiet, append=args.resume)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
     print_layout(log, args, cfg, layout, specs, data, rt, start)
 

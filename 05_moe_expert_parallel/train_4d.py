@@ -62,7 +62,7 @@ def main(argv=None) -> list[dict]:
     trainer = trainer_4d.build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, shape, rt.device,
                                        timeline, resume and resume["optim"])
     start, tokens_per_step = (resume["step"] if resume else 0), args.global_batch * args.seq_len
-    log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    log = RunLog(rt.rank, args.steps, args.metrics, args.quiet, append=args.resume)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py: active experts)
     print_start(log, rt, args, cfg, layout, mesh, data, start)
 

@@ -75,7 +75,7 @@ def main(argv=None) -> list[dict]:
     if resume:
         trainer.load_optim_state(resume["optim"])
 
-    log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    log = RunLog(rt.rank, args.steps, args.metrics, args.quiet, append=args.resume)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py: active experts)
     log.config_table(f"mixture of experts — dp {rt.world_size} = edp {mesh.size('edp')} × ep {ep}",
                      layout_rows(args, cfg, mesh, rt, trainer.memory(), start) | {"data": data.describe()})

@@ -87,7 +87,7 @@ def main(argv=None) -> list[dict]:
     if resume:
         trainer.load_optim_state(resume["optim"])
 
-    log = RunLog(rt.rank, args.steps, args.metrics, args.quiet)
+    log = RunLog(rt.rank, args.steps, args.metrics, args.quiet, append=args.resume)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
     log.config_table("context parallel", layout_rows(args, cfg, mesh, rt, data, split, start))
     if rt.world_size == 1:

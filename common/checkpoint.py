@@ -46,6 +46,11 @@ def save(directory, step: int, model: dict, optim: dict, meta: dict) -> Path:
     return path
 
 
+def has_checkpoint(directory) -> bool:
+    """Whether `directory` has a checkpoint to resume (its `latest` pointer), as after the first save."""
+    return (Path(directory) / "latest").is_file()
+
+
 def latest_path(directory) -> Path:
     directory = Path(directory)
     pointer = directory / "latest"

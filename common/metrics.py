@@ -31,7 +31,10 @@ def console() -> Console:
 
 
 class RunLog:
-    def __init__(self, rank: int, total_steps: int, metrics_path: str | None, quiet: bool):
+    def __init__(self, rank: int, total_steps: int, metrics_path: str | None, quiet: bool, append: bool = False):
+        """Global rank 0 writes one JSON row per step to `metrics_path`. `append` (a run given --resume, which
+        may be a restart): the rows go after those of the earlier attempts, so a step re-run after a restart
+        appears twice and `read_metrics` keeps its last row."""
         self.is_main, self.total = rank == 0, total_steps
         self.show = self.is_main and not quiet
         self.console = console()
@@ -39,7 +42,7 @@ class RunLog:
         self.file = None
         if self.is_main and metrics_path:
             Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(metrics_path, "w")
+            self.file = open(metrics_path, "a" if append else "w")
         self.progress = None
         self.t0 = time.perf_counter()
         self.flops_per_token = self.peak_flops = None
@@ -121,7 +124,14 @@ class RunLog:
 
 
 def read_metrics(path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The rows of a metrics file, one per step in step order: the last row written for each step (a run
+    restarted from a checkpoint appends the steps it re-runs after the rows of the attempt that died)."""
+    rows = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[row.get("step")] = row
+    return [rows[k] for k in sorted(rows, key=lambda k: (k is None, k or 0))]
 
 
 def format_bytes(n: float) -> str:

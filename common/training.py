@@ -5,6 +5,7 @@ the run's identity for checkpoints, AdamW state by parameter name, the global lo
 guard that stops a run whose loss or gradient norm is no longer a number.
 """
 import math
+import os
 import time
 
 import torch
@@ -72,8 +73,16 @@ def load_optim_state_by_name(optimizer, named_params, states: dict, to_local=lam
 
 def resume_state(args, identity: dict | None = None) -> dict | None:
     """The checkpoint to resume from (every rank loads it, so every rank can fail alike), or None.
-    `identity`: what must match (default: run_identity(args))."""
+    `identity`: what must match (default: run_identity(args)).
+
+    `--resume` with a directory that holds no checkpoint yet starts at step 1 (saying so, once): the same
+    command line then starts a run and resumes it, which is what `torchrun --max-restarts N` needs, as it
+    re-runs the very command that failed."""
     if not args.resume:
+        return None
+    if not checkpoint.has_checkpoint(args.checkpoint_dir):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"--resume: no checkpoint in {args.checkpoint_dir!r} yet, so this run starts at step 1", flush=True)
         return None
     path = checkpoint.latest_path(args.checkpoint_dir)
     state = checkpoint.load(path, identity or run_identity(args))

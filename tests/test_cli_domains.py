@@ -167,11 +167,14 @@ def test_data_too_short_for_one_sequence(tmp_path):
         run_until_training("01_data_parallel.train_dp", ["--data", str(short), "--seq-len", "16"])
 
 
-def test_resume_with_nothing_left_to_train(tmp_path):
+def test_resume_with_nothing_left_to_train(tmp_path, capsys):
     from common import checkpoint
     from common.training import resume_state, run_identity
     train_dp = import_module("01_data_parallel.train_dp")
     args = train_dp.parse_args(["--checkpoint-dir", str(tmp_path), "--resume", "--steps", "5"])
+    # no checkpoint yet: the same command starts the run (what torchrun --max-restarts re-runs), in one line
+    assert resume_state(args) is None
+    assert capsys.readouterr().out == f"--resume: no checkpoint in {str(tmp_path)!r} yet, so this run starts at step 1\n"
     checkpoint.save(tmp_path, 5, {}, {}, run_identity(args))
     with pytest.raises(ConfigError, match="is at step 5 and --steps is 5: nothing is left to train; pass --steps "
                                           "greater than 5"):

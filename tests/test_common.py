@@ -180,6 +180,12 @@ def test_metrics_file_has_one_object_per_step(tmp_path):
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["comm_bytes"] == 10
     assert {"step", "loss", "lr", "tokens", "step_time_s", "tokens_per_s"} <= set(rows[1])
     assert rows[1]["tokens_per_s"] == 4096 and json.loads(path.read_text().splitlines()[0])["loss"] == 5.5
+    again = RunLog(0, 2, str(path), quiet=True, append=True)          # a restart re-runs step 2, then 3
+    again.log_step(2, 4.9, 2e-3, 1024, 0.25)
+    again.log_step(3, 4.5, 3e-3, 1024, 0.25)
+    again.finish()
+    assert len(path.read_text().splitlines()) == 4                   # both attempts' rows are kept
+    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 5.5), (2, 4.9), (3, 4.5)]   # the last of each
     other = RunLog(1, 2, str(tmp_path / "rank1.jsonl"), quiet=True)   # only global rank 0 writes
     other.log_step(1, 5.5, 1e-3, 1024, 0.5)
     other.finish()
