@@ -40,6 +40,10 @@ class Layout4D(parallel_3d.Layout):
     def describe(self) -> str:
         return f"dp {self.dp} (= edp {self.dp // self.ep} × ep {self.ep}) × pp {self.pp} × tp {self.tp}"
 
+    def gradient_groups(self) -> dict:
+        """Over which ranks the gradients are summed, for the console: {kind: (group, ranks)}."""
+        return {"dense": ("dp", self.dp), "experts": ("edp", self.dp // self.ep)}
+
 
 def add_4d_args(p) -> None:
     parallel_3d.add_layout_args(p)
@@ -90,7 +94,8 @@ def describe_experts(cfg, args, layout: Layout4D) -> str:
     if not cfg.n_experts:
         return "- (dense model)"
     routing = "dropless" if args.capacity_factor is None else f"capacity factor {args.capacity_factor}"
+    (dense, n_dense), (experts, n_experts) = layout.gradient_groups().values()
     return (f"{cfg.n_experts} per MoE layer, top-{cfg.top_k}, {cfg.n_experts // layout.ep} per rank over ep "
-            f"{layout.ep} (whole on every TP rank); gradients: dense over dp ({layout.dp} ranks), experts over "
-            f"edp ({layout.dp // layout.ep}); {routing}, aux α={args.aux_loss_coef}, z β={args.z_loss_coef}, "
+            f"{layout.ep} (whole on every TP rank); gradients: dense over {dense} ({n_dense} ranks), experts over "
+            f"{experts} ({n_experts}); {routing}, aux α={args.aux_loss_coef}, z β={args.z_loss_coef}, "
             f"bias γ={args.router_bias_rate}")

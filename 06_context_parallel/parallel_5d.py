@@ -44,6 +44,9 @@ class Layout5D(parallel_4d.Layout4D):
         return (f"dp {self.dp} (= edp {self.dp // self.ep} × ep {self.ep}) × pp {self.pp} × cp {self.cp} "
                 f"× tp {self.tp}")
 
+    def gradient_groups(self) -> dict:
+        return {"dense": ("dp × cp", self.dp * self.cp), "experts": ("edp × cp", self.dp // self.ep * self.cp)}
+
 
 JOINED = {"dp": ("edp", "ep"), "dp_cp": ("edp", "ep", "cp"), "edp_cp": ("edp", "cp")}
 
