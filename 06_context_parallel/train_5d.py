@@ -135,7 +135,8 @@ def print_start(log, rt, args, cfg, layout, mesh, data, start: int) -> None:
     config = console_3d.config_rows(args, cfg, layout, rt, data, start)
     config["experts"] = parallel_4d.describe_experts(cfg, args, layout)
     config["context"] = (f"{args.seq_len // layout.cp} of {args.seq_len} positions per rank ({args.cp_split}), "
-                         f"{args.cp_attention} attention over cp {layout.cp}")
+                         f"{args.cp_attention} attention over cp {layout.cp}" if layout.cp > 1
+                         else "cp 1: every rank holds whole sequences, plain causal attention")
     console_3d.print_start(log, rt, "5D parallel pretraining", config, grid,
                            "torchrun --nproc_per_node=8 06_context_parallel/train_5d.py")
 
