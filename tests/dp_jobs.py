@@ -85,6 +85,9 @@ def make_bad_inputs(directory: Path) -> dict:
     corrupt.mkdir()
     (corrupt / "step_000004.pt").write_bytes(b"\x00not a checkpoint" * 64)
     (corrupt / "latest").write_text("step_000004.pt")
+    dangling = directory / "dangling_ckpt"          # its pointer names a file that is gone
+    dangling.mkdir()
+    (dangling / "latest").write_text("step_000009.pt")
     return {
         "batch": ["--global-batch", "7"],
         "preset": ["--model", "nosuch"],
@@ -92,7 +95,7 @@ def make_bad_inputs(directory: Path) -> dict:
         "corrupt": ["--resume", "--checkpoint-dir", str(corrupt)],
         "other_model": ["--model", "small", "--resume", "--checkpoint-dir", str(good)],
         "resume_no_dir": ["--resume"],
-        "empty_dir": ["--resume", "--checkpoint-dir", str(directory / "empty")],
+        "dangling": ["--resume", "--checkpoint-dir", str(dangling)],
     }
 
 
@@ -104,7 +107,7 @@ BAD_INPUT_MESSAGES = {
     "corrupt": "corrupt or unreadable",
     "other_model": "saved with model='tiny' but this run has model='small'",
     "resume_no_dir": "--resume needs --checkpoint-dir",
-    "empty_dir": "no checkpoint to resume",
+    "dangling": "names 'step_000009.pt', which is missing; restore it or remove --resume",
 }
 
 

@@ -25,26 +25,32 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120"}
 MAIN_JOB = ["04_3d_combined/train_3d.py", "--steps", "4", "--val-every", "0", "--sample-tokens", "0", "--quiet"]
 
 
-def launch(launcher: list, script_argv: list, **kw) -> subprocess.Popen:
-    return subprocess.Popen(RUN + launcher + script_argv, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kw)
+def launch(launcher: list, script_argv: list, log: Path) -> subprocess.Popen:
+    """torchrun with its output in `log` (a file, not a pipe: a pipe nobody reads while the test watches
+    the metrics would fill up and stop the ranks in their next print)."""
+    with open(log, "w") as out:
+        return subprocess.Popen(RUN + launcher + script_argv, cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT,
+                                text=True)
 
 
-def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
-    out, _ = proc.communicate(timeout=timeout)
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> str:
+    proc.wait(timeout=timeout)
+    out = log.read_text()
     assert proc.returncode == 0, out[-4000:]
     return out
 
 
 def test_two_agents_as_two_nodes_match_one_agent_bit_for_bit(tmp_path):
     one = tmp_path / "one.jsonl"
-    finish(launch(["--standalone", "--nproc_per_node=8"], MAIN_JOB + ["--metrics", str(one)]))
+    finish(launch(["--standalone", "--nproc_per_node=8"], MAIN_JOB + ["--metrics", str(one)], tmp_path / "one.log"),
+           tmp_path / "one.log")
     two = tmp_path / "two.jsonl"
     port = free_port()
     node = ["--nnodes=2", "--nproc_per_node=4", "--master-addr=127.0.0.1", f"--master-port={port}"]
-    agents = [launch(node + [f"--node-rank={i}"], MAIN_JOB + ["--metrics", str(two)]) for i in (0, 1)]
-    for agent in agents:
-        finish(agent)
+    logs = [tmp_path / f"node{i}.log" for i in (0, 1)]
+    agents = [launch(node + [f"--node-rank={i}"], MAIN_JOB + ["--metrics", str(two)], logs[i]) for i in (0, 1)]
+    for agent, log in zip(agents, logs):
+        finish(agent, log)
     a, b = read_metrics(one), read_metrics(two)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
     assert [(r["loss"], r["grad_norm"]) for r in a] == [(r["loss"], r["grad_norm"]) for r in b]
@@ -83,10 +89,12 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_with_the_same_losses(tm
               "--checkpoint-every", "3", "--resume"]
     straight = tmp_path / "straight.jsonl"
     finish(launch(["--standalone", "--nproc_per_node=2"],
-                  tp_run + ["--checkpoint-dir", str(tmp_path / "a"), "--metrics", str(straight), "--quiet"]))
+                  tp_run + ["--checkpoint-dir", str(tmp_path / "a"), "--metrics", str(straight), "--quiet"],
+                  tmp_path / "straight.log"), tmp_path / "straight.log")
     metrics = tmp_path / "restarted.jsonl"
+    log = Path(os.environ.get("LAUNCH_LOG", tmp_path / "restarted.log"))    # LAUNCH_LOG: keep the run's output
     proc = launch(["--standalone", "--nproc_per_node=2", "--max-restarts=2"],
-                  tp_run + ["--checkpoint-dir", str(tmp_path / "b"), "--metrics", str(metrics)])
+                  tp_run + ["--checkpoint-dir", str(tmp_path / "b"), "--metrics", str(metrics)], log)
     deadline = time.time() + 120
     while not (metrics.exists() and any(r["step"] >= 5 for r in read_metrics(metrics))):
         assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before step 5"
@@ -94,7 +102,7 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_with_the_same_losses(tm
     victim = worker_with_rank(proc.pid, 1)
     assert victim is not None
     os.kill(victim, signal.SIGKILL)
-    out = finish(proc)
+    out = finish(proc, log)
     assert "no checkpoint in" in out and "starts at step 1" in out     # the first attempt, same command
     raw = [int(line.split('"step": ')[1].split(",")[0]) for line in metrics.read_text().splitlines()]
     resumed_at = next(s for prev, s in zip(raw, raw[1:]) if s <= prev)  # the first re-run step
