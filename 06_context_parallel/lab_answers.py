@@ -52,8 +52,9 @@ c² = 4 entries: 36 on every rank.
 The causal mask has S(S+1)/2 = 136 entries; what a split computes beyond it is the masked half of
 each diagonal pair, computed whole and then masked. Contiguous has cp diagonal blocks of S/cp = 4
 positions, each with 4·3/2 = 6 masked entries: 136 + 24 = 160. Zigzag has 2cp = 8 diagonal pairs of
-c = 2 positions, 1 masked entry each: 136 + 8 = 144. Smaller chunks waste less on the diagonal (and
-at real sizes the waste is a fraction 1/(S/c) of the work: negligible).""")
+c = 2 positions, 1 masked entry each: 136 + 8 = 144. Smaller chunks waste less on the diagonal: for
+large S the waste is about S²/(2cp) with the contiguous split and S²/(4cp) with zig-zag, fractions 1/cp
+and 1/(2cp) of the causal S²/2.""")
 
     key.run(f"{TRAIN} --metrics /tmp/c2_zigzag.jsonl --quiet")
     key.run(f"{TRAIN} --cp-split contiguous --metrics /tmp/c2_contiguous.jsonl --quiet")
@@ -150,8 +151,7 @@ def part_three(key: Key) -> None:
     key.section("C6 — activations as S and cp double together",
                 table(["run", "peak_activation_bytes (rank 0)", "÷ S 32, cp 1"], rows) + f"""
 
-One rank: every saved activation is (B, S, ·), so the bytes double with S (a little more than double
-where attention's own saved tensors grow faster). With CP each rank holds S/cp = 32 positions of every
+One rank: every saved activation is (B, S, ·), so the bytes double with S. With CP each rank holds S/cp = 32 positions of every
 layer's activations, whatever S is, and the ring attention saves only its own q, k, v, output and
 log-sum-exp: the same bytes as S = 32 on one rank, within 5 %. The all-gather variant keeps the
 gathered K and V of all cp ranks for its backward: (cp−1) = 3 other ranks' K and V blocks of
@@ -174,7 +174,9 @@ def part_four(key: Key) -> None:
     r = rank_row(out, 5)
     context_row = next((line.strip(" │") for line in out.splitlines() if "│ context" in line), "")
     key.section("C7 — five coordinates per rank", f"""
-Rank 5's row: {table(["rank", "dp", "dp_cp", "edp_cp", "edp", "ep", "pp", "cp", "tp", "dp group", "pp group",
+Rank 5's row:
+
+{table(["rank", "dp", "dp_cp", "edp_cp", "edp", "ep", "pp", "cp", "tp", "dp group", "pp group",
                       "tp group", "ep group", "edp group", "cp group", "experts", "positions"], [r])}
 
 The configuration's context row: `{re.sub(r"[│ ]+", " ", context_row).strip()}`
