@@ -1,0 +1,220 @@
+"""Lab 06's answer key: runs every command of LAB.md and writes LAB_ANSWERS.md from what they print.
+
+    python 06_context_parallel/lab_answers.py          # runs every command of LAB.md (about 3 minutes)
+"""
+import re
+import sys
+from importlib import import_module
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common` and the chapters
+from common.lab_key import Edit, Key, table  # noqa: E402
+from common.model import PRESETS  # noqa: E402
+
+ring_attention = import_module("06_context_parallel.ring_attention")
+
+CH = "06_context_parallel"
+TRAIN = "torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --steps 5 --seq-len 64 --global-batch 8"
+RUNS = "/tmp/c3_1.jsonl /tmp/c2_zigzag.jsonl /tmp/c2_contiguous.jsonl /tmp/c3_cp2dp2.jsonl /tmp/c3_cp2tp2.jsonl"
+SPLITS = ("python -c \"import sys; sys.path.insert(0, '.'); from importlib import import_module; s = "
+          "import_module('06_context_parallel.cp_split'); [print(split, r, s.SequenceSplit(16, 4, split).chunks(r), "
+          "s.SequenceSplit(16, 4, split).work(r)) for split in ('contiguous', 'zigzag') for r in range(4)]\"")
+C6_ONE = ("for s in 32 64 128; do python 06_context_parallel/train_cp.py --steps 1 --seq-len $s --global-batch 4 "
+          "--metrics /tmp/c6_s${s}_cp1.jsonl --quiet; done")
+C6_CP = {"s64_cp2": "torchrun --nproc_per_node=2 06_context_parallel/train_cp.py --steps 1 --seq-len 64 --global-batch 4",
+         "s128_cp4": "torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --steps 1 --seq-len 128 --global-batch 4",
+         "s128_cp4_ag": "torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --steps 1 --seq-len 128 "
+                        "--global-batch 4 --cp-attention allgather"}
+C7 = ("torchrun --nproc_per_node=8 06_context_parallel/train_5d.py --steps 1 --seq-len 32 --global-batch 8 "
+      "--sample-tokens 0 --metrics /tmp/c7.jsonl")
+
+
+def cp_bytes_per_step(row: dict, B: int, S: int = 64) -> int:
+    """ring_attention.cp_bytes for one attention call, × the layers (one micro-batch per step)."""
+    cfg = PRESETS["tiny"]
+    return cfg.n_layers * ring_attention.cp_bytes(row["cp_attention"], B, S, row["cp"], cfg.n_kv_heads // row["tp"],
+                                                  cfg.head_dim, 4)
+
+
+def part_one(key: Key) -> None:
+    out = key.run(SPLITS).out.strip()
+    key.section("C1 — the split by hand", f"""
+```
+{out}
+```
+
+Contiguous: rank r's queries [4r, 4r+4) see the keys of every rank at or before it, r+1 blocks of
+4 × 4 (the last of them, its own, cut by the mask but computed whole): 16, 32, 48, 64 entries, a ratio
+of cp = 4 between the busiest and the idlest rank. Zigzag: chunk i (c = 2 positions) attends to chunks
+0..i, i+1 chunk pairs; rank r holds chunks r and 2cp−1−r, so (r+1) + (2cp−r) = 2cp+1 = 9 pairs of
+c² = 4 entries: 36 on every rank.
+
+The causal mask has S(S+1)/2 = 136 entries; what a split computes beyond it is the masked half of
+each diagonal pair, computed whole and then masked. Contiguous has cp diagonal blocks of S/cp = 4
+positions, each with 4·3/2 = 6 masked entries: 136 + 24 = 160. Zigzag has 2cp = 8 diagonal pairs of
+c = 2 positions, 1 masked entry each: 136 + 8 = 144. Smaller chunks waste less on the diagonal: for
+large S the waste is about S²/(2cp) with the contiguous split and S²/(4cp) with zig-zag, fractions 1/cp
+and 1/(2cp) of the causal S²/2.""")
+
+    key.run(f"{TRAIN} --metrics /tmp/c2_zigzag.jsonl --quiet")
+    key.run(f"{TRAIN} --cp-split contiguous --metrics /tmp/c2_contiguous.jsonl --quiet")
+    imb = {split: sorted({r["attn_work_imbalance"] for r in key.rows(f"/tmp/c2_{split}.jsonl")})
+           for split in ("zigzag", "contiguous")}
+    key.section("C2 — the two splits' work, measured", f"""
+`attn_work_imbalance` over the 5 steps: zigzag {imb["zigzag"]}, contiguous {imb["contiguous"]}.
+
+Contiguous, any cp: rank r computes r+1 blocks of (S/cp)², so max/min = cp/1 = cp; zigzag: 2cp+1 chunk
+pairs of c² on every rank, max/min = 1. Every CP rank waits for the others at each hop of the ring
+and at the gradient all-reduce, so a step takes as long as its busiest rank: with the contiguous
+split, the last rank's cp blocks, while rank 0 idles after one. (The metric counts the score
+entries computed, a count, not a time: the same on every machine.)""")
+
+
+def part_two(key: Key) -> None:
+    key.run("python 06_context_parallel/train_cp.py --steps 5 --seq-len 64 --global-batch 8 --metrics /tmp/c3_1.jsonl --quiet")
+    key.run(f"{TRAIN} --cp 2 --cp-attention allgather --metrics /tmp/c3_cp2dp2.jsonl --quiet")
+    key.run(f"{TRAIN} --cp 2 --tp 2 --metrics /tmp/c3_cp2tp2.jsonl --quiet")
+    cmps = {k: key.run(f"python -m common.compare_metrics {RUNS}{flag}", check=False)
+            for k, flag in (("loss", ""), ("grad_norm", " --key grad_norm"))}
+    names = ("c2_zigzag", "c2_contiguous", "c3_cp2dp2", "c3_cp2tp2")
+    lines = "\n".join(f"- `{k}`: exit {r.code}; " + "; ".join(r.line_with(f"{n}.jsonl: max") for n in names)
+                      for k, r in cmps.items())
+    tp_row = key.rows("/tmp/c3_cp2tp2.jsonl")[0]
+    one_row = key.rows("/tmp/c3_1.jsonl")[0]
+    key.names(f"{CH}/train_cp.py", 'global_sum(local_loss, mesh.group("dp_cp"))')
+    key.section("C3 — every layout, the same losses", f"""
+{lines}
+
+Step 1: one rank {one_row["loss"]:.7f}, CP 2 × TP 2 {tp_row["loss"]:.7f}; `tokens` {one_row["tokens"]:,} and
+{tp_row["tokens"]:,}.
+
+The printed loss is `global_sum(local_loss, mesh.group("dp_cp"))`: each rank's share (its rows, its
+positions, divided by the global token count) summed over the ranks that hold *different* tokens.
+The two TP ranks of a group hold the same tokens, and chapter 02's vocab-parallel cross-entropy gives
+each of them the whole loss of those tokens: summed over all 4 ranks, the CP × TP run would print
+twice the loss ({2 * tp_row["loss"]:.4f} at step 1), with gradients still right — the kind of bug that
+only a comparison with one device shows. `tokens` is the global batch, 8 × 64 = 512, counted once:
+the CP ranks of a row hold different positions of it, not copies.""")
+
+    rows = []
+    for name, B in (("c2_zigzag", 8), ("c3_cp2dp2", 4), ("c3_cp2tp2", 8)):
+        measured = {r["comm_bytes_cp"] for r in key.rows(f"/tmp/{name}.jsonl")}
+        r = key.rows(f"/tmp/{name}.jsonl")[0]
+        rows.append([f"`{name}`", f"cp {r['cp']} × dp {r['dp']} × tp {r['tp']}, {r['cp_attention']}",
+                     f"{cp_bytes_per_step(r, B):,}", ", ".join(f"{m:,}" for m in sorted(measured))])
+    key.section("C4 — the ring's bytes", table(["run", "layout", "formula (bytes / step)", "measured, every step"], rows)
+                + """
+
+The ring moves K and V twice because the backward needs every block again, and no rank kept the
+other ranks' blocks: it sends them around a second time, next to the travelling partial sums of dK
+and dV (in fp32). The all-gather gathers K and V once and keeps the whole sequence's K and V for the
+backward: fewer bytes, and one collective instead of cp−1 dependent hops, but every rank then holds
+O(S) of K/V instead of O(S/cp) — C6 measures that price. Under GQA (kv < h) both move only the small
+K/V heads.""")
+
+    edit = Edit(f"{CH}/train_cp.py", 'cp_group, mesh.group("dp_cp"), split', 'cp_group, mesh.group("dp"), split')
+    with key.broken(edit) as root:
+        key.run(f"{TRAIN} --metrics /tmp/c5_broken.jsonl --quiet", root=root)
+    broken = {k: key.run(f"python -m common.compare_metrics /tmp/c3_1.jsonl /tmp/c5_broken.jsonl{flag}", check=False)
+              for k, flag in (("loss", ""), ("grad_norm", " --key grad_norm"))}
+    b, ref = key.rows("/tmp/c5_broken.jsonl"), key.rows("/tmp/c3_1.jsonl")
+    key.section("C5 — break it on purpose: the gradients summed over dp only", f"""
+| step | loss, 1 rank | loss, broken | grad_norm, 1 rank | grad_norm, broken |
+|---|---|---|---|---|
+""" + "\n".join(f"| {x['step']} | {x['loss']:.7f} | {y['loss']:.7f} | {x['grad_norm']:.5f} | {y['grad_norm']:.5f} |"
+                for x, y in zip(ref, b)) + f"""
+
+`loss`: exit {broken["loss"].code}, {broken["loss"].line_with("c5_broken.jsonl: max")}; `grad_norm`: exit
+{broken["grad_norm"].code}, {broken["grad_norm"].line_with("c5_broken.jsonl: max")}.
+
+At cp 4 × dp 1 the DP group is one rank: nothing is summed, and each rank steps with the gradient of
+its own quarter of the positions (rank 0's is what the metrics print). The step-1 loss is computed
+before any gradient, so it is exact; the gradient norm is wrong from step 1, and the weights — now
+different on every CP rank — make every later loss wrong. `tests/test_cp.py::test_every_cp_layout_matches_one_device`
+fails on it (its `grad_norm` at step 1, and the losses after, on every rank, against world size 1);
+`tests/test_ring_attention.py` passes, because the attention alone is still exact — the bug is in
+which group sums the gradients, and only an end-to-end comparison with one device sees it.""")
+
+
+def part_three(key: Key) -> None:
+    key.run(C6_ONE)
+    for name, cmd in C6_CP.items():
+        key.run(f"{cmd} --metrics /tmp/c6_{name}.jsonl --quiet")
+    peak = {name: key.rows(f"/tmp/c6_{name}.jsonl")[0]["peak_activation_bytes"]
+            for name in ("s32_cp1", "s64_cp1", "s128_cp1", "s64_cp2", "s128_cp4", "s128_cp4_ag")}
+    base = peak["s32_cp1"]
+    labels = {"s32_cp1": "S 32, 1 rank", "s64_cp1": "S 64, 1 rank", "s128_cp1": "S 128, 1 rank",
+              "s64_cp2": "S 64, cp 2", "s128_cp4": "S 128, cp 4", "s128_cp4_ag": "S 128, cp 4, all-gather"}
+    rows = [[labels[name], f"{v:,}", f"{v / base:.3f}"] for name, v in peak.items()]
+    blk = 4 * 32 * 4 * 16 * 4
+    extra = 8 * (4 - 1) * 2 * blk
+    key.section("C6 — activations as S and cp double together",
+                table(["run", "peak_activation_bytes (rank 0)", "÷ S 32, cp 1"], rows) + f"""
+
+One rank: every saved activation is (B, S, ·), so the bytes double with S. With CP each rank holds S/cp = 32 positions of every
+layer's activations, whatever S is, and the ring attention saves only its own q, k, v, output and
+log-sum-exp: the same bytes as S = 32 on one rank, within 5 %. The all-gather variant keeps the
+gathered K and V of all cp ranks for its backward: (cp−1) = 3 other ranks' K and V blocks of
+{blk:,} bytes per layer, 8 × 3 × 2 × {blk:,} = {extra:,} bytes more; measured
+{peak["s128_cp4_ag"] - peak["s128_cp4"]:,}.""")
+
+
+def rank_row(out: str, rank: int) -> list[str]:
+    """train_5d.py's mesh table, the row of `rank`: [rank, dp, dp_cp, edp_cp, edp, ep, pp, cp, tp, dp group,
+    pp group, tp group, ep group, edp group, cp group, experts, positions]."""
+    for line in out.splitlines():
+        cells = [c.strip() for c in re.split(r"[│|┃]", line) if c.strip()]
+        if len(cells) == 17 and cells[0] == str(rank):
+            return cells
+    raise ValueError(f"no mesh row for rank {rank} in:\n{out[-2000:]}")
+
+
+def part_four(key: Key) -> None:
+    out = key.run(C7).out
+    r = rank_row(out, 5)
+    context_row = next((line.strip(" │") for line in out.splitlines() if "│ context" in line), "")
+    key.section("C7 — five coordinates per rank", f"""
+Rank 5's row:
+
+{table(["rank", "dp", "dp_cp", "edp_cp", "edp", "ep", "pp", "cp", "tp", "dp group", "pp group",
+                      "tp group", "ep group", "edp group", "cp group", "experts", "positions"], [r])}
+
+The configuration's context row: `{re.sub(r"[│ ]+", " ", context_row).strip()}`
+
+5 = 4·1 + 2·0 + 1: ep 1, pp 0, cp 1 (edp 0, tp 0), so dp = ep = 1. Its cp group is the rank that
+differs only in cp, 4; zig-zag over 2·cp = 4 chunks of 8 gives cp rank 1 chunks 1 and 2, positions
+8–15 and 16–23. Its dense gradients are summed over dp × cp, the ranks with its pp 0 and tp 0:
+0, 1, 4, 5 (two data-parallel rows, two halves of each sequence); its experts (4–7, held by ep 1)
+over edp × cp: 4 and 5 (edp is 1, so only the CP partner holds the same experts).
+
+TP talks inside every layer, twice per block, with nothing to hide behind: it gets the fastest links
+(innermost, consecutive ranks). CP talks inside every attention, a hop per block that can overlap
+the block's compute: next to TP, still inside a node where possible. PP sends one activation per
+micro-batch per stage boundary, and DP (edp) sums gradients once per step, overlapped with the
+backward: they tolerate the slowest links, outermost.""")
+
+    failures = key.failures(["torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --seq-len 36",
+                             "torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --cp 3",
+                             "torchrun --nproc_per_node=4 06_context_parallel/train_5d.py --cp 2 --capacity-factor 1.0",
+                             "torchrun --nproc_per_node=4 06_context_parallel/train_5d.py --model tiny --cp 2 --zero-stage 1"],
+                            "06_context_parallel/")
+    key.section("C8 — bad input", failures + """
+
+A capacity serves each sequence's tokens in position order until an expert is full; with CP a rank
+holds only some positions of each sequence (zig-zag: not even in order), so which token is dropped
+would depend on the layout. ZeRO-1 here shards AdamW and reduce-scatters gradients over the DP group,
+but with CP the gradients must be summed over dp × cp: the sharding would have to follow that group.""")
+
+
+def main() -> None:
+    key = Key(CH, "Chapter 06 lab — context parallelism")
+    key.names(f"{CH}/cp_split.py", "def work", "def chunks")
+    part_one(key)
+    part_two(key)
+    part_three(key)
+    part_four(key)
+    key.write()
+
+
+if __name__ == "__main__":
+    main()
