@@ -65,11 +65,27 @@ def init_distributed(device: str | None = None, timeout_s: float = 60.0) -> Runt
         timeout = datetime.timedelta(seconds=timeout_s)
         if "WORLD_SIZE" not in os.environ:          # plain `python script.py`: a group of one
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bind)
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(backend, store=attempt_store(timeout), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout, **bind)
         else:
             dist.init_process_group(backend, timeout=timeout, **bind)
     if dev.type == "cpu":
         set_cpu_threads()
     return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend, owns)
+
+
+def attempt_store(timeout) -> dist.Store:
+    """Under torchrun, the rendezvous store of this attempt: torchrun's own store (its agent serves it
+    at MASTER_ADDR:MASTER_PORT), with every key under `attempt_<restart count>/`.
+
+    When torchrun restarts a failed group (--max-restarts), the new ranks meet in the same store as the
+    dead ones. The process groups publish their addresses there under names that are the same in every
+    attempt, so without a prefix a new rank can read a dead rank's address and fail to connect to it
+    ("Connection refused"), failing the restart. A prefix per attempt makes each attempt's keys its own."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def set_cpu_threads() -> None:
