@@ -198,7 +198,7 @@ Stage 0 of a 1F1B pipeline of 2 keeps 2 micro-batches in flight (p − s = 2). O
 `full` {stage0["full"] / stage0["none"]:.0%} (each block's input, 512 bytes per position, and the
 tables). Stage 1 keeps one micro-batch in flight but also the head and the loss's softmax.
 
-`compare_metrics` exits **{same.code}**: {same.line_with("rc_full.jsonl: max")} Recomputation reruns the
+`compare_metrics` exits **{same.code}**: {same.line_with("rc_full.jsonl: max")}. Recomputation reruns the
 same operations on the same inputs, so every number is bit-identical. Its price is time: `full` ran
 **{slower:.2f}×** the step time of `none` here (a second forward of every block: about 1 + 1/3 of the
 work, plus its TP collectives again; one short run on a shared machine, so only roughly).""")
