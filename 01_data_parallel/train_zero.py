@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `com
 
 import torch
 
-from common import checkpoint, comm
+from common import activation_ledger, checkpoint, comm
+from common.activation_meter import MeasuredActivations
 from common.cli import base_parser, check_common
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
@@ -43,6 +44,11 @@ def parse_args(argv=None):
     check_common(args, dp=env_world_size())
     require(not (args.impl == "torch" and (args.checkpoint_dir or args.resume)),
             "checkpoints are implemented for --impl ours only; drop --checkpoint-dir/--resume or use --impl ours")
+    # Our stage 3 hands a unit its gathered weights for the forward and takes them away after it; a
+    # recomputation reruns the forward in backward, where the unit holds none (FSDP2 regathers them).
+    require(not (args.impl == "ours" and args.zero_stage == 3 and args.recompute != "none"),
+            f"--recompute {args.recompute} needs the weights again in backward, which --zero-stage 3 (ours) "
+            "gathers only for the saved tensors; use --recompute none, --zero-stage 1 or 2, or --impl torch")
     return args
 
 
@@ -62,12 +68,16 @@ def main(argv=None) -> list[dict]:
     resume = resume_state(args, identity(args))      # every rank loads and checks it, so every rank fails alike
 
     # --- the model: built whole from the seed on every rank, then sharded --------------------------
-    model = build_model(cfg, args.seed, rt.device)
+    model = build_model(cfg, args.seed, rt.device, args.recompute)
     start = resume["step"] if resume else 0
     if resume:
         model.load_state_dict(resume["model"], strict=True)
     M = sum(p.numel() * p.element_size() for p in model.parameters())    # before stage 3 takes them away
     trainer = build_trainer(args, model, dp_group, rt.device)   # stage 1 | 2 | 3, ours or PyTorch's
+    # the bytes autograd keeps beside the ledger's prediction (`memory()`): ours, stages 1 and 2 (stage 3
+    # saves through hooks of its own, FSDP2's parameters are DTensors)
+    predicted = activation_ledger.predicted_bytes(cfg, args, args.global_batch // dp // args.microbatches)
+    trainer = MeasuredActivations(trainer, model, predicted, measure=args.impl == "ours" and args.zero_stage < 3)
     if resume:
         trainer.load_optim_state(resume["optim"])
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from common import checkpoint, comm
+from common.activation_meter import MeasuredActivations
 from common.cli import base_parser, check_common
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
@@ -65,13 +66,15 @@ def main(argv=None) -> list[dict]:
     resume = resume_state(args, identity(args, cfg))       # every rank loads it, so every rank can fail alike
 
     # --- the model: build the full one from the seed (or the checkpoint), keep this rank's experts --
-    model = build_model(cfg, args.seed, rt.device)
+    model = build_model(cfg, args.seed, rt.device, args.recompute)
     start = 0
     if resume:                       # the consolidated single-device state, whatever --ep saved it
         model.load_state_dict(resume["model"], strict=True)
         start = resume["step"]
     expert_parallel.parallelize_experts(model, mesh.group("ep"))
     trainer = moe_trainer.ExpertParallelTrainer(model, mesh, args, cfg, rt.device)
+    # the bytes autograd keeps (`memory()`); MoE layers route rows, which the ledger does not count: null
+    trainer = MeasuredActivations(trainer, model, predicted=None)
     if resume:
         trainer.load_optim_state(resume["optim"])
 

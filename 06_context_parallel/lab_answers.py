@@ -118,7 +118,7 @@ K/V heads.""")
     broken = {k: key.run(f"python -m common.compare_metrics /tmp/c3_1.jsonl /tmp/c5_broken.jsonl{flag}", check=False)
               for k, flag in (("loss", ""), ("grad_norm", " --key grad_norm"))}
     b, ref = key.rows("/tmp/c5_broken.jsonl"), key.rows("/tmp/c3_1.jsonl")
-    key.section("C5 — break it on purpose: the gradients summed over dp only", f"""
+    key.section("C5 — break it on purpose: the gradients summed over dp only", """
 | step | loss, 1 rank | loss, broken | grad_norm, 1 rank | grad_norm, broken |
 |---|---|---|---|---|
 """ + "\n".join(f"| {x['step']} | {x['loss']:.7f} | {y['loss']:.7f} | {x['grad_norm']:.5f} | {y['grad_norm']:.5f} |"
