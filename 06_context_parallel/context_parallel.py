@@ -53,15 +53,24 @@ def check_cp(args, cp: int) -> None:
 
 
 class ContextParallelAttention:
-    """The attention core of one block over the CP group (a plain callable: it holds no weights)."""
+    """The attention core of every block over the CP group (a plain callable: it holds no weights)."""
 
     def __init__(self, group, split: SequenceSplit, variant: str):
         self.group, self.split, self.attention = group, split, ATTENTIONS[variant]
         self.positions = split.positions(dist.get_rank(group))          # (S/cp,): my global positions
+        self.tables = None                                              # my rows of the RoPE tables
+
+    def rope_rows(self, cos, sin):
+        """cos and sin at my positions, (S/cp, hd/2) each: gathered once, then shared by every layer and
+        step (one copy in memory, like the model's own tables)."""
+        if self.tables is None or self.tables[0].device != cos.device:
+            at = self.positions.to(cos.device)
+            self.tables = (cos[at], sin[at])
+        return self.tables
 
     def __call__(self, q, k, v, cos, sin):     # q (B, h, S/cp, hd), k v (B, kv, S/cp, hd), cos sin (max S, hd/2)
-        at = self.positions.to(cos.device)
-        q, k = apply_rope(q, cos[at], sin[at]), apply_rope(k, cos[at], sin[at])   # each token's own angle
+        cos, sin = self.rope_rows(cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)         # each token's own angle
         # The ring's online softmax runs in fp32 whatever the autocast: its merge is where bf16 would hurt.
         with torch.autocast(q.device.type, enabled=False):
             out = self.attention(q.float(), k.float(), v.float(), self.group, self.split).to(q.dtype)
@@ -72,9 +81,10 @@ class ContextParallelAttention:
 def attention_over_cp(model, group, split: SequenceSplit, variant: str) -> None:
     """The step inserted into a composition: every attention of this rank's piece (single-device or
     TP-sharded: both call `self.attend`) gets the context-parallel core. Nothing else changes."""
+    core = ContextParallelAttention(group, split, variant)             # one for all: one copy of its tables
     for module in model.modules():
         if hasattr(module, "attend"):
-            module.attend = ContextParallelAttention(group, split, variant)
+            module.attend = core
 
 
 def cp_step_metrics(group, cp: int, device) -> dict:

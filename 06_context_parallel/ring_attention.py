@@ -199,7 +199,7 @@ def ring_attention(q, k, v, group, split: SequenceSplit) -> torch.Tensor:
     return RingAttention.apply(q, k, v, group, split)
 
 
-def cp_bytes(variant: str, B: int, S: int, cp: int, kv: int, hd: int, element_size: int) -> int:
+def cp_bytes(variant: str, B: int, S: int, cp: int, kv: int, hd: int, element_size: int, forward_runs: int = 1) -> int:
     """Bytes one rank sends + receives under "cp" for one attention call, forward and backward.
 
     blk = B·(S/cp)·kv·hd·element_size is one rank's K (or V) block. The gradients travel in the compute
@@ -209,9 +209,10 @@ def cp_bytes(variant: str, B: int, S: int, cp: int, kv: int, hd: int, element_si
       allgather  forward: one all-gather of K and V (n = cp·2·blk);  backward: one reduce-scatter of dK and
                  dV (n = cp·2·gblk); each sends (cp−1)/cp·n:  sent = 2(cp−1)·blk + 2(cp−1)·gblk
     The ring moves K and V twice (the backward sends them around again, where the all-gather kept the
-    gathered copy); that copy is the all-gather's memory cost: every rank holds the whole sequence's K/V."""
+    gathered copy); that copy is the all-gather's memory cost: every rank holds the whole sequence's K/V.
+    `forward_runs` 2: --recompute full reruns each block's forward in backward, its K/V hops included."""
     blk = B * (S // cp) * kv * hd * element_size
     gblk = blk // element_size * max(element_size, 4)
-    kv_trips = {"ring": 2, "allgather": 1}[variant]
+    kv_trips = {"ring": 1 + forward_runs, "allgather": forward_runs}[variant]
     sent = kv_trips * 2 * (cp - 1) * blk + 2 * (cp - 1) * gblk
     return 2 * sent

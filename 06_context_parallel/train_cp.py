@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `com
 
 import torch
 
-from common import checkpoint, comm
+from common import activation_ledger, checkpoint, comm
+from common.activation_meter import MeasuredActivations
 from common.cli import POSITIVE_INT, base_parser, check_common
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
@@ -75,7 +76,7 @@ def main(argv=None) -> list[dict]:
 
     # --- the model: the full one from the seed (or the checkpoint); the trainer keeps this rank's TP
     # slices, then puts the context-parallel core into every attention
-    model = build_model(cfg, args.seed, rt.device)
+    model = build_model(cfg, args.seed, rt.device, args.recompute)
     start = 0
     if resume:
         model.load_state_dict(resume["model"], strict=True)
@@ -84,6 +85,10 @@ def main(argv=None) -> list[dict]:
     trainer = cp_trainer.CPTrainer(model, mesh.group("tp"), cp_group, mesh.group("dp_cp"), split, args.cp_attention,
                                    lr=args.lr, weight_decay=args.weight_decay, tokens_per_step=tokens_per_step,
                                    device=rt.device, bf16=args.dtype == "bf16")
+    # the activation bytes each micro-batch keeps, measured, beside the ledger's prediction for S/cp positions
+    predicted = activation_ledger.predicted_bytes(cfg, args, args.global_batch // dp // args.microbatches, tp, cp=cp,
+                                                  gathered_kv=cp > 1 and args.cp_attention == "allgather")
+    trainer = MeasuredActivations(trainer, trainer.model, predicted)
     if resume:
         trainer.load_optim_state(resume["optim"])
 
@@ -136,7 +141,7 @@ def layout_rows(args, cfg, mesh, rt, data, split, start: int) -> dict:
     B, S, hd = args.global_batch // dp // args.microbatches, args.seq_len, cfg.head_dim
     kv = max(1, cfg.n_kv_heads // tp)
     chunks = " ".join(f"r{r}:" + "+".join(f"[{a},{b})" for a, b in split.chunks(r)) for r in range(cp))
-    per_layer = ring_attention.cp_bytes(args.cp_attention, B, S, cp, kv, hd, 4)
+    per_layer = ring_attention.cp_bytes(args.cp_attention, B, S, cp, kv, hd, 4, 2 if args.recompute == "full" else 1)
     return {
         "world size": f"{rt.world_size} = DP {dp} × CP {cp} × TP {tp}", "device / backend": f"{rt.device} / {rt.backend}",
         "data": data.describe(), "mesh (dp, cp, tp)": "\n" + mesh.describe(),

@@ -48,22 +48,24 @@ class Term:
     residual: bool = False  # outside the TP region: S/tp positions under sequence parallelism
 
 
-def attention_kernel_term(cfg, tp: int = 1) -> Term:
+def attention_kernel_term(cfg, tp: int = 1, kv_copies: int = 1) -> Term:
     """What the attention kernel keeps per position it computes: SDPA's q, k (after RoPE), v, out and
-    fp32 log-sum-exp (B, h, S). A context-parallel attention puts its own saved state here."""
+    fp32 log-sum-exp (B, h, S). Chapter 06's ring attention keeps exactly these for its S/cp positions
+    (it recomputes every block's probabilities from them); its all-gather variant keeps the K and V
+    gathered from all cp ranks instead of its own: `kv_copies` = cp."""
     h, k = cfg.n_heads // tp, max(1, cfg.n_kv_heads // tp)
-    return Term("attention kernel (SDPA): q, k, v, out, log-sum-exp",
-                FP32 * (2 * h + 2 * k) * cfg.head_dim + 4 * h, NOT_FULL)
+    return Term("attention kernel (SDPA, or CP's): q, k, v, out, log-sum-exp",
+                FP32 * (2 * h + 2 * k * kv_copies) * cfg.head_dim + 4 * h, NOT_FULL)
 
 
-def layer_terms(cfg, tp: int = 1) -> list[Term]:
+def layer_terms(cfg, tp: int = 1, kv_copies: int = 1) -> list[Term]:
     """One block's saved tensors, per position (bytes), as the table in the module docstring."""
     D, hd, F, h = cfg.dim, cfg.head_dim, cfg.ffn_hidden // tp, cfg.n_heads // tp
     return [
         Term("block input x (residual stream)", FP32 * D, EVERY, residual=True),
         Term("attention norm: x·rms, rms", FP32 * (D + 1), NONE_ONLY, residual=True),
         Term("norm output (wq, wk, wv input)", FP32 * D, NOT_FULL),
-        attention_kernel_term(cfg, tp),
+        attention_kernel_term(cfg, tp, kv_copies),
         Term("attention output (wo input)", FP32 * h * hd, NOT_FULL),
         Term("residual after attention", FP32 * D, NOT_FULL, residual=True),
         Term("MLP norm: x·rms, rms", FP32 * (D + 1), NONE_ONLY, residual=True),
@@ -102,9 +104,11 @@ def deferred_terms(cfg, tp: int = 1) -> list[Term]:
             Term("linear output gradients dy", FP32 * ((h + 2 * k) * hd + 2 * D + 2 * F), EVERY)]
 
 
-def rope_tables_bytes(cfg) -> int:
-    """cos and sin, (max_seq_len, hd/2) fp32 each: referenced by every micro-batch's saved tensors."""
-    return 2 * cfg.max_seq_len * (cfg.head_dim // 2) * FP32
+def rope_tables_bytes(cfg, cp: int = 1, positions: int = 0) -> int:
+    """cos and sin, (max_seq_len, hd/2) fp32 each: referenced by every micro-batch's saved tensors.
+    Under context parallelism the attention rotates by its own rows of them, (S/cp, hd/2) each, gathered
+    once and shared by every layer (chapter 06's ContextParallelAttention)."""
+    return 2 * (cfg.max_seq_len if cp == 1 else positions) * (cfg.head_dim // 2) * FP32
 
 
 def terms_bytes(terms, mode: str, rows: int, positions: int, residual_positions: int) -> int:
@@ -113,18 +117,21 @@ def terms_bytes(terms, mode: str, rows: int, positions: int, residual_positions:
 
 
 def microbatch_bytes(cfg, mode: str, rows: int, positions: int, n_layers: int, first: bool = True,
-                     last: bool = True, tp: int = 1, sequence_parallel: bool = False) -> int:
+                     last: bool = True, tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
+                     gathered_kv: bool = False) -> int:
     """Bytes one micro-batch of `rows` sequences keeps on a stage of `n_layers` blocks (plus the
     embedding if `first`, the head and loss if `last`). `positions`: the positions of a sequence this
-    rank computes (S; S/cp under context parallelism); the residual stream holds positions/tp of them
-    under sequence parallelism."""
+    rank computes (S; S/cp under context parallelism over `cp` ranks, whose all-gather attention keeps
+    every rank's K/V if `gathered_kv`); the residual stream holds positions/tp of them under sequence
+    parallelism."""
     residual = positions // tp if sequence_parallel else positions
-    total = n_layers * terms_bytes(layer_terms(cfg, tp), mode, rows, positions, residual)
+    kv_copies = cp if gathered_kv else 1
+    total = n_layers * terms_bytes(layer_terms(cfg, tp, kv_copies), mode, rows, positions, residual)
     if first:
         total += terms_bytes(embedding_terms(cfg, tp), mode, rows, positions, residual)
     if last:       # (the vocab-parallel loss keeps no scalar: it saves its own three tensors)
         total += terms_bytes(head_terms(cfg, tp), mode, rows, positions, residual) + (LOSS_SCALAR if tp == 1 else 0)
-    return total + (rope_tables_bytes(cfg) if n_layers else 0)
+    return total + (rope_tables_bytes(cfg, cp, positions) if n_layers else 0)
 
 
 def ledger_applies(cfg, dtype: str) -> bool:
@@ -132,13 +139,14 @@ def ledger_applies(cfg, dtype: str) -> bool:
     return dtype == "fp32" and not cfg.n_experts
 
 
-def predicted_bytes(cfg, args, mb_rows: int, tp: int = 1, sequence_parallel: bool = False) -> int | None:
+def predicted_bytes(cfg, args, mb_rows: int, tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
+                    gathered_kv: bool = False) -> int | None:
     """The peak of a run without a pipeline (one micro-batch of `mb_rows` sequences alive at a time,
-    the whole model on this rank); None where the ledger does not apply."""
+    the whole model on this rank, S/cp positions of each sequence); None where the ledger does not apply."""
     if not ledger_applies(cfg, args.dtype):
         return None
-    return microbatch_bytes(cfg, args.recompute, mb_rows, args.seq_len, cfg.n_layers, tp=tp,
-                            sequence_parallel=sequence_parallel)
+    return microbatch_bytes(cfg, args.recompute, mb_rows, args.seq_len // cp, cfg.n_layers, tp=tp,
+                            sequence_parallel=sequence_parallel, cp=cp, gathered_kv=gathered_kv)
 
 
 def schedule_peak(actions, held: dict, deferred: dict) -> int:

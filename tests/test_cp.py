@@ -8,7 +8,8 @@ tolerances (assert_same_run), `aux_loss` and `z_loss` within 1e-5, the same expe
     comm_bytes_cp      exactly the bytes formula of ring_attention.cp_bytes, layer by layer
     attn_work_imbalance   1 with the zig-zag split, cp with the contiguous one
     peak_activation_bytes flat (within 5 %) as S and cp double together at the same rows per rank
-    a CP × TP run        (a loss counted once per TP group, not halved or doubled)
+    a CP × TP run        (a loss counted once per TP group, not halved or doubled), under --recompute full
+    the ledger           peak_activation_bytes within 2 % of common/activation_ledger's prediction for S/cp
     a resume            cp 4's checkpoint of step 2 continued as cp 2 × dp 2 with the all-gather attention
                         and the contiguous split
     bad input           one message on every rank, before any communication
@@ -30,8 +31,9 @@ MOE = ["--model", "tiny-moe", "--aux-loss-coef", "0.1", "--z-loss-coef", "0.01",
        "--val-every", "2"]
 # name -> flags; all at world size 4, against train_cp.py at world size 1
 CP_RUNS = {"cp4 ring zigzag": ["--cp", "4"],
-           "cp2 × dp2 ring contiguous": ["--cp", "2", "--cp-split", "contiguous"],
-           "cp2 × tp2 ring zigzag": ["--cp", "2", "--tp", "2"]}
+           "cp2 × dp2 ring contiguous, selective recompute": ["--cp", "2", "--cp-split", "contiguous",
+                                                              "--recompute", "selective"],
+           "cp2 × tp2 ring zigzag, full recompute": ["--cp", "2", "--tp", "2", "--recompute", "full"]}
 FIVE_RUNS = {4: {"dp2·ep2 × cp2": ["--dp", "2", "--ep", "2", "--tp", "1", "--pp", "1", "--cp", "2"]},
              16: {"dp2·ep2 × pp2 × cp2 × tp2": ["--dp", "2", "--ep", "2", "--tp", "2", "--pp", "2", "--cp", "2"]}}
 # S and cp double together at 8 rows per rank: the same tokens per rank, so the same activation bytes
@@ -68,29 +70,36 @@ def groups(tmp_path_factory):
     return out
 
 
-def cp_bytes_per_step(history_row) -> int:
-    """ring_attention.cp_bytes for one attention call, times the layers and micro-batches of a step."""
+def cp_bytes_per_step(history_row, recompute: str = "none") -> int:
+    """ring_attention.cp_bytes for one attention call, times the layers and micro-batches of a step
+    (--recompute full reruns each forward, its hops included)."""
     ring_attention = import_module("06_context_parallel.ring_attention")
     from common.model import PRESETS
     cfg, r = PRESETS["tiny"], history_row
     rows = 8 // r["dp"]
     return cfg.n_layers * ring_attention.cp_bytes(r["cp_attention"], rows, 32, r["cp"], cfg.n_kv_heads // r["tp"],
-                                                  cfg.head_dim, 4)
+                                                  cfg.head_dim, 4, 2 if recompute == "full" else 1)
 
 
 @pytest.mark.parametrize("name", sorted(CP_RUNS))
 def test_every_cp_layout_matches_one_device(groups, reference, name):
     history = assert_same_run(groups[4][name], reference["cp"], name)          # loss and grad_norm, every rank
     for row in history:
-        assert row["comm_bytes_cp"] == cp_bytes_per_step(row), (name, row["step"])
+        flags = CP_RUNS[name]
+        recompute = flags[flags.index("--recompute") + 1] if "--recompute" in flags else "none"
+        assert row["comm_bytes_cp"] == cp_bytes_per_step(row, recompute), (name, row["step"])
         want = 1.0 if row["cp_split"] == "zigzag" else float(row["cp"])
         assert row["attn_work_imbalance"] == pytest.approx(want), name
+    for rank, rows in enumerate(every_rank(groups[4][name])):      # the ledger for S/cp positions (common/)
+        for row in rows:
+            assert abs(row["peak_activation_bytes"] / row["activation_bytes_predicted"] - 1) <= 0.02, (name, rank)
 
 
 def test_resume_from_cp4_into_cp2_with_the_other_attention(groups, reference):
     history = assert_same_run(groups[4]["resumed cp2 × dp2 allgather"], reference["cp"][2:], "resumed")   # steps 3, 4
-    for row in history:
+    for row in history:        # (the all-gather keeps every rank's K/V: the ledger's gathered term)
         assert row["comm_bytes_cp"] == cp_bytes_per_step(row) and row["attn_work_imbalance"] == pytest.approx(2.0)
+        assert abs(row["peak_activation_bytes"] / row["activation_bytes_predicted"] - 1) <= 0.02
 
 
 @pytest.mark.parametrize("world", sorted(FIVE_RUNS))
