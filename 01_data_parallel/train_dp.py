@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `com
 
 import torch
 
-from common import checkpoint, comm
+from common import activation_ledger, checkpoint, comm
+from common.activation_meter import MeasuredActivations
 from common.cli import POSITIVE_REAL, base_parser, check_common
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
@@ -52,11 +53,14 @@ def main(argv=None) -> list[dict]:
     resume = resume_state(args)
 
     # --- the model: a full replica on every rank -------------------------------------------------
-    model = build_model(cfg, args.seed, rt.device)
+    model = build_model(cfg, args.seed, rt.device, args.recompute)
     start = resume["step"] if resume else 0
     if resume:
         model.load_state_dict(resume["model"], strict=True)
     trainer = build_trainer(args, model, dp_group)            # naive | bucketed | DDP, the same verbs
+    # the bytes autograd keeps, measured beside the ledger's prediction (`memory()`; ours only)
+    predicted = activation_ledger.predicted_bytes(cfg, args, args.global_batch // dp // args.microbatches)
+    trainer = MeasuredActivations(trainer, model, predicted, measure=args.impl != "torch")
     if resume:
         trainer.load_optim_state(resume["optim"])
 

@@ -43,6 +43,11 @@ def parse_args(argv=None):
     check_common(args, dp=env_world_size())
     require(not (args.impl == "torch" and (args.checkpoint_dir or args.resume)),
             "checkpoints are implemented for --impl ours only; drop --checkpoint-dir/--resume or use --impl ours")
+    # Our stage 3 hands a unit its gathered weights for the forward and takes them away after it; a
+    # recomputation reruns the forward in backward, where the unit holds none (FSDP2 regathers them).
+    require(not (args.impl == "ours" and args.zero_stage == 3 and args.recompute != "none"),
+            f"--recompute {args.recompute} needs the weights again in backward, which --zero-stage 3 (ours) "
+            "gathers only for the saved tensors; use --recompute none, --zero-stage 1 or 2, or --impl torch")
     return args
 
 
@@ -62,7 +67,7 @@ def main(argv=None) -> list[dict]:
     resume = resume_state(args, identity(args))      # every rank loads and checks it, so every rank fails alike
 
     # --- the model: built whole from the seed on every rank, then sharded --------------------------
-    model = build_model(cfg, args.seed, rt.device)
+    model = build_model(cfg, args.seed, rt.device, args.recompute)
     start = resume["step"] if resume else 0
     if resume:
         model.load_state_dict(resume["model"], strict=True)

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import comm
+from common.model import swiglu
 from common.step_protocol import mark_replicated
 
 from . import tp_operators
@@ -166,7 +167,7 @@ class ParallelSwiGLU(TPRegion):
 
     def forward(self, x):                # (B, S, D), or (B, S/tp, D) with SP
         x = self.f(x)                    # f, once for gate and up: (B, S, D) on every rank
-        hidden = F.silu(self.w_gate(x)) * self.w_up(x)     # (B, S, F/tp)
+        hidden = swiglu(self.w_gate(x), self.w_up(x))      # (B, S, F/tp)
         y = self.w_down(hidden)          # (B, S, D), a partial sum
         return self.g(y)                 # g: (B, S, D), or (B, S/tp, D) with SP
 

@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `com
 
 import torch
 
-from common import checkpoint, comm
+from common import activation_ledger, checkpoint, comm
+from common.activation_meter import MeasuredActivations
 from common.cli import POSITIVE_INT, base_parser, check_common
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
@@ -68,12 +69,16 @@ def main(argv=None) -> list[dict]:
 
     # --- the model: build the full one from the seed (or the checkpoint); the trainer keeps this
     # rank's slices. Ours or DTensor's, chosen once: the loop below is the same for both.
-    model = build_model(cfg, args.seed, rt.device)
+    model = build_model(cfg, args.seed, rt.device, args.recompute)
     start = 0
     if resume:                           # the consolidated state: each rank keeps its slice
         model.load_state_dict(resume["model"], strict=True)
         start = resume["step"]
     trainer = build_trainer(args, model, mesh, rt.device)
+    # the bytes autograd keeps, measured beside the ledger's prediction (`memory()`; ours only)
+    predicted = activation_ledger.predicted_bytes(cfg, args, args.global_batch // dp // args.microbatches, tp,
+                                                  args.sequence_parallel)
+    trainer = MeasuredActivations(trainer, trainer.model, predicted, measure=args.impl == "ours")
     if resume:
         trainer.load_optim_state(resume["optim"])
 

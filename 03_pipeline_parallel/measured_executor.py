@@ -8,44 +8,18 @@ runs it unchanged and records, around the same four methods (receive, compute, s
     each isend and one for the wait, at the end of the step, until every send is done. The
     measured bubble is computed from these spans (pipeline_trainer.step_stats), and
     plot_timeline.py draws them;
-  - the activation bytes alive (`ActivationLedger`): every tensor autograd saves for the backward
-    during an F, counted once per storage, parameters left out, held until the micro-batch's last
+  - the activation bytes alive (common/activation_meter.py's `ActivationLedger`): every tensor
+    autograd saves for the backward during an F, counted once per storage, parameters and the
+    step's token ids left out, held until the micro-batch's last
     backward action on that stage frees it. With zero bubble, B frees the graph but leaves each
     linear layer's (x, dy) for W: from B to W those are what the micro-batch holds.
     `peak_activation_bytes`: the most bytes alive at once during the last step.
 """
 import torch
 
+from common.activation_meter import ActivationLedger, parameter_storages, storages
+
 from . import pipeline_executor
-
-
-class ActivationLedger:
-    """Bytes autograd keeps for each (micro-batch, stage) in flight on this rank, and their peak sum."""
-
-    def __init__(self, param_storages: set[int]):
-        self.param_storages = param_storages     # where the parameters live: saved, but not activations
-        self.held: dict[tuple[int, int], int] = {}
-        self.live = self.peak = 0
-
-    def hold(self, key: tuple[int, int], tensors) -> None:
-        """From now on `key` holds `tensors` (instead of what it held before)."""
-        nbytes = self.storage_bytes(tensors)
-        self.live += nbytes - self.held.get(key, 0)
-        self.held[key] = nbytes
-        self.peak = max(self.peak, self.live)
-
-    def free(self, key: tuple[int, int]) -> None:
-        self.live -= self.held.pop(key)
-
-    def storage_bytes(self, tensors) -> int:
-        """Bytes of the distinct storages among `tensors`, parameters left out."""
-        seen, total = set(self.param_storages), 0
-        for t in tensors:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
-                total += t.untyped_storage().nbytes()
-        return total
 
 
 class MeasuredExecutor(pipeline_executor.PipelineExecutor):
@@ -57,11 +31,11 @@ class MeasuredExecutor(pipeline_executor.PipelineExecutor):
         super().__init__(*args, **kwargs)
         self.timeline = timeline
         # noted once, here: ZeRO (chapter 04) moves the parameters into flat buffers before this
-        self.param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self.param_storages = parameter_storages(self.model)
         self.peak_activation_bytes = None
 
     def run(self, schedule, tokens: list, targets: list, on_stage_grads_ready=None) -> torch.Tensor:
-        self.ledger = ActivationLedger(self.param_storages)
+        self.ledger = ActivationLedger(self.param_storages | storages(tokens + targets))
         loss = super().run(schedule, tokens, targets, on_stage_grads_ready)
         self.peak_activation_bytes = self.ledger.peak
         return loss

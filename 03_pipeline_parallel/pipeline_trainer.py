@@ -22,6 +22,7 @@ from importlib import import_module
 import torch
 import torch.distributed as dist
 
+from common import activation_ledger
 from common.data import shard_rows
 from common.optim import clip_by_global_norm, optim_bytes
 from common.step_protocol import OptimizerVerbs
@@ -37,9 +38,11 @@ class PipelineTrainer(OptimizerVerbs):
                `peak_activation_bytes`
     schedule   every rank's action list (pipeline_schedules.build_schedule); the executor runs ours
     optimizer  AdamW over the stage model's parameters
+    predicted  each stage's activation peak as common/activation_ledger.py predicts it (None: it does
+               not apply), reported by memory() beside the measured peak
     """
 
-    def __init__(self, executor, schedule, optimizer, microbatches: int, dp_group, pp_group):
+    def __init__(self, executor, schedule, optimizer, microbatches: int, dp_group, pp_group, predicted=None):
         self.executor, self.schedule, self.optimizer, self.m = executor, schedule, optimizer, microbatches
         self.model, self.pp_group = executor.model, pp_group
         self.dp_sync = data_parallel.AsyncGradAllReduce(dp_group)
@@ -47,7 +50,7 @@ class PipelineTrainer(OptimizerVerbs):
         # launched from inside the schedule, which covers every parameter only if each one is in a stage.
         check_every_parameter_in_a_stage(self.model, executor.stage_params)
         self.on_stage_grads_ready = self._all_reduce_stage if dist.get_world_size(dp_group) > 1 else None
-        self.peak_activation_bytes = None
+        self.peak_activation_bytes, self.predicted = None, predicted
 
     def forward_backward(self, x, y, sync: bool = True) -> torch.Tensor:
         """x, y: (B/dp, S) this replica's rows. All m micro-batches go through the schedule in this one
@@ -71,7 +74,7 @@ class PipelineTrainer(OptimizerVerbs):
         return clip_over_stages(self.model, max_norm, self.pp_group)
 
     def memory(self) -> dict:
-        return stage_memory(self.model, self.optimizer, self.peak_activation_bytes)
+        return stage_memory(self.model, self.optimizer, self.peak_activation_bytes, self.predicted)
 
 
 # --- what both pipeline trainers (ours and torch_pipelining's) do alike -------------------------------
@@ -85,12 +88,23 @@ def clip_over_stages(model, max_norm: float, pp_group) -> float:
     return clip_by_global_norm([p.grad for p in model.parameters()], max_norm, groups=[pp_group])
 
 
-def stage_memory(model, optimizer, peak_activation_bytes: int | None) -> dict:
+def stage_memory(model, optimizer, peak_activation_bytes: int | None, predicted=None) -> dict:
     """Bytes on this rank: its stages' parameters, gradients, AdamW moments, and the most activation
-    bytes alive at once during the last step (the schedule's footprint; None: not measured)."""
+    bytes alive at once during the last step (the schedule's footprint; None: not measured), beside
+    every stage's predicted peak."""
     params = list(model.parameters())
     return {"param_bytes": _tensor_bytes(params), "grad_bytes": _tensor_bytes(p.grad for p in params),
-            "optim_bytes": optim_bytes(optimizer), "peak_activation_bytes": peak_activation_bytes}
+            "optim_bytes": optim_bytes(optimizer), "peak_activation_bytes": peak_activation_bytes,
+            "activation_bytes_predicted": predicted}
+
+
+def predicted_peaks(cfg, args, plan, specs, mb_rows: int, tp: int = 1, sequence_parallel: bool = False):
+    """Each stage's predicted activation peak under `--recompute`, from the schedule's actions
+    (common/activation_ledger.py); None where the ledger does not apply (bf16, MoE)."""
+    if not activation_ledger.ledger_applies(cfg, args.dtype):
+        return None
+    return activation_ledger.pipeline_peaks(cfg, args.recompute, plan, specs, mb_rows, args.seq_len, tp,
+                                            sequence_parallel)
 
 
 def _tensor_bytes(tensors) -> int:

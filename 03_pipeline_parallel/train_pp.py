@@ -101,7 +101,7 @@ def main(argv=None, schedule=None) -> list[dict]:
     resume = resume_state(args)
     # --- the stage model: the full model built from the seed, pruned to this rank's layers ---------
     my_specs = pipeline_stages.rank_stages(specs, layout.pp, mesh.coord("pp"))
-    model = pipeline_stages.prune_to_stages(build_model(cfg, args.seed, rt.device), my_specs)
+    model = pipeline_stages.prune_to_stages(build_model(cfg, args.seed, rt.device, args.recompute), my_specs)
     named = list(model.named_parameters())
     optimizer = build_adamw(named, args.lr, args.weight_decay)
     start = load_stage_state(model, optimizer, named, resume)
@@ -135,7 +135,8 @@ def main(argv=None, schedule=None) -> list[dict]:
         stop_if_not_finite(step, loss_value, grad_norm, args)
         stats = pipeline_trainer.step_stats(timeline, memory["peak_activation_bytes"], pp_group, layout.pp, rt.device)
         log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
-                     comm_bytes=comm.COUNTER.total(), comm_bytes_pp=comm.COUNTER.total("pp"), **stats)
+                     comm_bytes=comm.COUNTER.total(), comm_bytes_pp=comm.COUNTER.total("pp"), **stats,
+                     activation_bytes_predicted=memory["activation_bytes_predicted"])
         if should_save(args, step):
             # every stage's names, one copy (data-parallel replica 0), merged on rank 0
             full_model, full_optim = consolidate_on_rank0(model, optimizer, named, dp_rank == 0)
@@ -172,7 +173,8 @@ def build_trainer(args, layout, model, optimizer, specs, my_specs, plan, mesh, a
         model, specs, mesh.coord("pp"), mesh.group_ranks["pp"], pp_group, act_shape=act_shape,   # (mb, S, D)
         loss_fn=loss_sum, loss_scale=tokens_per_step, device=device,
         autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline)
-    return pipeline_trainer.PipelineTrainer(executor, plan, optimizer, layout.m, dp_group, pp_group)
+    predicted = pipeline_trainer.predicted_peaks(PRESETS[args.model], args, plan, specs, act_shape[0])
+    return pipeline_trainer.PipelineTrainer(executor, plan, optimizer, layout.m, dp_group, pp_group, predicted)
 
 
 # --- what the run prints ---------------------------------------------------------------------------

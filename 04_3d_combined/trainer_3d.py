@@ -40,8 +40,8 @@ class Trainer3D(pipeline_trainer.PipelineTrainer):
     """One rank of the grid: its pipeline stage(s), TP-sharded, replicated over DP; AdamW."""
     grad_dim = "dp"       # the mesh dimension whose ranks' gradients are summed (chapter 06: "dp_cp")
 
-    def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int):
-        super().__init__(executor, schedule, optimizer, microbatches, mesh.group(self.grad_dim), mesh.group("pp"))
+    def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, predicted=None):
+        super().__init__(executor, schedule, optimizer, microbatches, mesh.group(self.grad_dim), mesh.group("pp"), predicted)
         self.named, self.tp_group, self.mesh = named, mesh.group("tp"), mesh
         # The norm sums squares over the groups whose ranks hold different parts of the model.
         self.norm_groups = [self.tp_group, self.pp_group]
@@ -71,8 +71,8 @@ class Zero1Trainer3D(Trainer3D):
     """--zero-stage 1: each DP replica keeps the AdamW moments of 1/dp of its piece (chapter 01's
     ZeroOptimizer). Nothing starts during the schedule: the gradients are all-reduced after it."""
 
-    def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int):
-        super().__init__(executor, schedule, named, optimizer, mesh, microbatches)
+    def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, predicted=None):
+        super().__init__(executor, schedule, named, optimizer, mesh, microbatches, predicted)
         self.on_stage_grads_ready = None
 
     def sync_gradients(self) -> None:
@@ -90,7 +90,8 @@ class Zero1Trainer3D(Trainer3D):
         self.optimizer.set_lr(lr)
 
     def memory(self) -> dict:
-        return {**self.optimizer.memory(), "peak_activation_bytes": self.peak_activation_bytes}
+        return {**self.optimizer.memory(), "peak_activation_bytes": self.peak_activation_bytes,
+                "activation_bytes_predicted": self.predicted}
 
     def optim_state(self) -> dict:
         """The full (TP-local) moments: each unit's shards all-gathered over DP (a collective)."""
@@ -141,14 +142,15 @@ def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shap
         optimizer = build_adamw_for(named, args, local)
         trainer_class = Trainer3D
     executor = build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timeline)
-    return trainer_class(executor, plan, named, optimizer, mesh, layout.microbatches)
+    predicted = pipeline_trainer.predicted_peaks(cfg, args, plan, specs, act_shape[0], layout.tp, args.sequence_parallel)
+    return trainer_class(executor, plan, named, optimizer, mesh, layout.microbatches, predicted)
 
 
 def step_metrics(memory: dict, timeline, mesh, layout, device, groups: tuple) -> dict:
     """The step's bytes by group (common.comm's counter), AdamW's bytes, and chapter 03's measured bubble
     and per-stage activation peaks (an all-gather of four numbers over the pipeline group)."""
     return {"comm_bytes": comm.COUNTER.total(), **{f"comm_bytes_{g}": comm.COUNTER.total(g) for g in groups},
-            "optim_bytes": memory["optim_bytes"],
+            "optim_bytes": memory["optim_bytes"], "activation_bytes_predicted": memory["activation_bytes_predicted"],
             **pipeline_trainer.step_stats(timeline, memory["peak_activation_bytes"], mesh.group("pp"), layout.pp, device)}
 
 

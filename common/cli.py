@@ -22,6 +22,7 @@ from pathlib import Path
 from common.data import DEFAULT_CORPUS, check_length
 from common.errors import ConfigError, require
 from common.model import PRESETS, describe_size
+from common.recompute import MODES as RECOMPUTE_MODES
 
 
 class Domain:
@@ -214,6 +215,10 @@ def base_parser(description: str, pipeline: bool = False) -> Parser:
     p.add_argument("--weight-decay", type=NON_NEGATIVE_REAL, default=0.1, help="AdamW weight decay (matrices only)")
     p.add_argument("--clip", type=NON_NEGATIVE_REAL, default=1.0, help="clip gradients to this global norm (0: off)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype (bf16 = autocast)")
+    p.add_argument("--recompute", default="none", choices=list(RECOMPUTE_MODES),
+                   help="activation recomputation in every block: none; selective (the norms and SwiGLU's "
+                        "silu rebuilt in backward); full (only each block's input kept, its forward rerun "
+                        "in backward)")
     p.add_argument("--data", type=TEXT_FILE, default=None,
                    help=f"the text to train on (default: the bundled corpus, common/corpus/{DEFAULT_CORPUS.name})")
     p.add_argument("--metrics", type=OUTPUT_FILE, default=None,

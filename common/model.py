@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common import recompute
 from common.errors import require
 from common.moe_routing import (AddRouterLoss, RoutingOptions, RoutingTally, combine_experts, group_by_expert,
                                 route, router_loss)
@@ -164,7 +165,17 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(hidden, cfg.dim, bias=False)
 
     def forward(self, x):                                    # (B, S, D) -> (B, S, D)
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))   # hidden: (B, S, F)
+        return self.w_down(swiglu(self.w_gate(x), self.w_up(x)))    # hidden: (B, S, F)
+
+
+def swiglu(gate, up):
+    """silu(gate)·up, (..., F) each -> (..., F). Its backward needs gate, up and silu(gate): selective
+    recomputation keeps gate and up (the matmul outputs) and rebuilds silu(gate), F values per token."""
+    return recompute.cheap(_silu_times, gate, up)
+
+
+def _silu_times(gate, up):
+    return F.silu(gate) * up
 
 
 class MoEFeedForward(nn.Module):
@@ -205,28 +216,40 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, cfg: ModelConfig):
+    `recompute_mode` (none | selective | full, common/recompute.py) says what its backward recomputes. It
+    lives here, in the block every chapter keeps, so tensor-parallel attention, a pipeline stage's
+    layers and expert-parallel MoE layers all honour it: they replace what is inside a block.
+    """
+
+    def __init__(self, cfg: ModelConfig, recompute_mode: str = "none"):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MoEFeedForward(cfg) if cfg.n_experts else SwiGLU(cfg)
+        self.recompute_mode = recompute_mode
 
     def forward(self, x, cos, sin):                          # (B, S, D) -> (B, S, D)
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        if self.recompute_mode == "full":         # keep x (cos, sin are the model's tables): rerun all in backward
+            return recompute.recomputed(self.body, x, cos, sin)
+        with recompute.selective(self.recompute_mode == "selective"):
+            return self.body(x, cos, sin)
+
+    def body(self, x, cos, sin):                             # (B, S, D) -> (B, S, D)
+        x = x + self.attn(recompute.cheap(self.attn_norm, x), cos, sin)
+        return x + self.mlp(recompute.cheap(self.mlp_norm, x))
 
 
 class Transformer(nn.Module):
     """tokens (B, S) -> logits (B, S, V). Pipeline stages call `embed`, `layers[i]`, `head` apart."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, recompute_mode: str = "none"):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, recompute_mode) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)   # untied from tok_emb
         cos, sin = rope_tables(cfg)
@@ -274,8 +297,10 @@ def _stable_hash(name: str) -> int:
     return h
 
 
-def build_model(cfg: ModelConfig, seed: int, device="cpu") -> Transformer:
-    return init_weights(Transformer(cfg), seed).to(device)
+def build_model(cfg: ModelConfig, seed: int, device="cpu", recompute_mode: str = "none") -> Transformer:
+    """The reference model from the seed; `recompute_mode`: every block's --recompute (common/recompute.py)."""
+    require(recompute_mode in recompute.MODES, f"recompute mode {recompute_mode!r} is not one of {recompute.MODES}")
+    return init_weights(Transformer(cfg, recompute_mode), seed).to(device)
 
 
 def loss_sum(logits, targets):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import comm
+from common.recompute import is_recomputing
 
 
 @dataclass
@@ -186,6 +187,8 @@ class RoutingTally:
         self.z_sum = torch.zeros((), dtype=torch.float64)
 
     def add(self, routing: Routing):
+        if is_recomputing():         # backward reruns the forward (--recompute): these tokens are counted
+            return
         self.load += routing.load.detach().cpu().double()
         self.dropped += routing.dropped.detach().cpu().double()
         self.aux_sum += routing.aux_sum.detach().cpu().double()

@@ -1,0 +1,170 @@
+"""The activation ledger: the bytes autograd keeps for backward, predicted term by term for this model.
+
+Korthikanti et al. (2022) count, for a GPT block in 16-bit with dropout, sbh·(34 + 5as/h) bytes per
+layer (s sequence, b micro-batch, h hidden size, a heads). This file is the same count for this
+Llama block (RMSNorm, RoPE, grouped-query attention, SwiGLU, the SDPA kernel), in fp32, for each
+`--recompute` mode and each layout. Per position of a sequence and per layer (β = 4 bytes):
+
+    term                                              kept in            bytes per position
+    block input x (the residual stream)               none, sel., full   β·D          (residual)
+    attention norm: x·rms and rms                     none               β·(D + 1)    (residual)
+    norm output: wq, wk, wv's input                   none, selective    β·D
+    attention kernel (SDPA): q, k after RoPE, v, out,
+        and its fp32 log-sum-exp                      none, selective    β·(2h + 2k)·hd + 4·h
+    attention output reshaped: wo's input             none, selective    β·h·hd
+    residual after attention                          none, selective    β·D          (residual)
+    MLP norm: x·rms and rms                           none               β·(D + 1)    (residual)
+    norm output: gate and up's input                  none, selective    β·D
+    gate and up outputs                               none, selective    2β·F
+    silu(gate)                                        none               β·F
+    silu(gate)·up: down's input                       none, selective    β·F
+
+h and k are the query and KV heads this rank holds (H/tp, K/tp or 1), F the MLP hidden size it holds
+(F/tp). "(residual)" terms live outside the tensor-parallel region: under sequence parallelism they
+cover S/tp positions, every other term S (S/cp under context parallelism). RoPE keeps nothing of its
+own (it multiplies by constant tables), nor do the residual additions. Compared with the GPT count:
+no dropout masks (no dropout), no 5as/h term (the SDPA kernel keeps a log-sum-exp per head and
+position, never the S×S scores), two norm outputs where LayerNorm keeps its input, and SwiGLU's four
+F-wide tensors where a GeLU MLP keeps two of 4h.
+
+Around the layers: the embedding keeps nothing but the token ids (the step's input, not counted; under
+TP its own shifted int64 ids and an fp32 mask), the head
+its final norm, the lm_head's input and the loss's (B, S, V) log-softmax (under TP: the softmax of
+V/tp columns, the targets and a bool mask), and every micro-batch on a stage with layers references
+the RoPE tables (model buffers, counted once per micro-batch by the measurement).
+"""
+from dataclasses import dataclass
+
+FP32, INT64 = 4, 8
+LOSS_SCALAR = 4       # the loss keeps one fp32 scalar (cross-entropy's total weight)
+EVERY, NOT_FULL, NONE_ONLY = ("none", "selective", "full"), ("none", "selective"), ("none",)
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes_per_position: int
+    kept: tuple            # the --recompute modes in which autograd keeps it
+    residual: bool = False  # outside the TP region: S/tp positions under sequence parallelism
+
+
+def attention_kernel_term(cfg, tp: int = 1) -> Term:
+    """What the attention kernel keeps per position it computes: SDPA's q, k (after RoPE), v, out and
+    fp32 log-sum-exp (B, h, S). A context-parallel attention puts its own saved state here."""
+    h, k = cfg.n_heads // tp, max(1, cfg.n_kv_heads // tp)
+    return Term("attention kernel (SDPA): q, k, v, out, log-sum-exp",
+                FP32 * (2 * h + 2 * k) * cfg.head_dim + 4 * h, NOT_FULL)
+
+
+def layer_terms(cfg, tp: int = 1) -> list[Term]:
+    """One block's saved tensors, per position (bytes), as the table in the module docstring."""
+    D, hd, F, h = cfg.dim, cfg.head_dim, cfg.ffn_hidden // tp, cfg.n_heads // tp
+    return [
+        Term("block input x (residual stream)", FP32 * D, EVERY, residual=True),
+        Term("attention norm: x·rms, rms", FP32 * (D + 1), NONE_ONLY, residual=True),
+        Term("norm output (wq, wk, wv input)", FP32 * D, NOT_FULL),
+        attention_kernel_term(cfg, tp),
+        Term("attention output (wo input)", FP32 * h * hd, NOT_FULL),
+        Term("residual after attention", FP32 * D, NOT_FULL, residual=True),
+        Term("MLP norm: x·rms, rms", FP32 * (D + 1), NONE_ONLY, residual=True),
+        Term("norm output (gate, up input)", FP32 * D, NOT_FULL),
+        Term("gate, up outputs", FP32 * 2 * F, NOT_FULL),
+        Term("silu(gate)", FP32 * F, NONE_ONLY),
+        Term("silu(gate)·up (down input)", FP32 * F, NOT_FULL),
+    ]
+
+
+def embedding_terms(cfg, tp: int = 1) -> list[Term]:
+    """The token ids themselves are the step's input, not counted; a vocab-parallel embedding keeps
+    its own shifted ids and a mask."""
+    return [Term("local ids (int64), mask (fp32)", INT64 + FP32, EVERY)] if tp > 1 else []
+
+
+def head_terms(cfg, tp: int = 1) -> list[Term]:
+    D, V = cfg.dim, cfg.vocab_size
+    loss = ([Term("log-softmax (B, S, V)", FP32 * V, EVERY), Term("targets (int64)", INT64, EVERY)] if tp == 1 else
+            [Term("softmax (B, S, V/tp)", FP32 * V // tp, EVERY), Term("local targets (int64), mask (bool)", INT64 + 1, EVERY)])
+    return [Term("final norm: x, x·rms, rms", FP32 * (2 * D + 1), EVERY, residual=True),
+            Term("lm_head input", FP32 * D, EVERY)] + loss
+
+
+def deferred_terms(cfg, tp: int = 1) -> list[Term]:
+    """Zero bubble: what B leaves for W, each nn.Linear's input x and output gradient dy (wq, wk, wv
+    share x; so do gate and up). The layers of tensor parallelism are not nn.Linear: their weight
+    gradients are computed in B, nothing waits."""
+    if tp > 1:
+        return []
+    D, hd, F, h, k = cfg.dim, cfg.head_dim, cfg.ffn_hidden, cfg.n_heads, cfg.n_kv_heads
+    return [Term("linear inputs x", FP32 * (2 * D + h * hd + F), EVERY),
+            Term("linear output gradients dy", FP32 * ((h + 2 * k) * hd + 2 * D + 2 * F), EVERY)]
+
+
+def rope_tables_bytes(cfg) -> int:
+    """cos and sin, (max_seq_len, hd/2) fp32 each: referenced by every micro-batch's saved tensors."""
+    return 2 * cfg.max_seq_len * (cfg.head_dim // 2) * FP32
+
+
+def terms_bytes(terms, mode: str, rows: int, positions: int, residual_positions: int) -> int:
+    return sum(t.bytes_per_position * rows * (residual_positions if t.residual else positions)
+               for t in terms if mode in t.kept)
+
+
+def microbatch_bytes(cfg, mode: str, rows: int, positions: int, n_layers: int, first: bool = True,
+                     last: bool = True, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """Bytes one micro-batch of `rows` sequences keeps on a stage of `n_layers` blocks (plus the
+    embedding if `first`, the head and loss if `last`). `positions`: the positions of a sequence this
+    rank computes (S; S/cp under context parallelism); the residual stream holds positions/tp of them
+    under sequence parallelism."""
+    residual = positions // tp if sequence_parallel else positions
+    total = n_layers * terms_bytes(layer_terms(cfg, tp), mode, rows, positions, residual)
+    if first:
+        total += terms_bytes(embedding_terms(cfg, tp), mode, rows, positions, residual)
+    if last:       # (the vocab-parallel loss keeps no scalar: it saves its own three tensors)
+        total += terms_bytes(head_terms(cfg, tp), mode, rows, positions, residual) + (LOSS_SCALAR if tp == 1 else 0)
+    return total + (rope_tables_bytes(cfg) if n_layers else 0)
+
+
+def ledger_applies(cfg, dtype: str) -> bool:
+    """The ledger counts fp32 dense blocks: bf16 autocast keeps other copies, MoE layers routed rows."""
+    return dtype == "fp32" and not cfg.n_experts
+
+
+def predicted_bytes(cfg, args, mb_rows: int, tp: int = 1, sequence_parallel: bool = False) -> int | None:
+    """The peak of a run without a pipeline (one micro-batch of `mb_rows` sequences alive at a time,
+    the whole model on this rank); None where the ledger does not apply."""
+    if not ledger_applies(cfg, args.dtype):
+        return None
+    return microbatch_bytes(cfg, args.recompute, mb_rows, args.seq_len, cfg.n_layers, tp=tp,
+                            sequence_parallel=sequence_parallel)
+
+
+def schedule_peak(actions, held: dict, deferred: dict) -> int:
+    """The most bytes alive at once on a pipeline rank running `actions` (kind, mb, stage) in order,
+    as the measurement counts them: F holds held[stage] until the micro-batch's last backward action
+    on that stage; a B that a W follows (zero bubble) keeps deferred[stage] until the W instead (on
+    stage 0 it does nothing: no stage waits for a token's gradient)."""
+    waits_for_w = {(a.mb, a.stage) for a in actions if a.kind == "W"}
+    alive, peak = {}, 0
+    for a in actions:
+        key = (a.mb, a.stage)
+        if a.kind == "F":
+            alive[key] = held[a.stage]
+        elif a.kind == "B" and key in waits_for_w:
+            alive[key] = deferred[a.stage] if a.stage else alive[key]
+        else:
+            del alive[key]
+        peak = max(peak, sum(alive.values()))
+    return peak
+
+
+def pipeline_peaks(cfg, mode: str, plan, specs, rows: int, positions: int, tp: int = 1,
+                   sequence_parallel: bool = False) -> list[int]:
+    """Each pipeline rank's predicted peak: `plan` holds every rank's actions, `specs` every stage
+    (.layers, .first, .last); a micro-batch has `rows` sequences."""
+    held = {s.index: microbatch_bytes(cfg, mode, rows, positions, len(s.layers), s.first, s.last, tp,
+                                      sequence_parallel) for s in specs}
+    residual = positions // tp if sequence_parallel else positions
+    per_layer = terms_bytes(deferred_terms(cfg, tp), mode, rows, positions, residual)
+    head = FP32 * rows * positions * (cfg.dim + cfg.vocab_size) if tp == 1 else 0    # lm_head's x, dy
+    deferred = {s.index: len(s.layers) * per_layer + (head if s.last else 0) for s in specs}
+    return [schedule_peak(actions, held, deferred) for actions in plan]

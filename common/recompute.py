@@ -1,0 +1,65 @@
+"""Activation recomputation: trade compute in backward for the activations autograd keeps.
+
+A block's backward needs tensors from its forward (the input of every matmul, the input of every
+nonlinearity...); autograd keeps them from the forward until the backward uses them. Recomputation
+keeps fewer of them and runs the forward again, in backward, to rebuild the rest
+(`torch.utils.checkpoint`, non-reentrant: the recomputation is triggered when backward first asks
+for a dropped tensor, and it works under `torch.autograd.backward(..., inputs=...)`, as zero bubble's
+B needs). Three modes, `--recompute` in every training script, applied by common/model.py's Block:
+
+    none       keep everything (the ledger's full list: common/activation_ledger.py)
+    selective  recompute what is cheap and large: the two RMSNorms (their x·rms and rms) and SwiGLU's
+               silu(gate); keep every matmul's input and the attention kernel's saved state
+    full       keep only each block's input and run the whole block again in backward: about one
+               more forward per step
+
+Every layer type of the course is a Block (the TP, SP, pipeline-stage, MoE and EP layers replace
+pieces *inside* a block), so the mode reaches them all. What recomputation repeats:
+  - the block's collectives (TP's f and g, EP's all-to-alls), on the groups its modules hold: the
+    same groups as in the forward, in the same order on every rank;
+  - its random numbers: the RNG state at the forward is restored for the recomputation
+    (preserve_rng_state), so a dropout would draw the same mask (the model has none; a test adds one);
+  - its side effects: a forward that records something (the MoE router's token counts) checks
+    `is_recomputing()` so that it records once.
+"""
+import contextvars
+from contextlib import contextmanager, nullcontext
+
+from torch.utils.checkpoint import checkpoint
+
+MODES = ("none", "selective", "full")
+
+_cheap_ops = contextvars.ContextVar("recompute_cheap_ops", default=False)     # inside a selective block
+_recomputing = contextvars.ContextVar("recomputing", default=False)          # inside a recomputation
+
+
+@contextmanager
+def _set(var: contextvars.ContextVar, value: bool):
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def recomputed(fn, *args):
+    """fn(*args) whose saved tensors are dropped after the forward and rebuilt in backward from
+    `args` (which are kept), under the forward's RNG state."""
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
+                      context_fn=lambda: (nullcontext(), _set(_recomputing, True)))
+
+
+def selective(on: bool):
+    """Context of a block's forward: inside, `cheap(...)` pieces are recomputed (when `on`)."""
+    return _set(_cheap_ops, on)
+
+
+def cheap(fn, *args):
+    """fn(*args): a cheap, large piece (a norm, an elementwise product), recomputed in backward when
+    its block runs in selective mode, kept otherwise."""
+    return recomputed(fn, *args) if _cheap_ops.get() else fn(*args)
+
+
+def is_recomputing() -> bool:
+    """True while backward reruns a forward: its side effects happened already."""
+    return _recomputing.get()
