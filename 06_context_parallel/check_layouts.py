@@ -171,16 +171,18 @@ def plot_memory(case, path: Path) -> None:
     shown = fitting[:8] + ([mine] if mine not in fitting[:8] else [])
     parts = ("params", "grads", "optim_bytes", "peak_activation_bytes")
     fig, ax = plt.subplots(figsize=(10, 5))
-    bottom = [0.0] * len(shown)
+    left = [0.0] * len(shown)
     for part in parts:
         vals = [r["memory_bytes"][part] / 2**30 for r in shown]
-        ax.bar(range(len(shown)), vals, bottom=bottom, label=part.replace("_", " "))
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks(range(len(shown)), [choose_layout.describe(r).replace(", ", "\n", 1) + ("\n(published)" if r is mine
-                                      else "") for r in shown], fontsize=6)
-    ax.set_ylabel("GiB per GPU")
-    ax.set_title(f"{name}: memory per GPU by component, the planner's fastest layouts and the published one")
-    ax.legend()
+        ax.barh(range(len(shown)), vals, left=left, label=part.replace("_", " "))
+        left = [b + v for b, v in zip(left, vals)]
+    ax.set_yticks(range(len(shown)), [choose_layout.describe(r) + (" (published)" if r is mine else "") for r in shown],
+                  fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(80, color="k", ls="--", lw=1, label="80 GiB: one H100")
+    ax.set_xlabel("GiB per GPU (the fullest pipeline rank)")
+    ax.set_title(f"{name}: the planner's fastest layouts that fit, and the published one")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

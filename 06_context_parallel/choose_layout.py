@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `com
 
 from common.cli import OUTPUT_FILE, POSITIVE_INT  # noqa: E402
 from common.errors import ConfigError, require, run_main  # noqa: E402
+from common.metrics import format_bytes  # noqa: E402
 from common.model import count_parameters  # noqa: E402
 
 layout_inputs = import_module("06_context_parallel.layout_inputs")    # this chapter: models and devices
@@ -111,7 +112,7 @@ def describe(r: dict) -> str:
 
 
 def gib(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB"
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else format_bytes(n)
 
 
 def explain(rows: list[dict], cfg, dev, args) -> list[str]:
@@ -120,7 +121,8 @@ def explain(rows: list[dict], cfg, dev, args) -> list[str]:
     n = count_parameters(cfg)
     state = 16 * n                                          # fp32 weights + gradients + AdamW's two moments
     fitting = [r for r in rows if r["fits"]]
-    out = [f"{args.model}: {n / 1e9:.2f}B parameters; weights, gradients and AdamW's moments take "
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    out = [f"{args.model}: {size} parameters; weights, gradients and AdamW's moments take "
            f"16 bytes each = {gib(state)}, against {gib(dev.memory)} per {dev.name} rank."]
     plain = [r for r in rows if r["dp"] == args.world and r["zero_stage"] == 0 and r["recompute"] == "none"]
     if plain:
