@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `com
 
 import torch
 
-from common import checkpoint, comm
+from common import activation_ledger, checkpoint, comm
+from common.activation_meter import MeasuredActivations
 from common.cli import base_parser, check_common
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
@@ -73,6 +74,10 @@ def main(argv=None) -> list[dict]:
         model.load_state_dict(resume["model"], strict=True)
     M = sum(p.numel() * p.element_size() for p in model.parameters())    # before stage 3 takes them away
     trainer = build_trainer(args, model, dp_group, rt.device)   # stage 1 | 2 | 3, ours or PyTorch's
+    # the bytes autograd keeps beside the ledger's prediction (`memory()`): ours, stages 1 and 2 (stage 3
+    # saves through hooks of its own, FSDP2's parameters are DTensors)
+    predicted = activation_ledger.predicted_bytes(cfg, args, args.global_batch // dp // args.microbatches)
+    trainer = MeasuredActivations(trainer, model, predicted, measure=args.impl == "ours" and args.zero_stage < 3)
     if resume:
         trainer.load_optim_state(resume["optim"])
 

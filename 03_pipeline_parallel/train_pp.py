@@ -136,7 +136,8 @@ def main(argv=None, schedule=None) -> list[dict]:
         stats = pipeline_trainer.step_stats(timeline, memory["peak_activation_bytes"], pp_group, layout.pp, rt.device)
         log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
                      comm_bytes=comm.COUNTER.total(), comm_bytes_pp=comm.COUNTER.total("pp"), **stats,
-                     activation_bytes_predicted=memory["activation_bytes_predicted"])
+                     **{k: memory[k] for k in ("param_bytes", "grad_bytes", "optim_bytes",
+                                               "activation_bytes_predicted")})
         if should_save(args, step):
             # every stage's names, one copy (data-parallel replica 0), merged on rank 0
             full_model, full_optim = consolidate_on_rank0(model, optimizer, named, dp_rank == 0)

@@ -3,6 +3,7 @@
     python 04_3d_combined/lab_answers.py          # runs every command of LAB.md
 """
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -173,6 +174,34 @@ first varies from run to run, and so does the "root cause" torchrun names. Witho
 started by hand, or another node of a multi-node job), a survivor's next collective fails when the
 connection drops and it exits with `error [rank r]: lost contact with another rank`; a rank that
 hangs instead of dying trips `--timeout` (60 s) on the others.""")
+
+    # 6. -------------------------------------------------------------------------------------------
+    rows, rc = [], {}
+    for mode in ("none", "selective", "full"):
+        key.run(f"torchrun --nproc_per_node=4 04_3d_combined/train_3d.py --steps 4 --quiet --sample-tokens 0 "
+                f"--recompute {mode} --metrics runs/lab04/rc_{mode}.jsonl")
+        rc[mode] = key.rows(f"runs/lab04/rc_{mode}.jsonl")
+        last = rc[mode][-1]
+        rows.append([mode, *(mib(b) for b in last["peak_activation_bytes"]), *(mib(b) for b in last["activation_bytes_predicted"]),
+                     f"{statistics.median(r['step_time_s'] for r in rc[mode][1:]):.3f}"])
+    same = key.run("python -m common.compare_metrics runs/lab04/rc_none.jsonl runs/lab04/rc_full.jsonl", check=False)
+    stage0 = {m: rc[m][-1]["peak_activation_bytes"][0] for m in rc}
+    per_mb = 4 * 128 * (4 * 7192 + 12) + 16384                 # one micro-batch on stage 0, none
+    slower = statistics.median(r["step_time_s"] for r in rc["full"][1:]) / statistics.median(r["step_time_s"] for r in rc["none"][1:])
+    key.section("6. What a rank holds: recomputation", f"""
+{table(["--recompute", "measured stage 0", "stage 1", "predicted stage 0", "stage 1", "median step (s)"], rows)}
+
+Stage 0 of a 1F1B pipeline of 2 keeps 2 micro-batches in flight (p − s = 2). One micro-batch under
+`none`: 4 sequences × 128 positions × (4 layers × 7,192 + 12) bytes + 16,384 bytes of RoPE tables =
+{per_mb:,} bytes, so {mib(2 * per_mb)} for two: the measured {mib(stage0["none"])}. `selective` keeps
+{stage0["selective"] / stage0["none"]:.0%} of it (the norms' x·rms and SwiGLU's silu(gate) are rebuilt),
+`full` {stage0["full"] / stage0["none"]:.0%} (each block's input, 512 bytes per position, and the
+tables). Stage 1 keeps one micro-batch in flight but also the head and the loss's softmax.
+
+`compare_metrics` exits **{same.code}**: {same.line_with("rc_full.jsonl: max")} Recomputation reruns the
+same operations on the same inputs, so every number is bit-identical. Its price is time: `full` ran
+**{slower:.2f}×** the step time of `none` here (a second forward of every block: about 1 + 1/3 of the
+work, plus its TP collectives again; one short run on a shared machine, so only roughly).""")
 
     key.write()
 

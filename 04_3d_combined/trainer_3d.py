@@ -142,7 +142,8 @@ def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shap
         optimizer = build_adamw_for(named, args, local)
         trainer_class = Trainer3D
     executor = build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timeline)
-    predicted = pipeline_trainer.predicted_peaks(cfg, args, plan, specs, act_shape[0], layout.tp, args.sequence_parallel)
+    predicted = pipeline_trainer.predicted_peaks(cfg, args, plan, specs, act_shape[0], layout.tp,
+                                                 args.sequence_parallel)                 # each stage's peak
     return trainer_class(executor, plan, named, optimizer, mesh, layout.microbatches, predicted)
 
 

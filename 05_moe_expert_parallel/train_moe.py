@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from common import checkpoint, comm
+from common.activation_meter import MeasuredActivations
 from common.cli import base_parser, check_common
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
@@ -72,6 +73,8 @@ def main(argv=None) -> list[dict]:
         start = resume["step"]
     expert_parallel.parallelize_experts(model, mesh.group("ep"))
     trainer = moe_trainer.ExpertParallelTrainer(model, mesh, args, cfg, rt.device)
+    # the bytes autograd keeps (`memory()`); MoE layers route rows, which the ledger does not count: null
+    trainer = MeasuredActivations(trainer, model, predicted=None)
     if resume:
         trainer.load_optim_state(resume["optim"])
 

@@ -82,8 +82,11 @@ def embedding_terms(cfg, tp: int = 1) -> list[Term]:
 
 def head_terms(cfg, tp: int = 1) -> list[Term]:
     D, V = cfg.dim, cfg.vocab_size
-    loss = ([Term("log-softmax (B, S, V)", FP32 * V, EVERY), Term("targets (int64)", INT64, EVERY)] if tp == 1 else
-            [Term("softmax (B, S, V/tp)", FP32 * V // tp, EVERY), Term("local targets (int64), mask (bool)", INT64 + 1, EVERY)])
+    if tp == 1:
+        loss = [Term("log-softmax (B, S, V)", FP32 * V, EVERY), Term("targets (int64)", INT64, EVERY)]
+    else:        # the vocab-parallel cross-entropy's own saved tensors
+        loss = [Term("softmax (B, S, V/tp)", FP32 * V // tp, EVERY),
+                Term("local targets (int64), mask (bool)", INT64 + 1, EVERY)]
     return [Term("final norm: x, x·rms, rms", FP32 * (2 * D + 1), EVERY, residual=True),
             Term("lm_head input", FP32 * D, EVERY)] + loss
 

@@ -80,7 +80,7 @@ class MeasuredActivations:
     def __init__(self, trainer, model, predicted: int | None, measure: bool = True):
         self.trainer, self.measure = trainer, measure
         self.predicted = predicted if measure else None
-        self.param_storages = parameter_storages(model)
+        self.param_storages = parameter_storages(model) if measure else set()   # (a DTensor has no plain storage)
         self.peak = None
 
     def __getattr__(self, name):                 # every other verb and attribute: the trainer's
