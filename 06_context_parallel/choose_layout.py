@@ -175,6 +175,7 @@ def main(argv=None) -> list[dict]:
               f"{r['bubble']:7.1%}{'' if r['fits'] else '  (does not fit)'}")
     print("\n".join(["", *explain(rows, cfg, dev, args)]))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([{k: r[k] for k in SCHEMA} for r in rows], indent=1))
         print(f"\n{len(rows)} rows written to {args.json}")
     return rows

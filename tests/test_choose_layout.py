@@ -27,7 +27,7 @@ def row(run, dp, tp, pp, cp=1, ep=1, m=1, sp=False, zero=0, mode="none", schedul
 
 
 def test_json_schema(tmp_path):
-    out = tmp_path / "rows.json"
+    out = tmp_path / "runs" / "rows.json"                                # a folder not there yet
     choose_layout.main(["--model", "tiny", "--world", "8", "--device", "h100", "--json", str(out)])
     rows = json.loads(out.read_text())
     assert len(rows) > 100 and all(list(r) == list(choose_layout.SCHEMA) for r in rows)
