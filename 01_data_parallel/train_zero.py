@@ -140,8 +140,8 @@ def config_rows(args, cfg, M: int, rt, data: str, start: int) -> dict:
         "world size (= DP degree N)": N, "device / backend": f"{rt.device} / {rt.backend}", "data": data,
         "model": f"{args.model}: {count_parameters(cfg):,} parameters, M = {format_bytes(M)} fp32",
         "global batch": f"{args.global_batch} seq × {args.seq_len} tokens, {args.global_batch // N} per rank",
-        "memory per rank (formula, α=2)": f"{FORMULAS[stage]} = {format_bytes(formula_bytes(stage, M, N))} "
-                                          f"(plain DP: {format_bytes(formula_bytes(0, M, N))})",
+        "memory per rank (formula, α=2)": f"{FORMULAS[stage]} = {format_bytes(zero_sharding.zero_memory_bytes(stage, M, N))} "
+                                          f"(plain DP: {format_bytes(zero_sharding.zero_memory_bytes(0, M, N))})",
         "units (gather / reduce granularity)": units,
         "resumed from step": start or "-"}
 
@@ -159,12 +159,6 @@ def build_trainer(args, model, group, device):
         return zero_stage3.ZeroStage3(model, zero_sharding.model_units(model), group, prefetch=not args.no_prefetch,
                                       **kw)
     return zero_sharding.ZeroDataParallel(model, group, stage=args.zero_stage, **kw)
-
-
-def formula_bytes(stage: int, M: float, N: int, alpha: float = 2.0) -> float:
-    """Per-rank bytes of parameters + gradients + optimizer state (stage 0 = plain DP)."""
-    return {0: M * (2 + alpha), 1: 2 * M + alpha * M / N, 2: M + (1 + alpha) * M / N,
-            3: (2 + alpha) * M / N}[stage]
 
 
 if __name__ == "__main__":

@@ -35,6 +35,20 @@ from .dp_trainer import ForwardBackward
 from .flat_buffers import FlatLayout, groups_by_size
 
 
+def zero_memory_bytes(stage: int, M: float, N: int, alpha: float = 2.0) -> float:
+    """Per-rank bytes of parameters + gradients + optimizer state (stage 0 = plain DP), M the
+    parameters' bytes: the formulas above (and zero_stage3.py's for stage 3)."""
+    return {0: M * (2 + alpha), 1: 2 * M + alpha * M / N, 2: M + (1 + alpha) * M / N,
+            3: (2 + alpha) * M / N}[stage]
+
+
+def zero_sent_share(stage: int, N: int) -> float:
+    """Bytes one rank sends per step, as a multiple of M (it receives as many): plain DP's all-reduce
+    2(N-1)/N; stage 1 adds the all-gather of the updated shards, 3(N-1)/N; stage 2 reduce-scatters
+    instead, 2(N-1)/N; stage 3 gathers the parameters again for backward, 3(N-1)/N."""
+    return {0: 2, 1: 3, 2: 2, 3: 3}[stage] * (N - 1) / N
+
+
 def model_units(model) -> list[tuple[str, list]]:
     """The units of the Transformer: embedding, each block, final norm + head (forward order)."""
     units = [("embed", [("tok_emb." + n, p) for n, p in model.tok_emb.named_parameters()])]

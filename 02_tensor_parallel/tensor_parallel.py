@@ -15,6 +15,8 @@ API (chapter 04 imports this module with importlib.import_module("02_tensor_para
         sums the partial gradients of norm weights (SP) and of replicated KV heads over the TP group
         Every parameter is marked with its layout: `p.tp_split_dim` (None: whole) and how many TP ranks
         hold the same values (common.step_protocol: counted_here(replicas(p), coords) reads it)
+    tp_collectives(cfg, rows, seq_len, tp, sequence_parallel, n_layers, ...)   every collective of a
+        micro-batch, and tp_gradient_collectives(...) those of sync_tp_gradients: the bytes formula
     tp_to_full(name, local, tp_group, n_kv_heads=None) -> full tensor (weights and AdamW moments)
     tp_to_local(name, full, tp_rank, tp_size, n_kv_heads=None) -> this rank's slice
         n_kv_heads is needed only when KV heads are replicated (n_kv_heads < tp_size).
@@ -141,6 +143,37 @@ def sync_tp_gradients(model, tp_group) -> None:
     """Everything TP leaves to do after backward: SP norm gradients and replicated KV heads."""
     sync_sequence_parallel_grads(model, tp_group)
     sync_replicated_kv_grads(model, tp_group)
+
+
+def tp_collectives(cfg, rows: int, seq_len: int, tp: int, sequence_parallel: bool, n_layers: int,
+                   first: bool = True, last: bool = True, element_size: int = 4) -> list[tuple[str, int]]:
+    """(kind, bytes) of every "tp" collective of one micro-batch of `rows` sequences, forward and
+    backward, through a stage of `n_layers` blocks (with the embedding if `first`, the head and the loss
+    if `last`): the volumes the counter adds up (common.comm.collective_bytes of each).
+
+    Each block's attention and MLP: g forward and f backward, one all-reduce of the (rows, S, D)
+    activation each; under sequence parallelism each all-reduce becomes a pair, f an all-gather
+    forward and a reduce-scatter backward, g the reverse (the same bytes). The embedding's g moves
+    the activation forward (and back under SP), the head's f its input gradient backward (and the
+    input forward under SP); the vocab-parallel loss, three all-reduces of rows·S fp32 numbers. A
+    mixture of experts stays whole on every TP rank: its blocks talk in the attention only."""
+    act = rows * seq_len * cfg.dim * element_size                   # one (rows, S, D) activation
+    region = [("all_gather", act), ("reduce_scatter", act)] if sequence_parallel else [("all_reduce", act)]
+    f_and_g = 2 * region                                            # f backward, g forward (each a pair under SP)
+    split_regions = 1 if cfg.n_experts else 2                       # attention, and the MLP if dense
+    out = (region if first else []) + n_layers * split_regions * f_and_g
+    if last:
+        out += region + 3 * [("all_reduce", rows * seq_len * 4)]
+    return out
+
+
+def tp_gradient_collectives(cfg, tp: int, sequence_parallel: bool, n_layers: int, last: bool = True) -> list:
+    """(kind, bytes) of `sync_tp_gradients`' all-reduces, once per step: under SP every norm gain
+    (2 per block, the final norm on the last stage), and with K < tp every block's wk and wv as one
+    (K, hd, D) buffer each. Parameters and their gradients are fp32."""
+    norms = (2 * n_layers + last) * [("all_reduce", cfg.dim * 4)] if sequence_parallel else []
+    kv = 2 * n_layers * [("all_reduce", cfg.n_kv_heads * cfg.head_dim * cfg.dim * 4)] if cfg.n_kv_heads < tp else []
+    return norms + kv
 
 
 def tp_to_full(name: str, local: torch.Tensor, tp_group, n_kv_heads=None) -> torch.Tensor:

@@ -59,6 +59,13 @@ def needed_message(a, n_stages: int, p: int):
     return None
 
 
+def message_count(actions, n_stages: int, p: int) -> int:
+    """Messages a rank's action list sends and receives in one step, each one micro-batch's activation
+    (forward) or its gradient (backward), act_shape's bytes: their bytes are the step's comm_bytes_pp."""
+    return len(produced_messages(actions, n_stages, p)) + sum(needed_message(a, n_stages, p) is not None
+                                                              for a in actions)
+
+
 def incoming_order(schedule, me: int, n_stages: int) -> dict[int, list[Key]]:
     """For each source rank, the keys it sends to `me`, in the order it sends them."""
     p = len(schedule)

@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 import tempfile
+from importlib import import_module
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +26,8 @@ sys.path.insert(0, str(ROOT))
 from common.launch import launch  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
 from common.moe_routing import expert_capacity  # noqa: E402
+
+expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")
 
 RESULTS = Path(__file__).parent / "results"
 SCRIPT = "05_moe_expert_parallel/train_moe.py"
@@ -111,7 +114,7 @@ def expert_parallel(tmp, machine, repeats):
         rows, nproc = metrics[label], configs[label][0]
         ep = rows[-1]["ep"]
         T_rank = 16 * 64 // nproc
-        formula = L * (8 * (ep - 1) / ep * T_rank * k * D * 4 + 16 * (ep - 1) * E // ep)
+        formula = expert_parallel.expected_ep_bytes(L, T_rank, k, D, E, ep)
         measured = statistics.mean(r["comm_bytes_ep"] for r in rows)
         byte_lines.append(f"| {label} | {ep} | {T_rank} | {formula / 2**20:.3f} | {measured / 2**20:.3f} | "
                           f"{f'{measured / formula:.3f}' if formula else '-'} | "
@@ -142,7 +145,6 @@ def expert_parallel(tmp, machine, repeats):
 
 
 def import_plot():
-    from importlib import import_module
     return import_module("05_moe_expert_parallel.plot_expert_load")
 
 

@@ -7,6 +7,8 @@ API (train_moe.py, and the 4D run's parallel_4d.py after chapter 04's TP):
         layers.3.mlp.experts.5.w_up.weight) and routes this rank's own rows to every rank's experts.
     is_expert_param(name) -> is this parameter an expert's (sharded over ep, replicated over edp)?
     local_experts(n_experts, ep_rank, ep) -> the expert ids rank ep_rank holds
+    expected_ep_bytes(n_layers, tokens, top_k, dim, n_experts, ep) -> the all-to-all bytes per step
+        under routing that ignores where a token lives (bench_moe.py measures against it)
 
 EP inside DP, on `common.mesh.Mesh(rank, world, edp=world//ep, ep=ep, joined={"dp": ("edp", "ep")})`:
 the grid is arange(world).view(edp, ep), EP innermost (consecutive ranks: the all-to-all runs in every
@@ -29,6 +31,18 @@ from common.step_protocol import mark_replicated
 from common.moe_routing import AddRouterLoss, combine_experts, group_by_expert, route, router_loss
 
 from .moe_dispatch import all_to_all, exchange_counts, expert_major
+
+
+def expected_ep_bytes(n_layers: int, tokens: int, top_k: int, dim: int, n_experts: int, ep: int,
+                      element_size: int = 4) -> float:
+    """Bytes one rank sends + receives under "ep" per step when routing ignores where a token lives
+    (each of a token's k slots leaves the rank with probability (ep−1)/ep): per MoE layer four
+    exchanges (dispatch and combine, forward and backward), each moving (ep−1)/ep·T·k rows of D
+    values out and as many in, plus the counts (E/ep int64 to and from each other rank, forward
+    only). T = tokens this rank routes per step. The measured bytes follow the router: equal to this
+    on average over balanced routing, not step by step."""
+    rows = (ep - 1) / ep * tokens * top_k * dim * element_size
+    return n_layers * (8 * rows + 16 * (ep - 1) * n_experts // ep)
 
 
 def local_experts(n_experts: int, ep_rank: int, ep: int) -> range:

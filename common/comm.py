@@ -52,9 +52,21 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# What one rank sends (and receives) in one ring collective on n bytes over N ranks: the table above.
+RING_SHARE = {"all_reduce": lambda N: 2 * (N - 1) / N, "all_gather": lambda N: (N - 1) / N,
+              "reduce_scatter": lambda N: (N - 1) / N}
+
+
+def collective_bytes(kind: str, n: int, N: int) -> int:
+    """Bytes sent + received by one rank in one `kind` collective on n bytes over N ranks, exactly as
+    the counter adds them (each direction rounded down): what a planner predicts a step's
+    comm_bytes_* from (06_context_parallel/choose_layout.py)."""
+    return 2 * int(RING_SHARE[kind](N) * n)
+
+
 def all_reduce(t, group=None, name="dp", async_op=False, op=dist.ReduceOp.SUM):
     n, N = _nbytes(t), dist.get_world_size(group)
-    COUNTER.add(name, 2 * (N - 1) / N * n, 2 * (N - 1) / N * n)
+    COUNTER.add(name, RING_SHARE["all_reduce"](N) * n, RING_SHARE["all_reduce"](N) * n)
     if N == 1:
         return None
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
@@ -63,7 +75,7 @@ def all_reduce(t, group=None, name="dp", async_op=False, op=dist.ReduceOp.SUM):
 def all_gather_into(output, shard, group=None, name="dp", async_op=False):
     """Gather every rank's `shard` (equal sizes) into `output` = concatenation along dim 0."""
     n, N = _nbytes(output), dist.get_world_size(group)
-    COUNTER.add(name, (N - 1) / N * n, (N - 1) / N * n)
+    COUNTER.add(name, RING_SHARE["all_gather"](N) * n, RING_SHARE["all_gather"](N) * n)
     if N == 1:
         output.copy_(shard.reshape(output.shape))
         return None
@@ -73,7 +85,7 @@ def all_gather_into(output, shard, group=None, name="dp", async_op=False):
 def reduce_scatter_into(output, full, group=None, name="dp", async_op=False, op=dist.ReduceOp.SUM):
     """Sum `full` over the group; rank i keeps the i-th equal chunk (along dim 0) in `output`."""
     n, N = _nbytes(full), dist.get_world_size(group)
-    COUNTER.add(name, (N - 1) / N * n, (N - 1) / N * n)
+    COUNTER.add(name, RING_SHARE["reduce_scatter"](N) * n, RING_SHARE["reduce_scatter"](N) * n)
     if N == 1:
         output.copy_(full.reshape(output.shape))
         return None

@@ -100,13 +100,18 @@ def cpu_model() -> str:
 
 def measured_peak(key: str, device, dtype: torch.dtype, remeasure: bool = False) -> float:
     """The probe's result for `key`, from the cache, or measured now and cached."""
+    return cached_measurement(key, lambda: measure_peak_flops(device, dtype), remeasure)
+
+
+def cached_measurement(key: str, measure, remeasure: bool = False):
+    """cache[key], or `measure()` now, stored under `key` in the cache file (a JSON value)."""
     path = cache_path()
     try:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
         cache = {}
     if key not in cache or remeasure:
-        cache[key] = measure_peak_flops(device, dtype)
+        cache[key] = measure()
         try:                                                    # atomic: ranks of two runs may race
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -12,7 +12,11 @@ from importlib import import_module
 
 import pytest
 
+from common.comm import collective_bytes
+from common.model import PRESETS
 from harness import ROOT, assert_same_run, every_rank, ok, run_group
+
+TP = import_module("02_tensor_parallel.tensor_parallel")
 
 STEPS = 10
 BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet"]
@@ -57,6 +61,10 @@ def check_bytes(history: list[dict], label: str) -> None:
     b = B // dp
     floats = (4 * L + 2) * b * S * D + 3 * b * S + sp * (2 * L + 1) * D
     assert row["comm_bytes_tp"] == 4 * (tp - 1) / tp * 4 * floats, (label, row["comm_bytes_tp"])
+    # the same bytes, collective by collective, as the layout planner predicts them
+    collectives = (TP.tp_collectives(PRESETS["tiny"], b, S, tp, sp, L) +
+                   TP.tp_gradient_collectives(PRESETS["tiny"], tp, sp, L))
+    assert row["comm_bytes_tp"] == sum(collective_bytes(kind, n, tp) for kind, n in collectives), label
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,228 @@
+"""One layout, predicted: what a rank holds, what it sends, how long it waits, how long a step takes.
+
+Every number comes from a formula a chapter proved on real runs, imported from that chapter:
+
+    parameters, gradients, AdamW    chapter 01's ZeRO formulas, zero_sharding.zero_memory_bytes(stage, M, N)
+    activations                     common/activation_ledger.pipeline_peaks: the ledger's bytes per micro-batch
+                                    on each stage, times what the schedule keeps in flight (chapter 03's actions)
+    bubble                          chapter 03's pipeline_schedules.theory_bubble
+    bytes per step, by group        dp: chapter 01's all-reduce of each stage's gradients (ZeRO: zero_sent_share)
+                                    tp: chapter 02's tensor_parallel.tp_collectives, each at common.comm's volume
+                                    pp: chapter 03's pipeline_executor.message_count × one activation
+                                    ep: chapter 05's expert_parallel.expected_ep_bytes (balanced routing)
+                                    cp: this chapter's ring_attention.cp_bytes, per layer and micro-batch
+
+The bytes are global rank 0's, the rank a run's metrics report (its comm_bytes_*); the memory is the
+fullest pipeline rank's, the one that decides whether a layout fits. The step time is a model, stated:
+
+    compute   model FLOPs of the step (common/mfu.flops_per_token; × 4/3 under full recomputation, which
+              runs each block's forward twice) ÷ (ranks × peak × efficiency); on a CPU the ranks share
+              its cores, so the divisor has at most as many ranks as cores
+    bubble    compute × b / (1 − b): the slots every rank idles (none on a CPU with more ranks than cores:
+              an idle rank lends its core to a busy one)
+    links     per group, bytes ÷ the link's rate + messages × its latency; the link is NVLink when the
+              group's ranks share a node (grid (edp, ep, pp, cp, tp), TP fastest), the network otherwise
+    hidden    the DP all-reduce of a stage starts after its last backward and hides behind the others'
+              cool-down (the bubble); the ring's hops hide behind attention's own compute; TP, PP and EP
+              sit on the critical path
+"""
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from importlib import import_module
+
+from common import activation_ledger
+from common.comm import collective_bytes
+from common.mfu import flops_per_token
+
+from . import ring_attention
+
+zero_sharding = import_module("01_data_parallel.zero_sharding")             # chapter 01: ZeRO memory and bytes
+tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")       # chapter 02: TP collectives
+pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")     # chapter 03: stages
+pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: actions, bubble
+pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")    # chapter 03: messages
+expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")   # chapter 05: all-to-all bytes
+
+RECOMPUTE_FLOPS = {"none": 1.0, "selective": 1.0, "full": 4 / 3}   # selective recomputes O(D) elementwise work
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: the degrees (dp counts every data-parallel rank, ep among them) and the levers."""
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    zero_stage: int
+    recompute: str
+    sequence_parallel: bool
+    schedule: str
+    microbatches: int
+    virtual_stages: int = 1
+
+
+@dataclass(frozen=True)
+class Run:
+    """What every layout shares: the model, the step's batch, the dtype."""
+    cfg: object
+    global_batch: int
+    seq_len: int
+    dtype: str
+
+
+def stage_params(cfg, spec, tp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) parameters one rank holds of stage `spec`: matrices split over TP (a KV head
+    replicated when K < tp), norms whole, experts E/ep each (whole over TP)."""
+    D, hd, V = cfg.dim, cfg.head_dim, cfg.vocab_size
+    kv = cfg.n_kv_heads // tp if cfg.n_kv_heads >= tp else 1
+    attn = 2 * D * (cfg.n_heads // tp) * hd + 2 * D * kv * hd + 2 * D             # wq, wo, wk, wv, two norms
+    mlp = D * cfg.n_experts if cfg.n_experts else 3 * D * cfg.ffn_hidden // tp     # the router, or SwiGLU
+    experts = cfg.n_experts // ep * 3 * D * cfg.expert_hidden if cfg.n_experts else 0
+    n = len(spec.layers)
+    dense = n * (attn + mlp) + (V // tp * D if spec.first else 0) + (D + V // tp * D if spec.last else 0)
+    return dense, n * experts
+
+
+def ledger_config(cfg, tp: int):
+    """The ledger counts dense blocks: a mixture is read as a dense block whose SwiGLU is the k experts
+    a token visits (whole on each TP rank: the width is multiplied back by tp)."""
+    return replace(cfg, n_experts=0, ffn_hidden=cfg.top_k * cfg.expert_hidden * tp) if cfg.n_experts else cfg
+
+
+@lru_cache(maxsize=None)
+def specs_for(cfg, pp: int, v: int, seq_len: int) -> list:
+    return pipeline_stages.stage_specs(cfg, pp, v, seq_len)
+
+
+@lru_cache(maxsize=None)
+def plan_for(schedule: str, pp: int, m: int, v: int) -> list:
+    return pipeline_schedules.build_schedule(schedule, pp, m, v)
+
+
+@lru_cache(maxsize=None)
+def rank0_messages(schedule: str, pp: int, m: int, v: int) -> int:
+    return pipeline_executor.message_count(plan_for(schedule, pp, m, v)[0], pp * v, pp)
+
+
+def fullest_candidates(specs, pp: int) -> list[int]:
+    """The pipeline ranks whose activations can peak highest: the first two keep the most micro-batches in
+    flight, the last holds the loss's (B, S, V) logits, and a middle rank holding more layers than the
+    others may outweigh its fewer micro-batches (the first such rank keeps the most of them)."""
+    layers = [sum(len(s.layers) for s in pipeline_stages.rank_stages(specs, pp, r)) for r in range(pp)]
+    return sorted({0, min(1, pp - 1), pp - 1, layers.index(max(layers))})
+
+
+@lru_cache(maxsize=None)
+def activation_peak(cfg, mode: str, schedule: str, pp: int, m: int, v: int, rows: int, seq_len: int,
+                    positions: int, tp: int, sp: bool) -> tuple[int, int]:
+    """(pipeline rank, its peak activation bytes in fp32) of the fullest rank, from the ledger and the
+    schedule's actions (common/activation_ledger.pipeline_peaks, run for the ranks that can peak)."""
+    specs, plan = specs_for(cfg, pp, v, seq_len), plan_for(schedule, pp, m, v)
+    ranks = fullest_candidates(specs, pp)
+    peaks = activation_ledger.pipeline_peaks(ledger_config(cfg, tp), mode, [plan[r] for r in ranks], specs, rows,
+                                             positions, tp, sp)
+    return max(zip(ranks, peaks), key=lambda rank_peak: rank_peak[1])
+
+
+def held_bytes(run: Run, c: Candidate, peak_activation: int, dense: int, experts: int, layer_params: int) -> dict:
+    """One rank's bytes by component: chapter 01's formula per group (dense over dp × cp, experts over
+    the ranks holding the same experts), ZeRO-3's temporary gathered layers (this one and the next)."""
+    out = {"params": 0.0, "grads": 0.0, "optim_bytes": 0.0}
+    for M, N in ((4 * dense, c.dp * c.cp), (4 * experts, c.dp // c.ep * c.cp)):    # fp32 master weights
+        no_optim = zero_sharding.zero_memory_bytes(c.zero_stage, M, N, alpha=0.0)
+        params = M / N if c.zero_stage == 3 else M
+        out["params"] += params
+        out["grads"] += no_optim - params
+        out["optim_bytes"] += zero_sharding.zero_memory_bytes(c.zero_stage, M, N) - no_optim
+    act = peak_activation // 2 if run.dtype == "bf16" else peak_activation      # autocast keeps 16-bit copies
+    temporary = 2 * 4 * layer_params if c.zero_stage == 3 and c.dp * c.cp > 1 else 0
+    return {**out, "peak_activation_bytes": act, "total": sum(out.values()) + act + temporary}
+
+
+def rank_memory(run: Run, c: Candidate, specs, pp_rank: int, peak_activation: int) -> dict:
+    """What pipeline rank `pp_rank` holds, by component, with `peak_activation` bytes of activations."""
+    dense = experts = 0
+    for s in pipeline_stages.rank_stages(specs, c.pp, pp_rank):
+        d, x = stage_params(run.cfg, s, c.tp, c.ep)
+        dense, experts = dense + d, experts + x
+    layer = sum(stage_params(run.cfg, pipeline_stages.StageSpec(0, (0,), False, False), c.tp, c.ep))
+    return held_bytes(run, c, peak_activation, dense, experts, layer)
+
+
+def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
+    """({group: bytes}, {group: messages}) global rank 0 sends + receives in one step."""
+    cfg, m, v = run.cfg, c.microbatches, c.virtual_stages
+    rows, positions = run.global_batch // c.dp // m, run.seq_len // c.cp
+    e = 2 if run.dtype == "bf16" else 4
+    mine = pipeline_stages.rank_stages(specs, c.pp, 0)
+    layers = sum(len(s.layers) for s in mine)
+    nbytes, msgs = dict.fromkeys(("dp", "tp", "pp", "ep", "cp"), 0), dict.fromkeys(("dp", "tp", "pp", "ep", "cp"), 0)
+    for s in mine:
+        dense, experts = stage_params(cfg, s, c.tp, c.ep)
+        for M, N in ((4 * dense, c.dp * c.cp), (4 * experts, c.dp // c.ep * c.cp)):
+            if N > 1 and M:
+                nbytes["dp"] += (collective_bytes("all_reduce", M, N) if c.zero_stage == 0 else
+                                 int(2 * zero_sharding.zero_sent_share(c.zero_stage, N) * M))
+                msgs["dp"] += 1 if c.zero_stage == 0 else (len(s.layers) + 2) * (2 + (c.zero_stage == 3))
+        if c.tp > 1:
+            micro = tensor_parallel.tp_collectives(cfg, rows, positions, c.tp, c.sequence_parallel, len(s.layers),
+                                                   s.first, s.last, e)
+            grads = tensor_parallel.tp_gradient_collectives(cfg, c.tp, c.sequence_parallel, len(s.layers), s.last)
+            nbytes["tp"] += m * sum(collective_bytes(k, n, c.tp) for k, n in micro) + \
+                sum(collective_bytes(k, n, c.tp) for k, n in grads)
+            msgs["tp"] += m * len(micro) + len(grads)
+    if c.pp > 1:
+        msgs["pp"] = rank0_messages(c.schedule, c.pp, m, v)
+        nbytes["pp"] = msgs["pp"] * rows * (positions // c.tp if c.sequence_parallel else positions) * cfg.dim * e
+    if c.ep > 1 and cfg.n_experts:
+        nbytes["ep"] = int(expert_parallel.expected_ep_bytes(layers, rows * m * positions, cfg.top_k, cfg.dim,
+                                                             cfg.n_experts, c.ep, e))
+        msgs["ep"] = layers * m * 6                          # dispatch, combine, forward and back; the counts
+    if c.cp > 1:
+        kv = cfg.n_kv_heads // c.tp if cfg.n_kv_heads >= c.tp else 1
+        nbytes["cp"] = layers * m * ring_attention.cp_bytes("ring", rows, run.seq_len, c.cp, kv, cfg.head_dim, e)
+        msgs["cp"] = layers * m * 2 * (c.cp - 1)             # one exchange per hop, forward and backward
+    return nbytes, msgs
+
+
+def link_of(group: str, c: Candidate, dev, gpus_per_node: int) -> tuple[float, float]:
+    """(rate, latency) of the link a group's ranks talk over: inside a node when the group's span on the
+    grid (edp, ep, pp, cp, tp) fits in one."""
+    span = {"tp": c.tp, "cp": c.tp * c.cp, "pp": c.tp * c.cp * c.pp, "ep": c.tp * c.cp * c.pp * c.ep,
+            "dp": c.tp * c.cp * c.pp * c.dp}[group]
+    inside = dev.cores is not None or span <= gpus_per_node
+    return (dev.intra, dev.latency_intra) if inside else (dev.inter, dev.latency_inter)
+
+
+def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
+    """The planner's row for one layout: the JSON schema of choose_layout.py, plus the time's parts."""
+    cfg, world = run.cfg, c.dp * c.tp * c.pp * c.cp
+    specs, plan = specs_for(cfg, c.pp, c.virtual_stages, run.seq_len), plan_for(c.schedule, c.pp, c.microbatches,
+                                                                                 c.virtual_stages)
+    rows = run.global_batch // c.dp // c.microbatches
+    fullest, peak = activation_peak(cfg, c.recompute, c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
+                                    run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel)
+    # the ends hold the embedding and the head; the fullest rank the most activations
+    memory = max((rank_memory(run, c, specs, r, peak) for r in {0, fullest, c.pp - 1}), key=lambda m: m["total"])
+    nbytes, msgs = rank0_traffic(run, c, specs, plan)
+    bubble = pipeline_schedules.theory_bubble(c.schedule, c.pp, c.microbatches, c.virtual_stages) if c.pp > 1 else 0.0
+
+    workers = world if dev.cores is None else min(world, dev.cores)
+    rate = workers * dev.peak * dev.efficiency / RECOMPUTE_FLOPS[c.recompute]
+    tokens = run.global_batch * run.seq_len
+    compute = flops_per_token(cfg, run.seq_len) * tokens / rate
+    attention = 6 * cfg.n_layers * run.seq_len * cfg.dim * tokens / rate
+    idle = compute * bubble / (1 - bubble) if dev.cores is None or world <= dev.cores else 0.0
+    seconds = {}
+    for g in nbytes:
+        link_rate, latency = link_of(g, c, dev, gpus_per_node)
+        seconds[g] = nbytes[g] / link_rate + msgs[g] * latency
+    exposed = {**seconds, "dp": max(0.0, seconds["dp"] - idle), "cp": max(0.0, seconds["cp"] - attention)}
+    return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep, "zero_stage": c.zero_stage,
+            "recompute": c.recompute, "sequence_parallel": c.sequence_parallel, "schedule": c.schedule,
+            "microbatches": c.microbatches, "memory_bytes": {k: int(v) for k, v in memory.items()},
+            "comm_bytes": nbytes, "bubble": bubble, "step_time_s": compute + idle + sum(exposed.values()),
+            "fits": memory["total"] <= dev.memory,
+            "time_parts_s": {"compute": compute, "bubble": idle, **{f"comm_{g}": t for g, t in exposed.items()}},
+            "virtual_stages": c.virtual_stages}
