@@ -27,7 +27,7 @@ from common.launch import launch  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
 from common.moe_routing import expert_capacity  # noqa: E402
 
-expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")
+ep_layers = import_module("05_moe_expert_parallel.expert_parallel")      # the all-to-all bytes formula
 
 RESULTS = Path(__file__).parent / "results"
 SCRIPT = "05_moe_expert_parallel/train_moe.py"
@@ -114,7 +114,7 @@ def expert_parallel(tmp, machine, repeats):
         rows, nproc = metrics[label], configs[label][0]
         ep = rows[-1]["ep"]
         T_rank = 16 * 64 // nproc
-        formula = expert_parallel.expected_ep_bytes(L, T_rank, k, D, E, ep)
+        formula = ep_layers.expected_ep_bytes(L, T_rank, k, D, E, ep)
         measured = statistics.mean(r["comm_bytes_ep"] for r in rows)
         byte_lines.append(f"| {label} | {ep} | {T_rank} | {formula / 2**20:.3f} | {measured / 2**20:.3f} | "
                           f"{f'{measured / formula:.3f}' if formula else '-'} | "

@@ -213,6 +213,7 @@ def main() -> None:
     part_two(key)
     part_three(key)
     part_four(key)
+    import_module("06_context_parallel.lab_layout").layout_section(key)   # C9: the layout planner
     key.write()
 
 
