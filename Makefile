@@ -24,7 +24,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# Every chapter's benchmark, one after another (about 31 minutes on 2 cores: 2½ + 2½ + 5 + 2½ + 4 + 4½ + 10);
+# Every chapter's benchmark, one after another (about 36 minutes on 2 cores: 2½ + 2½ + 5 + 2½ + 4 + 4½ + 10 + 5);
 # each writes the tables (and plots) under its chapter's results/ that the READMEs show.
 bench: $(STAMP)
 	$(PY) 01_data_parallel/bench_dp.py
@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) 04_3d_combined/bench_3d.py
 	$(PY) 05_moe_expert_parallel/bench_4d.py
 	$(PY) 05_moe_expert_parallel/bench_moe.py
+	$(PY) 06_context_parallel/bench_cp.py
 
 # Each notebooks/*.py (jupytext percent format) becomes notebooks/*.ipynb, executed through the kernel
 # so it opens with its outputs and plots; the plots are also saved as PNGs under notebooks/figures/.

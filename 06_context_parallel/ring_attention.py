@@ -22,6 +22,8 @@ Bytes per attention call (forward + backward, counted by common/comm.py under "c
 blk = B·(S/cp)·kv·hd·element_size, one rank's K (or V) block: the forward sends K and V cp−1 times; the
 backward sends them cp−1 times again and the partial dK and dV cp−1 times (`cp_bytes` below).
 """
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -42,6 +44,26 @@ class WorkTally:
 
 
 WORK = WorkTally()
+
+
+class RingTrace:
+    """Off by default (`timeline` None). Given a common/timeline.Timeline, the forward records, per ring step t,
+    the time spent posting the next hop, computing on the held block, and waiting for the next block to
+    arrive: the wait is the transfer that did NOT hide under the compute. Timing only: no number changes.
+    bench_cp.py's overlap part turns it on (06_context_parallel/overlap_cp.py)."""
+
+    def __init__(self):
+        self.timeline = None
+
+    @contextmanager
+    def span(self, kind: str, t: int):
+        start = self.timeline.now() if self.timeline is not None else None
+        yield
+        if self.timeline is not None:
+            self.timeline.add(kind, start, self.timeline.now(), ring_step=t)
+
+
+TRACE = RingTrace()
 
 
 # --- the math of one chunk pair, shared by the ring and the all-gather variant --------------------------
@@ -137,10 +159,13 @@ class RingAttention(torch.autograd.Function):
             for t in range(cp):
                 if t < cp - 1:          # post the next hop first: it travels while this block computes
                     kv_next = torch.empty_like(kv)
-                    works = comm.exchange([(kv, kv_next)], nxt, prv, group, "cp")
-                attend_block(qf, kv, split.pairs(r, (r - t) % cp), out, lse)  # held: rank (r − t)'s block
+                    with TRACE.span("post", t):
+                        works = comm.exchange([(kv, kv_next)], nxt, prv, group, "cp")
+                with TRACE.span("compute", t):
+                    attend_block(qf, kv, split.pairs(r, (r - t) % cp), out, lse)   # held: rank (r − t)'s block
                 if t < cp - 1:
-                    wait(works)
+                    with TRACE.span("wait", t):
+                        wait(works)
                     kv = kv_next
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.split = group, split
