@@ -16,6 +16,7 @@ import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
 from common.metrics import read_metrics  # noqa: E402
+from common.plots import save_figure  # noqa: E402
 
 
 def load_over_mean(rows: list[dict]) -> np.ndarray:
@@ -65,12 +66,7 @@ def draw_expert_load(runs: dict, note: str = ""):
 
 def plot_expert_load(runs: dict, out_path, note: str = "") -> Path:
     """draw_expert_load, written to `out_path`."""
-    fig = draw_expert_load(runs, note)
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return out_path
+    return save_figure(draw_expert_load(runs, note), out_path)
 
 
 if __name__ == "__main__":

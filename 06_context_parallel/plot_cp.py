@@ -17,6 +17,8 @@ if __name__ == "__main__":
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from common.plots import save_figure  # noqa: E402
+
 cp_split = import_module("06_context_parallel.cp_split")      # this chapter: who holds which positions
 
 SPAN_COLORS = {"compute": "#4c72b0", "post": "#8172b3", "wait": "#c44e52"}
@@ -80,7 +82,7 @@ def plot_causal_mask(out, seq_len: int, cp: int, note: str = "") -> Path:
     axes[1, 1].sharey(axes[1, 0])                                     # one scale: the bars compare across splits
     fig.suptitle(f"Causal attention, S = {seq_len}, cp = {cp}: who computes which scores (pale: computed, then "
                  "masked; white: skipped)", fontsize=10)
-    return save(fig, out, note)
+    return save_figure(fig, out, note)
 
 
 def plot_memory(out, series: dict, note: str = "") -> Path:
@@ -97,7 +99,7 @@ def plot_memory(out, series: dict, note: str = "") -> Path:
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     ax.set_title("Activation memory per rank: the ring keeps it flat as S and cp double together", fontsize=10)
-    return save(fig, out, note)
+    return save_figure(fig, out, note)
 
 
 def plot_ring_timeline(out, timelines: dict, titles: dict, note: str = "") -> Path:
@@ -119,17 +121,9 @@ def plot_ring_timeline(out, timelines: dict, titles: dict, note: str = "") -> Pa
     fig.tight_layout()
     fig.legend([plt.Rectangle((0, 0), 1, 1, color=SPAN_COLORS[k]) for k in SPAN_COLORS],
                [SPAN_LABELS[k] for k in SPAN_COLORS], loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8)
-    return save(fig, out, note)
+    return save_figure(fig, out, note)
 
 
-def save(fig, out, note: str) -> Path:
-    if note:
-        fig.text(0.01, 0.005, note, fontsize=7, color="gray")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return out
 
 
 if __name__ == "__main__":

@@ -56,6 +56,18 @@ def show_png(png, name: str) -> Path:
     return path
 
 
+def save_figure(fig, out, note: str = "") -> Path:
+    """Write `fig` to `out` (its folder made if needed), with an optional grey note at the bottom, and
+    close it: what a chapter's plot command does last."""
+    if note:
+        fig.text(0.01, 0.005, note, fontsize=7, color="gray")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
 def plot_relative_difference(ax, reference: list[dict], runs: dict, key: str = "loss", tol: float = 1e-5):
     """Per step, |x - x_ref| / |x_ref| of `key` for every run against `reference` (rows of metrics
     files), on a log axis with the tolerance drawn as a line: two equal curves drawn on top of each
