@@ -71,9 +71,7 @@ class ContextParallelAttention:
     def __call__(self, q, k, v, cos, sin):     # q (B, h, S/cp, hd), k v (B, kv, S/cp, hd), cos sin (max S, hd/2)
         cos, sin = self.rope_rows(cos, sin)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)         # each token's own angle
-        # The ring's online softmax runs in fp32 whatever the autocast: its merge is where bf16 would hurt.
-        with torch.autocast(q.device.type, enabled=False):
-            out = self.attention(q.float(), k.float(), v.float(), self.group, self.split).to(q.dtype)
+        out = self.attention(q, k, v, self.group, self.split)           # its softmax math in fp32, under any autocast
         B, h, S, hd = out.shape                                          # (B, h, S/cp, hd)
         return out.transpose(1, 2).reshape(B, S, h * hd)                 # (B, S/cp, h·hd)
 
