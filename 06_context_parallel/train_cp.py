@@ -141,14 +141,15 @@ def layout_rows(args, cfg, mesh, rt, data, split, start: int) -> dict:
     B, S, hd = args.global_batch // dp // args.microbatches, args.seq_len, cfg.head_dim
     kv = max(1, cfg.n_kv_heads // tp)
     chunks = " ".join(f"r{r}:" + "+".join(f"[{a},{b})" for a, b in split.chunks(r)) for r in range(cp))
-    per_layer = ring_attention.cp_bytes(args.cp_attention, B, S, cp, kv, hd, 4, 2 if args.recompute == "full" else 1)
+    element = 2 if args.dtype == "bf16" else 4                   # K/V in the run's dtype (gradients in fp32)
+    per_layer = ring_attention.cp_bytes(args.cp_attention, B, S, cp, kv, hd, element, 2 if args.recompute == "full" else 1)
     return {
         "world size": f"{rt.world_size} = DP {dp} × CP {cp} × TP {tp}", "device / backend": f"{rt.device} / {rt.backend}",
         "data": data.describe(), "mesh (dp, cp, tp)": "\n" + mesh.describe(),
         "model": f"{args.model}: {count_parameters(cfg):,} parameters ({format_bytes(count_parameters(cfg) * 4)} fp32)",
         "positions per CP rank": f"{S // cp} of {S} ({args.cp_split}): {chunks}",
         "attention": f"{args.cp_attention}: {format_bytes(per_layer)} sent + received per layer and micro-batch "
-                     f"(forward + backward, fp32)" if cp > 1 else "one rank: plain causal attention",
+                     f"(forward + backward, {args.dtype})" if cp > 1 else "one rank: plain causal attention",
         "gradients": f"summed over dp × cp = {dp * cp} ranks (one all-reduce per tensor)",
         "global batch": f"{args.global_batch} seq × {S} tokens = {args.global_batch * S:,} tokens",
         "resumed from step": start or "-"}
