@@ -1,0 +1,42 @@
+"""python -m common.exercises {list, make, grade, bug}: see this package's __init__."""
+import argparse
+import sys
+from pathlib import Path
+
+from common.errors import ConfigError
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m common.exercises", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="one line per exercise: id, file, what grades it")
+    mk = sub.add_parser("make", help="a student copy of the repository with the chapter's exercise bodies removed")
+    mk.add_argument("--chapter", required=True, help="01 … 06, or 'all'")
+    mk.add_argument("--out", required=True, type=Path)
+    gr = sub.add_parser("grade", help="run each exercise's tests; one verdict line per exercise")
+    gr.add_argument("--chapter", default=None, help="01 … 06, or 'all'")
+    gr.add_argument("--repo", type=Path, default=None, help="the copy to grade (default: this repository)")
+    gr.add_argument("--quick", action="store_true", help="the unit tests only, not the layout runs")
+    gr.add_argument("--bug", default=None, help="grade a museum copy: are the tests that catch this bug green again?")
+    bug = sub.add_parser("bug", help="the museum: 'bug list', 'bug ID --out DIR', 'bug --check'")
+    bug.add_argument("bug_id", nargs="?", default=None, help="a bug's id, or 'list'")
+    bug.add_argument("--out", type=Path, default=None)
+    bug.add_argument("--check", action="store_true", help="plant every bug (or the one named) and run the tests that must catch it")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    try:
+        if args.command == "bug" or (args.command == "grade" and args.bug):
+            from . import museum
+            return museum.main(args)
+        from . import commands
+        return commands.main(args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
