@@ -21,7 +21,8 @@ from common.model import PRESETS
 from harness import ROOT, assert_one_config_error, assert_same_run, every_rank, losses, max_rel_diff, ok, run_group
 
 TRAIN = "05_moe_expert_parallel.train_moe:main"
-BASE = ["--steps", "10", "--seq-len", "32", "--global-batch", "8", "--quiet"]
+STEPS = 6
+BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet"]
 MODES = {"dropless": [], "capacity": ["--capacity-factor", "1.0"],
          "bias": ["--router-bias-rate", "0.01"],
          "bias+capacity": ["--aux-loss-coef", "0", "--router-bias-rate", "0.01", "--capacity-factor", "1.25"]}
@@ -202,15 +203,15 @@ def groups(tmp_path_factory):
                 jobs[f"layer ep{ep} cf={cf} bias={bias}"] = ("test_moe_ep:layer_matches_single_device", ep, cf, bias)
         jobs["mesh"] = ("test_moe_ep:mesh_matches_device_mesh", [(1, world), (world, 1), (world // 2, 2)])
         for name, (mode, flags) in RUNS[world].items():
-            saving = ["--checkpoint-dir", ckpt, "--checkpoint-every", "5"] if name == "ep2 bias+capacity" else []
+            saving = ["--checkpoint-dir", ckpt, "--checkpoint-every", "3"] if name == "ep2 bias+capacity" else []
             jobs[name] = (TRAIN, BASE + MODES[mode] + flags + saving)
-        if world == 2:       # the bias run saved at steps 5 and 10 at EP 2: resume from 5 at EP 1 × DP 2
-            jobs["point"] = ("test_moe_ep:point_latest_at", ckpt, "step_000005.pt")
+        if world == 2:       # the bias run saved at steps 3 and 6 at EP 2: resume from 3 at EP 1 × DP 2
+            jobs["point"] = ("test_moe_ep:point_latest_at", ckpt, "step_000003.pt")
             jobs["resumed ep1×dp2"] = (TRAIN, BASE + MODES["bias+capacity"] + ["--ep", "1", "--checkpoint-dir", ckpt,
                                                                               "--resume"])
             jobs.update({f"bad {k}": (TRAIN, ["--steps", "1", "--quiet"] + argv) for k, (argv, _) in BAD.items()})
-        if world == 4:       # and from step 5 again, at EP 4
-            jobs["point"] = ("test_moe_ep:point_latest_at", ckpt, "step_000005.pt")
+        if world == 4:       # and from step 3 again, at EP 4
+            jobs["point"] = ("test_moe_ep:point_latest_at", ckpt, "step_000003.pt")
             jobs["resumed ep4"] = (TRAIN, BASE + MODES["bias+capacity"] + ["--ep", "4", "--checkpoint-dir", ckpt,
                                                                           "--resume"])
         results = run_group(world, list(jobs.values()))
@@ -246,7 +247,7 @@ def test_training_matches_world_size_one(groups, reference, world):
         for rank, mine in enumerate(every_rank(groups[world][name])):
             aux, ref_aux = [r["aux_loss"] for r in mine], [r["aux_loss"] for r in ref]
             if "--aux-loss-coef" in MODES[mode]:                 # α = 0: nothing to compare but zeros
-                assert aux == ref_aux == [0.0] * 10, (name, rank)
+                assert aux == ref_aux == [0.0] * STEPS, (name, rank)
             else:
                 assert max_rel_diff(aux, ref_aux) <= 1e-5, (name, rank)
             assert max_rel_diff([r["z_loss"] for r in mine], [r["z_loss"] for r in ref]) <= 1e-5, (name, rank)
@@ -281,8 +282,8 @@ def test_expert_bytes_per_rank_are_one_over_ep(groups, reference):
 def test_resume_into_another_ep(groups, reference):
     ref = reference["bias+capacity"]
     for world, name in ((2, "resumed ep1×dp2"), (4, "resumed ep4")):
-        resumed = assert_same_run(groups[world][name], ref[5:], name)          # steps 6..10, every rank
-        assert [r["step"] for r in resumed] == list(range(6, 11))
+        resumed = assert_same_run(groups[world][name], ref[3:], name)          # steps 4..6, every rank
+        assert [r["step"] for r in resumed] == list(range(4, STEPS + 1))
 
 
 @pytest.mark.parametrize("kind", sorted(BAD))
