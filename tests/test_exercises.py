@@ -31,8 +31,10 @@ def test_every_marker_is_in_the_catalog_and_back():
     assert len(catalog.EXERCISES) >= 10 and all(2 <= len(catalog.for_chapter(c)) <= 4 for c in catalog.CHAPTERS)
 
 
-def test_every_readme_section_and_test_named_exists():
+def test_every_readme_section_and_test_named_exists_and_each_lab_sets_its_exercises():
     for ex in catalog.EXERCISES:
+        lab = (ROOT / ex.readme).with_name("LAB.md").read_text().partition("\n## Write it yourself\n")[2]
+        assert f"**`{ex.id}`**" in lab and ex.hint in lab, f"{ex.id}: not set in its LAB.md's 'Write it yourself'"
         headings = {line.lstrip("#").strip() for line in (ROOT / ex.readme).read_text().splitlines()
                     if line.startswith("#")}
         assert ex.section in headings, f"{ex.id}: no heading '{ex.section}' in {ex.readme}"
