@@ -63,6 +63,11 @@ def test_verdicts_read_the_failures():
     line = grader.verdict(ex, ROOT, wrong, quick=True).line()
     assert line.endswith("wrong: test_pp_schedules.py::test_executor_message_plan_matches_and_never_deadlocks: "
                          "AssertionError: tp2, rank 0: losses differ by 3.1e-02"), line
+    # 02.f_g's own test passes, the layout run it shares with 02.row_parallel fails: the wrong one is blamed
+    f_g, row = catalog.BY_ID["02.f_g"], catalog.BY_ID["02.row_parallel"]
+    shared = {f_g.units[0]: {"status": "passed", "line": "", "text": ""}, f_g.layout: wrong[node]}
+    assert grader.verdict(f_g, ROOT, shared, False, {row.id}).line().endswith("waits on 02.row_parallel")
+    assert grader.verdict(f_g, ROOT, shared, False).line().split()[1] == "wrong:"
 
 
 def _run(*args, cwd=ROOT):

@@ -57,7 +57,9 @@ def blocked_by(text: str, me: Exercise) -> list[str]:
     return [ex_id for ex_id in BY_ID if ex_id != me.id and stub_prefix(BY_ID[ex_id]) in text]
 
 
-def verdict(ex: Exercise, repo: Path, outcomes: dict, quick: bool) -> Verdict:
+def verdict(ex: Exercise, repo: Path, outcomes: dict, quick: bool, units_wrong=frozenset()) -> Verdict:
+    """`units_wrong`: the exercises of this run whose own unit tests failed. When only the layout run
+    fails and it is shared with one of them, that one is the likelier culprit: this one waits on it."""
     if unsolved(repo, ex):
         return Verdict(ex, "not done")
     failed = [(node, outcomes[node]) for node in ex.node_ids(quick) if outcomes[node]["status"] == "failed"]
@@ -66,6 +68,9 @@ def verdict(ex: Exercise, repo: Path, outcomes: dict, quick: bool) -> Verdict:
     if any(stub_prefix(ex) in rec["text"] or stub_prefix(ex) in rec["line"] for _, rec in failed):
         return Verdict(ex, "not done", "its NotImplementedError is still raised")
     waits = sorted({other for _, rec in failed for other in blocked_by(rec["text"] + rec["line"], ex)})
+    if not waits and [node for node, _ in failed] == [ex.layout]:
+        waits = sorted(other.id for other in BY_ID.values()
+                       if other.id in units_wrong and other.id != ex.id and other.layout == ex.layout)
     if waits:
         return Verdict(ex, "waits on", ", ".join(waits))
     node, rec = failed[0]
@@ -81,7 +86,8 @@ def grade(exercises: list[Exercise], repo: Path, quick: bool = False, log=print)
         flush=True)
     t0 = time.perf_counter()
     outcomes = run_tests(repo, nodes) if todo else {}
-    verdicts = [verdict(ex, repo, outcomes, quick) for ex in exercises]
+    units_wrong = {ex.id for ex in todo if any(outcomes[n]["status"] == "failed" for n in ex.units)}
+    verdicts = [verdict(ex, repo, outcomes, quick, units_wrong) for ex in exercises]
     for v in verdicts:
         log(v.line())
     done = sum(v.status == "done" for v in verdicts)
