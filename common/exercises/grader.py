@@ -49,7 +49,7 @@ def first_failure(record: dict) -> str:
             found = [ln.strip() for ln in block.splitlines() if _EXCEPTION.match(ln.strip())]
             if found:
                 return found[-1][:300]
-    return line[:300]
+    return re.sub(r"^E\s+", "", line)[:300]          # pytest's "E   " prefix of a collection error
 
 
 def blocked_by(text: str, me: Exercise) -> list[str]:
