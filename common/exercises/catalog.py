@@ -132,7 +132,7 @@ EXERCISES = [
              "merge: fold one block's (out_b, lse_b) into the running (out, lse), the online softmax",
              "3. Ring attention — `ring_attention.py`",
              "lse' = log(e^lse + e^lse_b), computed after subtracting the max of the two; out' = out·e^(lse − lse') + "
-             "out_b·e^(lse_b − lse'); lse starts at −inf, so handle it without NaN",
+             "out_b·e^(lse_b − lse'); before any key lse is −inf, and its weight e^(−inf) is 0",
              units=("tests/test_ring_attention.py::test_matches_single_device_attention",),
              layout="tests/test_cp.py::test_every_cp_layout_matches_one_device"),
     Exercise("06.zigzag", "06_context_parallel/cp_split.py",
