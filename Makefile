@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 TORCHRUN:= .venv/bin/torchrun
 STAMP   := .venv/.installed
 
-.PHONY: setup run test bench notebooks lab-answers clean
+.PHONY: setup run test bench notebooks lab-answers exercises grade clean
 
 # The venv's own Jupyter kernel ("python3", installed inside .venv) runs the notebooks with the venv's
 # Python, whatever other kernels the machine has.
@@ -45,6 +45,17 @@ notebooks: $(STAMP)
 # Each chapter's instructor answer key, LAB_ANSWERS.md, rebuilt from real runs of its lab's commands.
 lab-answers: $(STAMP)
 	for key in 0*/lab_answers.py; do $(PY) $$key || exit 1; done
+
+# Exercise mode (common/exercises): a student copy of the course with one chapter's marked bodies
+# removed (CHAPTER=01 … 06 or all), and its grader: one verdict line per exercise, exit 0 when all are
+# done. REPO= grades a copy with this checkout's environment (a copy has no .venv of its own).
+CHAPTER ?= all
+exercises: $(STAMP)
+	$(if $(OUT),,$(error name the new copy's folder: make exercises CHAPTER=02 OUT=dir))
+	$(PY) -m common.exercises make --chapter $(CHAPTER) --out $(OUT)
+
+grade: $(STAMP)
+	$(PY) -m common.exercises grade --chapter $(CHAPTER) $(if $(REPO),--repo $(REPO))
 
 clean:
 	rm -rf .venv runs .pytest_cache

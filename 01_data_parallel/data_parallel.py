@@ -130,11 +130,13 @@ class BucketedDataParallel(nn.Module):
         self._hooks_fired += 1
         if not self.sync:
             return
+        # >>> exercise 01.bucket_hook
         bucket = self.bucket_of[p]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):      # the bucket is full: send it now, asynchronously
             bucket.launch(self.group)
             self.launch_log.append((self.buckets.index(bucket), self._hooks_fired))
+        # <<< exercise 01.bucket_hook
 
     def sync_gradients(self) -> None:
         """Wait for every bucket's all-reduce and copy the summed gradients back into .grad."""

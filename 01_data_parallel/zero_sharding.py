@@ -152,6 +152,7 @@ class ZeroOptimizer:
     # --- gradients ---------------------------------------------------------------------------
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         """Stage 2, during backward: once a unit's gradients all exist, reduce-scatter them and free them."""
+        # >>> exercise 01.zero2_reduce_scatter
         u = self.unit_of[p]
         self._ready[u] += 1
         if self._ready[u] < len(self.params[u]):
@@ -161,6 +162,7 @@ class ZeroOptimizer:
         for q in self.params[u]:
             q.grad = None                                                  # the full gradient is freed
         self.reduce_scatter.launch(u, full)
+        # <<< exercise 01.zero2_reduce_scatter
 
     def sync_gradients(self) -> None:
         """Stage 1: all-reduce every unit's full gradient (2(N-1)/N·M). Stage 2: finish the reduce-scatters."""

@@ -98,8 +98,10 @@ class RowParallelLinear(TPRegion):
         self.weight = mark_layout(nn.Parameter(_shard(weight, 1, rank, size)), 1, 1)   # (out, in/tp)
 
     def forward(self, x):                # (B, S, in/tp)
+        # >>> exercise 02.row_parallel
         y = F.linear(x, self.weight)     # (B, S, out): a partial sum on each rank
         return self.g(y) if self.apply_g else y   # g: (B, S, out), or (B, S/tp, out) with SP
+        # <<< exercise 02.row_parallel
 
 
 class ReplicatedKVHead(nn.Module):
@@ -203,6 +205,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):    # (N, V/tp) floats, (N,) ints
+        # >>> exercise 02.vocab_ce
         logits = logits.float()
         z_max = logits.max(dim=-1).values                                          # (N,)
         comm.all_reduce(z_max, group=group, name="tp", op=dist.ReduceOp.MAX)
@@ -218,14 +221,17 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         softmax = exp / sum_exp.unsqueeze(-1)                                      # (N, V/tp) this rank's columns
         ctx.save_for_backward(softmax, local_t, inside)
         return (sum_exp.log() - target_logit).sum()
+        # <<< exercise 02.vocab_ce
 
     @staticmethod
     def backward(ctx, grad):             # d(sum loss)/dz = softmax − onehot(target), local columns only
+        # >>> exercise 02.vocab_ce
         softmax, local_t, inside = ctx.saved_tensors
         g = softmax.clone()
         rows = torch.arange(g.shape[0], device=g.device)
         g[rows, local_t] -= inside.to(g.dtype)
         return g * grad, None, None, None
+        # <<< exercise 02.vocab_ce
 
 
 def vocab_parallel_cross_entropy(local_logits, targets, group):

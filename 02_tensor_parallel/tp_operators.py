@@ -73,7 +73,9 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):             # every rank's slice of the output used all of x: sum the grads
+        # >>> exercise 02.f_g
         return _all_reduce(grad, ctx.group), None
+        # <<< exercise 02.f_g
 
 
 class ReduceFromTensorParallelRegion(torch.autograd.Function):
@@ -81,11 +83,15 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
+        # >>> exercise 02.f_g
         return _all_reduce(x, group)
+        # <<< exercise 02.f_g
 
     @staticmethod
     def backward(ctx, grad):             # d(sum of partials)/d(partial) = 1
+        # >>> exercise 02.f_g
         return grad, None
+        # <<< exercise 02.f_g
 
 
 # --- sequence parallelism: the all-reduce split into its two halves ------------------------------------

@@ -68,9 +68,11 @@ def message_count(actions, n_stages: int, p: int) -> int:
 
 def incoming_order(schedule, me: int, n_stages: int) -> dict[int, list[Key]]:
     """For each source rank, the keys it sends to `me`, in the order it sends them."""
+    # >>> exercise 03.receive_order
     p = len(schedule)
     return {src: [k for k, dst in produced_messages(schedule[src], n_stages, p) if dst == me]
             for src in range(p) if src != me}
+    # <<< exercise 03.receive_order
 
 
 def stage_parameters(model: nn.Module, spec) -> list[nn.Parameter]:

@@ -44,6 +44,7 @@ def one_f_one_b(p: int, m: int, v: int = 1) -> list[list[Action]]:
     """1F1B (PipeDream-Flush): start backwards as early as possible; at most p - r micro-batches in flight."""
     out = []
     for r in range(p):
+        # >>> exercise 03.one_f_one_b
         warmup = min(p - r - 1, m)                 # forwards before the first backward can arrive
         acts = []
         # === warmup ===  fill the pipe: the last rank (r = p-1) has no warmup at all
@@ -53,6 +54,7 @@ def one_f_one_b(p: int, m: int, v: int = 1) -> list[list[Action]]:
             acts += [Action("F", warmup + i, r), Action("B", i, r)]
         # === cooldown ===  drain the backwards of the warmup forwards
         acts += [Action("B", mb, r) for mb in range(m - warmup, m)]
+        # <<< exercise 03.one_f_one_b
         out.append(acts)
     return out
 

@@ -52,15 +52,19 @@ class Trainer3D(pipeline_trainer.PipelineTrainer):
         return loss if counted_here({"tp": self.mesh.size("tp")}, self.mesh.coords) else torch.zeros_like(loss)
 
     def sync_gradients(self) -> None:
+        # >>> exercise 04.grad_sync
         super().sync_gradients()                                       # DP: the per-stage all-reduces
         tensor_parallel.sync_tp_gradients(self.model, self.tp_group)   # TP: all are sums, in any order
+        # <<< exercise 04.grad_sync
 
     def clip_grad_norm(self, max_norm: float) -> float:
         # Each tensor counted once: a tensor replicated over TP (a norm gain, a shared KV head) by its
         # first holder (common.step_protocol.counted_here); DP replicas are never summed.
+        # >>> exercise 04.clip_norm
         grads = [p.grad for p in self.model.parameters()]
         counted = [p.grad for p in self.model.parameters() if counted_here(replicas(p), self.mesh.coords)]
         return clip_by_global_norm(counted, max_norm, groups=self.norm_groups, all_grads=grads)
+        # <<< exercise 04.clip_norm
 
     def optim_state(self) -> dict:
         """AdamW's moments by reference name, of this rank's (TP-local) tensors: for the checkpoint."""

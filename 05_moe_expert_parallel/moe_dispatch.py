@@ -28,18 +28,22 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, output_splits: list, input_splits: list, group):
+        # >>> exercise 05.all_to_all
         ctx.splits, ctx.group = (output_splits, input_splits), group
         out = rows.new_empty((sum(output_splits), *rows.shape[1:]))          # (M, D)
         comm.all_to_all_single(out, rows.contiguous(), output_splits, input_splits, group=group, name="ep")
         return out
+        # <<< exercise 05.all_to_all
 
     @staticmethod
     def backward(ctx, grad_out):
+        # >>> exercise 05.all_to_all
         output_splits, input_splits = ctx.splits
         grad_in = grad_out.new_empty((sum(input_splits), *grad_out.shape[1:]))   # (N, D)
         comm.all_to_all_single(grad_in, grad_out.contiguous(), input_splits, output_splits, group=ctx.group,
                                name="ep")
         return grad_in, None, None, None
+        # <<< exercise 05.all_to_all
 
 
 def all_to_all(rows, output_splits: list, input_splits: list, group):
@@ -50,10 +54,12 @@ def all_to_all(rows, output_splits: list, input_splits: list, group):
 def exchange_counts(counts, ep: int, group):
     """counts: (E,) rows this rank has for each expert. Returns (ep, E/ep): row s = the rows rank s
     will send me for each of my experts (every rank sends E/ep integers to every rank)."""
+    # >>> exercise 05.counts_first
     send = counts.view(ep, -1).contiguous()                                  # (ep, E/ep): row j for rank j
     recv = torch.empty_like(send)
     comm.all_to_all_single(recv, send, [1] * ep, [1] * ep, group=group, name="ep")
     return recv
+    # <<< exercise 05.counts_first
 
 
 def expert_major(recv_counts):

@@ -69,8 +69,10 @@ class SequenceSplit:
         c = self.seq_len // n_chunks(self.cp, self.split)
         if self.split == "contiguous":
             return [(rank * c, (rank + 1) * c)]
+        # >>> exercise 06.zigzag
         late = 2 * self.cp - 1 - rank
         return [(rank * c, (rank + 1) * c), (late * c, (late + 1) * c)]
+        # <<< exercise 06.zigzag
 
     def positions(self, rank: int) -> torch.Tensor:
         """(S/cp,) long: the global position of each of this rank's local rows."""

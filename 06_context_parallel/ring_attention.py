@@ -101,10 +101,12 @@ def merge(out, lse, out_b, lse_b):
     out' = out·e^(lse − lse') + out_b·e^(lse_b − lse'). Subtracting the running max m first keeps every
     exponent ≤ 0, so nothing overflows. Before any key, lse = −∞: its weight e^(−∞) is 0.
     out: (B, h, Lq, hd), lse: (B, h, Lq)."""
+    # >>> exercise 06.merge
     m = torch.maximum(lse, lse_b)                                   # running max of the log-sum-exps
     new_lse = m + torch.log(torch.exp(lse - m) + torch.exp(lse_b - m))
     new_out = out * torch.exp(lse - new_lse)[..., None] + out_b * torch.exp(lse_b - new_lse)[..., None]
     return new_out, new_lse
+    # <<< exercise 06.merge
 
 
 def attend_block(q, kv, pairs: list[Pair], out, lse) -> None:

@@ -94,6 +94,9 @@ def test_executor_message_plan_matches_and_never_deadlocks(name, p, m, v):
         needed = Counter({k: c for k, c in needed.items() if k is not None and k[1] != r})
         expected = Counter((k, src) for src, keys in orders[r].items() for k in keys)
         assert needed == expected
+        for src, keys in orders[r].items():          # a channel's receives match its sends in order (gloo, NCCL):
+            sent = [k for k, dst in pipeline_executor.produced_messages(sched[src], n, p) if dst == r]
+            assert keys == sent, f"rank {r} would post its receives from rank {src} out of its sending order"
     run_protocol(sched, n, blocking_sends=False)     # what the executor does
     if name != "interleaved":                        # these survive even rendezvous sends
         run_protocol(sched, n, blocking_sends=True)

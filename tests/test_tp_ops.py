@@ -1,6 +1,7 @@
 """Chapter 02 pieces: each TP operator against closed-form values, each parallel layer against its
-single-device twin. The `check_*` functions run inside spawned ranks (tests/test_tp.py runs them in
-its groups of 2 and 4, next to the training runs); the `test_*` functions here need no ranks."""
+single-device twin. The `check_*` functions run inside spawned ranks: at 2 ranks in one group of their
+own here (each piece its own test, so the exercise grader can name the piece that fails), at 4 ranks in
+tests/test_tp.py's group, next to the training runs. The other `test_*` functions here need no ranks."""
 import sys
 from importlib import import_module
 from pathlib import Path
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.errors import ConfigError                           # noqa: E402
 from common.model import Attention, ModelConfig, PRESETS, SwiGLU, rope_tables   # noqa: E402
 from common.step_protocol import counted_here, replicas                  # noqa: E402
+from harness import ok, run_group                                        # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -203,6 +205,30 @@ def check_partial_stage(sp: bool):
     for name, p in stage.named_parameters():        # gathered back: the single-device weights
         torch.testing.assert_close(tensor_parallel.tp_to_full(name, p, group, cfg.n_kv_heads), dense.get_parameter(name))
     return True
+
+
+# --- at two ranks: one group, one test per piece ------------------------------------------------------
+
+TWO_RANKS = {"operators": ("test_tp_ops:check_operators",), "vocab loss": ("test_tp_ops:check_vocab_parallel_loss",),
+             "layers": ("test_tp_ops:check_layers", False), "layers+sp": ("test_tp_ops:check_layers", True)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return dict(zip(TWO_RANKS, run_group(2, list(TWO_RANKS.values()))))
+
+
+def test_operators_at_two_ranks(two_ranks):
+    assert ok(two_ranks["operators"]) is True
+
+
+def test_vocab_parallel_loss_at_two_ranks(two_ranks):
+    assert ok(two_ranks["vocab loss"]) is True
+
+
+def test_layers_at_two_ranks(two_ranks):
+    assert ok(two_ranks["layers"]) is True
+    assert ok(two_ranks["layers+sp"]) is True
 
 
 # --- without ranks ----------------------------------------------------------------------------------

@@ -26,9 +26,10 @@ def run_tests(repo: Path, node_ids: list[str], timeout_s: float = 900) -> dict[s
     result = {}
     for node in node_ids:
         hits = {k: v for k, v in records.items() if k == node or k.startswith(node + "[") or k.startswith(node + "::")}
-        if not hits:
-            result[node] = {"status": "failed", "line": tail.strip().splitlines()[-1] if tail.strip() else "no result",
-                            "text": tail}
+        if not hits:     # its file did not import (a syntax error, say), or the run stopped first
+            broken = records.get(node.split("::")[0]) or records.get("collection")
+            result[node] = broken or {"status": "failed", "text": tail,
+                                      "line": tail.strip().splitlines()[-1] if tail.strip() else "no result"}
             continue
         failed = [v for v in hits.values() if v["status"] == "failed"]
         result[node] = failed[0] if failed else {"status": "passed", "line": "", "text": ""}

@@ -1,0 +1,182 @@
+"""Every exercise of the course: which lines of which file a student writes, where the README explains
+it, a hint, and the course's own tests that grade it.
+
+In the chapter's code an exercise is the lines between two marker comments, at the body's indentation:
+
+    def backward(ctx, grad):
+        # >>> exercise 02.f_g
+        return _all_reduce(grad, ctx.group), None
+        # <<< exercise 02.f_g
+
+An exercise may have several marked regions (f's backward and g's forward are one idea). `make` replaces
+each region's lines by one `raise NotImplementedError(...)`; `grade` runs `units` (tests of the piece
+alone) and `layout` (one run that must reproduce the single-device losses). tests/test_exercises.py
+checks that the markers in the code and this catalog name the same exercises, and that each README
+section named here is a real heading of the chapter's README.
+"""
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+BEGIN, END = "# >>> exercise ", "# <<< exercise "
+MARKER = re.compile(r"^(\s*)# (>>>|<<<) exercise (\S+)\s*$")
+
+
+@dataclass(frozen=True)
+class Exercise:
+    id: str                 # "02.f_g": chapter number, then a short name
+    file: str               # the file that holds its marked region(s), from the repository root
+    title: str              # what to implement, in one line
+    section: str            # a heading of the chapter's README.md, without the #'s
+    hint: str
+    units: tuple = ()       # pytest node ids of the piece's own tests (a test function covers its parameters)
+    layout: str = ""        # one pytest node id: a layout that must reproduce the single-device run
+
+    @property
+    def chapter(self) -> str:
+        return self.id.split(".")[0]
+
+    @property
+    def readme(self) -> str:
+        return str(Path(self.file).parent / "README.md")
+
+    def node_ids(self, quick: bool = False) -> list[str]:
+        """The tests that grade it: the units (with --quick), or the units and the layout run."""
+        return list(self.units) if quick and self.units else list(self.units) + [self.layout]
+
+
+EXERCISES = [
+    Exercise("01.bucket_hook", "01_data_parallel/data_parallel.py",
+             "BucketedDataParallel._on_grad_ready: count the gradient into its bucket; a full bucket starts its all-reduce",
+             "Buckets, and overlap with backward",
+             "self.bucket_of[p] is the parameter's _Bucket; bucket.ready counts the gradients that exist; when all of "
+             "bucket.params are ready, bucket.launch(self.group) and append (bucket index, self._hooks_fired) to "
+             "self.launch_log (the test reads it)",
+             units=("tests/test_dp.py::test_buckets_are_sent_during_backward",
+                    "tests/test_dp.py::test_every_impl_reproduces_single_device_gradients[2]"),
+             layout="tests/test_dp.py::test_every_impl_reproduces_single_device_losses[2]"),
+    Exercise("01.zero2_reduce_scatter", "01_data_parallel/zero_sharding.py",
+             "ZeroOptimizer._on_grad_ready (stage 2): once a unit's gradients all exist, flatten them, free them, "
+             "reduce-scatter the flat gradient",
+             "Part two: ZeRO — sharding the replicas",
+             "count ready gradients per unit (self.unit_of[p], self._ready[u]) and reset the count when the unit is "
+             "full; self.units[u].flatten(grads) gives the padded flat gradient; set each q.grad = None before "
+             "self.reduce_scatter.launch(u, full), which adds this rank's summed shard into self.shard_grads[u]",
+             layout="tests/test_zero.py::test_two_ranks"),
+    Exercise("02.f_g", "02_tensor_parallel/tp_operators.py",
+             "f (identity forward, all-reduce backward) and g (all-reduce forward, identity backward)",
+             "2. f and g: where the communication goes",
+             "_all_reduce(t, group) sums t over the TP group; backward returns one gradient per input of forward "
+             "(None for the group)",
+             units=("tests/test_tp_ops.py::test_operators_at_two_ranks",),
+             layout="tests/test_tp.py::test_tp_layouts_match_single_device[2]"),
+    Exercise("02.row_parallel", "02_tensor_parallel/tp_layers.py",
+             "RowParallelLinear.forward: the partial product of this rank's input columns, then g",
+             "1. Split columns, then rows",
+             "F.linear(x, self.weight) with the (out, in/tp) shard gives a partial sum of y; self.g adds the "
+             "partials (or reduce-scatters them with SP), unless apply_g is False",
+             units=("tests/test_tp_ops.py::test_layers_at_two_ranks",),
+             layout="tests/test_tp.py::test_tp_layouts_match_single_device[2]"),
+    Exercise("02.vocab_ce", "02_tensor_parallel/tp_layers.py",
+             "VocabParallelCrossEntropy forward and backward: the loss from vocabulary-split logits, three all-reduces",
+             "3. The vocab-parallel cross-entropy",
+             "all-reduce the row max (ReduceOp.MAX), the sum of exp(z - max), and the target's shifted logit (zero "
+             "on the ranks that do not hold the target); save the local softmax; backward is softmax - onehot on "
+             "the local columns",
+             units=("tests/test_tp_ops.py::test_vocab_parallel_loss_at_two_ranks",),
+             layout="tests/test_tp.py::test_tp_layouts_match_single_device[2]"),
+    Exercise("03.one_f_one_b", "03_pipeline_parallel/pipeline_schedules.py",
+             "one_f_one_b: rank r's action list (warmup forwards, then one forward one backward, then the cooldown)",
+             "The bubble, step by step — `pipeline_schedules.py`",
+             "rank r does min(p - r - 1, m) warmup forwards; Action(kind, mb, r) with kind 'F' or 'B'; build `acts` "
+             "for rank r (the loop appends it)",
+             units=("tests/test_pp_schedules.py::test_every_forward_has_its_backward_once",
+                    "tests/test_pp_schedules.py::test_dependencies_and_in_flight_limit",
+                    "tests/test_pp_schedules.py::test_1f1b_warmup_is_min_p_minus_r_minus_1_m"),
+             layout="tests/test_pp.py::test_world_2"),
+    Exercise("03.receive_order", "03_pipeline_parallel/pipeline_executor.py",
+             "incoming_order: for each other rank, the messages it sends to this rank, in its sending order",
+             "One executor — `pipeline_executor.py`",
+             "produced_messages(schedule[src], n_stages, p) lists (key, destination) in src's order; keep those "
+             "addressed to `me`",
+             units=("tests/test_pp_schedules.py::test_executor_message_plan_matches_and_never_deadlocks",),
+             layout="tests/test_pp.py::test_world_2"),
+    Exercise("04.grad_sync", "04_3d_combined/trainer_3d.py",
+             "Trainer3D.sync_gradients: the DP all-reduces, then the TP sums of the replicated tensors",
+             "One step, one batch, through the grid (`main` in `train_3d.py`, the verbs in `trainer_3d.py`)",
+             "chapter 03's PipelineTrainer.sync_gradients waits for the per-stage DP all-reduces; chapter 02's "
+             "tensor_parallel.sync_tp_gradients(model, tp_group) sums the gradients of TP-replicated tensors",
+             layout="tests/test_3d.py::test_four_rank_layouts_and_resume_in_another_layout"),
+    Exercise("04.clip_norm", "04_3d_combined/trainer_3d.py",
+             "Trainer3D.clip_grad_norm: the whole model's gradient norm, each tensor counted once",
+             "One step, one batch, through the grid (`main` in `train_3d.py`, the verbs in `trainer_3d.py`)",
+             "counted_here(replicas(p), self.mesh.coords) picks one holder of a TP-replicated tensor; "
+             "clip_by_global_norm(counted, max_norm, groups=self.norm_groups, all_grads=every grad) sums the "
+             "squares over TP and PP and scales every gradient",
+             layout="tests/test_3d.py::test_four_rank_layouts_and_resume_in_another_layout"),
+    Exercise("05.all_to_all", "05_moe_expert_parallel/moe_dispatch.py",
+             "AllToAll forward and backward: rows out by input_splits, in by output_splits; gradients go home",
+             "5. Expert parallelism: the all-to-all",
+             "comm.all_to_all_single(out, inp, output_splits, input_splits, group=group, name='ep') fills `out`; "
+             "backward is the same collective with the two split lists swapped",
+             units=("tests/test_moe_ep.py::test_all_to_all_and_mesh",),
+             layout="tests/test_moe_ep.py::test_training_matches_world_size_one[2]"),
+    Exercise("05.counts_first", "05_moe_expert_parallel/moe_dispatch.py",
+             "exchange_counts: the row counts every rank will send, exchanged before the rows",
+             "5. Expert parallelism: the all-to-all",
+             "view the (E,) counts as (ep, E/ep): row j goes to rank j; one all_to_all_single with splits of 1 row each",
+             units=("tests/test_moe_ep.py::test_all_to_all_and_mesh",
+                    "tests/test_moe_ep.py::test_expert_parallel_layer_equals_single_device_layer"),
+             layout="tests/test_moe_ep.py::test_training_matches_world_size_one[2]"),
+    Exercise("06.merge", "06_context_parallel/ring_attention.py",
+             "merge: fold one block's (out_b, lse_b) into the running (out, lse), the online softmax",
+             "3. Ring attention — `ring_attention.py`",
+             "lse' = log(e^lse + e^lse_b), computed after subtracting the max of the two; out' = out·e^(lse − lse') + "
+             "out_b·e^(lse_b − lse'); before any key lse is −inf, and its weight e^(−inf) is 0",
+             units=("tests/test_ring_attention.py::test_matches_single_device_attention",),
+             layout="tests/test_cp.py::test_every_cp_layout_matches_one_device"),
+    Exercise("06.zigzag", "06_context_parallel/cp_split.py",
+             "SequenceSplit.chunks, zig-zag: rank r holds chunk r and chunk 2·cp − 1 − r",
+             "5. Causal balance: zig-zag",
+             "the sequence is cut into 2·cp chunks of c positions; return the two [start, stop) pairs, the early one first",
+             units=("tests/test_ring_attention.py::test_zigzag_chunks_and_positions",
+                    "tests/test_ring_attention.py::test_positions_form_a_permutation",
+                    "tests/test_ring_attention.py::test_work_zigzag_balanced_contiguous_not"),
+             layout="tests/test_cp.py::test_every_cp_layout_matches_one_device"),
+]
+BY_ID = {e.id: e for e in EXERCISES}
+CHAPTERS = sorted({e.chapter for e in EXERCISES})
+
+
+def for_chapter(chapter: str) -> list[Exercise]:
+    """The exercises of chapter '02' (or of every chapter for 'all'); a ConfigError names the choices."""
+    from common.errors import ConfigError
+    chapter = chapter.zfill(2) if chapter.isdigit() else chapter
+    if chapter == "all":
+        return list(EXERCISES)
+    if chapter not in CHAPTERS:
+        raise ConfigError(f"--chapter {chapter}: use one of {', '.join(CHAPTERS)} or all")
+    return [e for e in EXERCISES if e.chapter == chapter]
+
+
+def regions(text: str) -> list[tuple[str, int, int]]:
+    """(exercise id, first body line, line after the body) of every marked region in `text`, 0-based
+    line indices; raises ValueError on a marker without its partner."""
+    out, open_ = [], None
+    for i, line in enumerate(text.splitlines()):
+        m = MARKER.match(line)
+        if not m:
+            continue
+        _, kind, ex = m.groups()
+        if kind == ">>>":
+            if open_:
+                raise ValueError(f"line {i + 1}: exercise {ex} opens inside exercise {open_[0]}")
+            open_ = (ex, i + 1)
+        else:
+            if not open_ or open_[0] != ex:
+                raise ValueError(f"line {i + 1}: exercise {ex} closes without its '{BEGIN}{ex}'")
+            out.append((ex, open_[1], i))
+            open_ = None
+    if open_:
+        raise ValueError(f"exercise {open_[0]} is never closed")
+    return out

@@ -1,0 +1,95 @@
+"""`grade`: one pytest run over every test of a chapter's exercises, then one verdict per exercise.
+
+    done                      every test that grades it passed
+    not done                  its stub is still in the file, or its own NotImplementedError stopped a test
+    waits on 02.f_g           its tests fail only where another exercise's NotImplementedError stopped them
+    wrong: <test>: <line>     a test failed on its own: the first failing comparison, in one line
+
+Nothing here knows an answer: the verdicts are the course's own tests, read."""
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .catalog import BY_ID, Exercise
+from .run_tests import run_tests
+from .student_copy import stub_prefix, unsolved
+
+# A harness failure ("expected 'ok' on every rank; got: --- rank 0: error --- <traceback>") is a wall of
+# text: the line worth showing is the exception at the end of the first rank's traceback.
+_RANK_BLOCK = re.compile(r"--- rank \d+: \w+ ---\n(.*?)(?=\n--- rank \d+:|\Z)", re.S)
+_EXCEPTION = re.compile(r"^(?:[\w.]+(?:Error|Exception)|AssertionError|ConfigError|Failed)\b.*$")
+
+
+@dataclass
+class Verdict:
+    exercise: Exercise
+    status: str            # "done" | "not done" | "waits on" | "wrong"
+    detail: str = ""
+
+    def line(self) -> str:
+        ex, width = self.exercise, 26
+        if self.status == "waits on":
+            return f"{ex.id:<{width}}waits on {self.detail}"
+        if self.status == "wrong":
+            return f"{ex.id:<{width}}wrong: {self.detail}"
+        return f"{ex.id:<{width}}{self.status}" + (f"   ({self.detail})" if self.detail else "")
+
+
+def short_test(node: str) -> str:
+    """tests/test_tp.py::test_x[2] -> test_tp.py::test_x[2]"""
+    return node.split("/")[-1]
+
+
+def first_failure(record: dict) -> str:
+    """One line: the failing comparison, or the exception that stopped a rank."""
+    line = record.get("line", "").strip()
+    if "on every rank; got:" in line or not line:
+        for block in _RANK_BLOCK.findall(record.get("text", "")):
+            found = [ln.strip() for ln in block.splitlines() if _EXCEPTION.match(ln.strip())]
+            if found:
+                return found[-1][:300]
+    return re.sub(r"^E\s+", "", line)[:300]          # pytest's "E   " prefix of a collection error
+
+
+def blocked_by(text: str, me: Exercise) -> list[str]:
+    """The other exercises whose stub (their NotImplementedError) appears in a failure's text."""
+    return [ex_id for ex_id in BY_ID if ex_id != me.id and stub_prefix(BY_ID[ex_id]) in text]
+
+
+def verdict(ex: Exercise, repo: Path, outcomes: dict, quick: bool, units_wrong=frozenset()) -> Verdict:
+    """`units_wrong`: the exercises of this run whose own unit tests failed. When only the layout run
+    fails and it is shared with one of them, that one is the likelier culprit: this one waits on it."""
+    if unsolved(repo, ex):
+        return Verdict(ex, "not done")
+    failed = [(node, outcomes[node]) for node in ex.node_ids(quick) if outcomes[node]["status"] == "failed"]
+    if not failed:
+        return Verdict(ex, "done")
+    if any(stub_prefix(ex) in rec["text"] or stub_prefix(ex) in rec["line"] for _, rec in failed):
+        return Verdict(ex, "not done", "its NotImplementedError is still raised")
+    waits = sorted({other for _, rec in failed for other in blocked_by(rec["text"] + rec["line"], ex)})
+    if not waits and [node for node, _ in failed] == [ex.layout]:
+        waits = sorted(other.id for other in BY_ID.values()
+                       if other.id in units_wrong and other.id != ex.id and other.layout == ex.layout)
+    if waits:
+        return Verdict(ex, "waits on", ", ".join(waits))
+    node, rec = failed[0]
+    return Verdict(ex, "wrong", f"{short_test(node)}: {first_failure(rec)}")
+
+
+def grade(exercises: list[Exercise], repo: Path, quick: bool = False, log=print) -> list[Verdict]:
+    """Run every test of `exercises` in `repo` in one pytest run, print one line per exercise, and
+    return the verdicts."""
+    todo = [ex for ex in exercises if not unsolved(repo, ex)]     # a stub still there needs no test run
+    nodes = list(dict.fromkeys(node for ex in todo for node in ex.node_ids(quick)))
+    log(f"grading {len(exercises)} exercise(s) in {repo}: {len(todo)} written, {len(nodes)} test(s) to run",
+        flush=True)
+    t0 = time.perf_counter()
+    outcomes = run_tests(repo, nodes) if todo else {}
+    units_wrong = {ex.id for ex in todo if any(outcomes[n]["status"] == "failed" for n in ex.units)}
+    verdicts = [verdict(ex, repo, outcomes, quick, units_wrong) for ex in exercises]
+    for v in verdicts:
+        log(v.line())
+    done = sum(v.status == "done" for v in verdicts)
+    log(f"{done} of {len(verdicts)} done  ({time.perf_counter() - t0:.0f} s)")
+    return verdicts

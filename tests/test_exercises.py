@@ -1,0 +1,114 @@
+"""Exercise mode (common/exercises): the markers in the code and the catalog agree; `make` gives a copy
+that compiles and whose marked bodies raise; `grade` passes the reference, calls an untouched copy's
+exercises "not done", and sees one solved exercise as "done" (chapter 03, --quick: its unit tests)."""
+import ast
+import re
+import subprocess
+import sys
+
+import pytest
+
+from common.exercises import catalog, grader, student_copy
+from common.exercises.__main__ import main as exercises_main
+from harness import ROOT
+
+
+def _python_files():
+    """The chapters and common/, but not common/exercises (its docstrings show the markers)."""
+    return list(ROOT.glob("[0-9][0-9]_*/*.py")) + [p for p in (ROOT / "common").rglob("*.py")
+                                                    if "exercises" not in p.parts]
+
+
+def test_every_marker_is_in_the_catalog_and_back():
+    found = {}
+    for path in _python_files():
+        for ex_id, first, stop in catalog.regions(path.read_text()):
+            assert stop > first, f"{path}: exercise {ex_id} marks no line"
+            found.setdefault(ex_id, set()).add(str(path.relative_to(ROOT)))
+    assert set(found) == set(catalog.BY_ID), (set(found) ^ set(catalog.BY_ID))
+    for ex in catalog.EXERCISES:
+        assert found[ex.id] == {ex.file}, (ex.id, found[ex.id])
+    assert len(catalog.EXERCISES) >= 10 and all(2 <= len(catalog.for_chapter(c)) <= 4 for c in catalog.CHAPTERS)
+
+
+def test_every_readme_section_and_test_named_exists_and_each_lab_sets_its_exercises():
+    for ex in catalog.EXERCISES:
+        lab = (ROOT / ex.readme).with_name("LAB.md").read_text().partition("\n## Write it yourself\n")[2]
+        assert f"**`{ex.id}`**" in lab and ex.hint in lab, f"{ex.id}: not set in its LAB.md's 'Write it yourself'"
+        headings = {line.lstrip("#").strip() for line in (ROOT / ex.readme).read_text().splitlines()
+                    if line.startswith("#")}
+        assert ex.section in headings, f"{ex.id}: no heading '{ex.section}' in {ex.readme}"
+        for node in ex.node_ids():
+            path, name = node.split("::")
+            assert re.search(rf"^def {re.escape(name.split('[')[0])}\(", (ROOT / path).read_text(), re.M), node
+
+
+def test_list_prints_one_line_per_exercise(capsys):
+    assert exercises_main(["list"]) == 0
+    ids = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line and not line[0].isspace()]
+    assert ids == [ex.id for ex in catalog.EXERCISES]
+
+
+def test_verdicts_read_the_failures():
+    """Without running anything: which failure text gives which verdict line."""
+    ex, other = catalog.BY_ID["03.receive_order"], catalog.BY_ID["03.one_f_one_b"]
+    node = ex.node_ids(quick=True)[0]
+    stopped = {node: {"status": "failed", "line": "NotImplementedError: exercise 03.one_f_one_b: …",
+                      "text": student_copy.stub(other)}}
+    assert grader.verdict(ex, ROOT, stopped, quick=True).line().endswith("waits on 03.one_f_one_b")
+    rank_text = ("expected 'ok' on every rank; got:\n--- rank 0: error ---\nTraceback (most recent call last):\n"
+                 "  File \"x.py\", line 1\nAssertionError: tp2, rank 0: losses differ by 3.1e-02\n"
+                 "--- rank 1: error ---\nRuntimeError: later")
+    wrong = {node: {"status": "failed", "line": "AssertionError: expected 'ok' on every rank; got:", "text": rank_text}}
+    line = grader.verdict(ex, ROOT, wrong, quick=True).line()
+    assert line.endswith("wrong: test_pp_schedules.py::test_executor_message_plan_matches_and_never_deadlocks: "
+                         "AssertionError: tp2, rank 0: losses differ by 3.1e-02"), line
+    # 02.f_g's own test passes, the layout run it shares with 02.row_parallel fails: the wrong one is blamed
+    f_g, row = catalog.BY_ID["02.f_g"], catalog.BY_ID["02.row_parallel"]
+    shared = {f_g.units[0]: {"status": "passed", "line": "", "text": ""}, f_g.layout: wrong[node]}
+    assert grader.verdict(f_g, ROOT, shared, False, {row.id}).line().endswith("waits on 02.row_parallel")
+    assert grader.verdict(f_g, ROOT, shared, False).line().split()[1] == "wrong:"
+
+
+def _run(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory):
+    """A student copy of every chapter (make --chapter all)."""
+    out = tmp_path_factory.mktemp("student") / "course"
+    assert exercises_main(["make", "--chapter", "all", "--out", str(out)]) == 0
+    return out
+
+
+def test_make_gives_a_copy_that_compiles_and_raises(student):
+    for ex in catalog.EXERCISES:
+        text = (student / ex.file).read_text()
+        ast.parse(text)
+        assert student_copy.unsolved(student, ex) and not student_copy.unsolved(ROOT, ex), ex.id
+    # the copy imports, and a marked body raises, naming its exercise and where to read
+    proc = _run("-c", "from importlib import import_module\n"
+                      "s = import_module('03_pipeline_parallel.pipeline_schedules')\n"
+                      "import_module('06_context_parallel.ring_attention')\n"
+                      "s.one_f_one_b(2, 4)", cwd=student)
+    assert proc.returncode == 1 and ("NotImplementedError: exercise 03.one_f_one_b: " in proc.stderr), proc.stderr
+    assert "read 03_pipeline_parallel/README.md, section 'The bubble, step by step" in proc.stderr, proc.stderr
+
+
+def test_grade_reference_fresh_copy_and_one_solved(student, tmp_path):
+    ref = _run("-m", "common.exercises", "grade", "--chapter", "03", "--quick")
+    assert ref.returncode == 0 and "2 of 2 done" in ref.stdout, ref.stdout + ref.stderr
+
+    fresh = _run("-m", "common.exercises", "grade", "--chapter", "03", "--quick", "--repo", str(student))
+    assert fresh.returncode == 1, fresh.stdout + fresh.stderr
+    assert re.search(r"^03\.one_f_one_b +not done$", fresh.stdout, re.M), fresh.stdout
+    assert re.search(r"^03\.receive_order +not done$", fresh.stdout, re.M), fresh.stdout
+    assert "0 of 2 done" in fresh.stdout
+
+    student_copy.restore(student, catalog.BY_ID["03.one_f_one_b"])      # the student writes one of the two
+    one = _run("-m", "common.exercises", "grade", "--chapter", "03", "--quick", "--repo", str(student))
+    assert one.returncode == 1, one.stdout + one.stderr
+    assert re.search(r"^03\.one_f_one_b +done$", one.stdout, re.M), one.stdout
+    assert re.search(r"^03\.receive_order +not done$", one.stdout, re.M), one.stdout
+    assert "1 of 2 done" in one.stdout
