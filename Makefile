@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 TORCHRUN:= .venv/bin/torchrun
 STAMP   := .venv/.installed
 
-.PHONY: setup run test bench notebooks lab-answers clean
+.PHONY: setup run test bench notebooks lab-answers bug museum clean
 
 # The venv's own Jupyter kernel ("python3", installed inside .venv) runs the notebooks with the venv's
 # Python, whatever other kernels the machine has.
@@ -45,6 +45,15 @@ notebooks: $(STAMP)
 # Each chapter's instructor answer key, LAB_ANSWERS.md, rebuilt from real runs of its lab's commands.
 lab-answers: $(STAMP)
 	for key in 0*/lab_answers.py; do $(PY) $$key || exit 1; done
+
+# The museum of real bugs: `make bug ID=06.stale_kv OUT=../bug` plants one in a copy of the course
+# (`make bug` alone lists them); `make museum` plants each in turn and runs the tests that must catch it,
+# writing common/exercises/MUSEUM.md (about MUSEUM_MINUTES minutes on 2 cores).
+bug: $(STAMP)
+	$(PY) -m common.exercises bug $(if $(ID),$(ID) --out $(OUT),list)
+
+museum: $(STAMP)
+	$(PY) -m common.exercises bug --check
 
 clean:
 	rm -rf .venv runs .pytest_cache
