@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
+from common.exercises.museum import key_section  # noqa: E402
 from common.lab_key import ROOT, Edit, Key, mib, table  # noqa: E402
 from common.model import PRESETS, count_parameters  # noqa: E402
 
@@ -295,6 +296,7 @@ def main() -> None:
     key.names(f"{CH}/zero_sharding.py", "groups=(self.group, *groups),"), key.names("common/optim.py", "def decays")
     part_one(key)
     part_two(key)
+    key.section(*key_section("01"))      # the museum's bugs of this chapter: how each is found
     key.write()
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
+from common.exercises.museum import key_section  # noqa: E402
 from common.lab_key import ROOT, Edit, Key, table  # noqa: E402
 from common.model import PRESETS, count_parameters  # noqa: E402
 
@@ -158,6 +159,7 @@ Shard is a local slice, Partial → Replicate an all-reduce. `comm_bytes_tp` in 
 bypass the counter). Throughput: the ratio columns of
 `results/throughput.md` (from `python 02_tensor_parallel/bench_tp.py`); times and their ratios are
 the measuring machine's and vary by CPU and load.""")
+    key.section(*key_section("02"))      # the museum's bugs of this chapter: how each is found
     key.write()
 
 

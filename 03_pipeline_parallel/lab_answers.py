@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
+from common.exercises.museum import key_section  # noqa: E402
 from common.lab_key import ROOT, Edit, Key, mib, table  # noqa: E402
 
 CH = "03_pipeline_parallel"
@@ -209,6 +210,7 @@ the launcher's, not a traceback from the project's code. Why the rules: interlea
 micro-batches round in groups of p, so m must be a multiple of p; each stage needs at least one
 layer; one stage per rank is all GPipe/1F1B/ZB-H1 know how to schedule; and m micro-batches must
 each get a whole number of the rank's sequences.""")
+    key.section(*key_section("03"))      # the museum's bugs of this chapter: how each is found
     key.write()
 
 

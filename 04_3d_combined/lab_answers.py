@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
+from common.exercises.museum import key_section  # noqa: E402
 from common.lab_key import ROOT, Edit, Key, mib, table  # noqa: E402
 from common.model import PRESETS, count_parameters  # noqa: E402
 
@@ -203,6 +204,7 @@ same operations on the same inputs, so every number is bit-identical. Its price 
 **{slower:.2f}×** the step time of `none` here (a second forward of every block: about 1 + 1/3 of the
 work, plus its TP collectives again; one short run on a shared machine, so only roughly).""")
 
+    key.section(*key_section("04"))      # the museum's bugs of this chapter: how each is found
     key.write()
 
 

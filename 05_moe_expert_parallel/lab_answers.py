@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
+from common.exercises.museum import key_section  # noqa: E402
 from common.lab_key import Edit, Key, mib, table  # noqa: E402
 from common.model import PRESETS, count_parameters  # noqa: E402
 
@@ -394,6 +395,7 @@ def main() -> None:
     spread = part_two(key)
     part_three(key, spread)
     part_four(key)
+    key.section(*key_section("05"))      # the museum's bugs of this chapter: how each is found
     key.write()
 
 

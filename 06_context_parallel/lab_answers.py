@@ -8,6 +8,7 @@ from importlib import import_module
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common` and the chapters
+from common.exercises.museum import key_section  # noqa: E402
 from common.lab_key import Edit, Key, table  # noqa: E402
 from common.model import PRESETS  # noqa: E402
 
@@ -214,6 +215,7 @@ def main() -> None:
     part_three(key)
     part_four(key)
     import_module("06_context_parallel.lab_layout").layout_section(key)   # C9: the layout planner
+    key.section(*key_section("06"))      # the museum's bugs of this chapter: how each is found
     key.write()
 
 

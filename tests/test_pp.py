@@ -84,6 +84,8 @@ def test_world_4(reference, tmp_path):
         "interleaved v=2 m=4": ["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4"],
         "zb-h1 m=4": ["--schedule", "zb-h1", "--microbatches", "4"],
         "dp=2 × pp=2 1f1b m=2": ["--pp", "2", "--schedule", "1f1b", "--microbatches", "2"],
+        # zero bubble under data parallelism: a stage's all-reduce must wait for its last W, not its last B
+        "dp=2 × pp=2 zb-h1 m=2": ["--pp", "2", "--schedule", "zb-h1", "--microbatches", "2"],
         "torch zb-h1": ["--impl", "torch", "--schedule", "zb-h1", "--microbatches", "4"],
     }
     trace, ck = tmp_path / "trace.json", tmp_path / "ck"
@@ -107,7 +109,7 @@ def test_world_4(reference, tmp_path):
     assert 0 < bubble_fraction(last) < 1
     history = ok(results[2])
     assert len(history[-1]["peak_activation_bytes"]) == 4 and history[-1]["comm_bytes_pp"] > 0
-    torch_row = ok(results[6])[-1]          # torch's runtime: no timeline, no activation ledger
+    torch_row = ok(results[list(configs).index("torch zb-h1")])[-1]          # torch's runtime: no timeline, no activation ledger
     assert torch_row["bubble_fraction"] is None and torch_row["peak_activation_bytes"] is None, \
         "a quantity torch's runtime does not measure is null, never a number"
 

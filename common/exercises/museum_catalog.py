@@ -1,0 +1,314 @@
+"""The exhibits of the museum of real bugs: one realistic bug each, planted by replacing one snippet.
+
+Every exhibit is a class of bug that real training projects shipped (ring attention reusing stale
+K/V blocks, a loss not reduced over the context-parallel group, router gradients left out of the
+data-parallel sum, ...), written into this course's own code at the place where it would live here.
+An exhibit says:
+
+    id, chapter   "06.stale_kv", "06": the chapter whose LAB sets it
+    title         what a user would report (the symptom, never the cause)
+    bug_class     the class of real bug it belongs to
+    file, old, new  planting replaces `old` (which must occur exactly once in `file`) by `new`
+    catch         the course's own tests that fail on it (pytest node ids, cheapest first)
+    see           the commands that show the symptom, for the student (no hint of the cause)
+    key           how it is found with the course's tools, and why the fix is the fix (the answer key)
+
+`python -m common.exercises bug --check` plants each one in a copy and runs its `catch` tests:
+common/exercises/MUSEUM.md holds the table it writes.
+"""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Exhibit:
+    id: str
+    chapter: str
+    title: str
+    bug_class: str
+    file: str
+    old: str
+    new: str
+    catch: tuple
+    see: tuple
+    key: str
+
+
+CP_TEST = "tests/test_cp.py::test_every_cp_layout_matches_one_device"
+
+EXHIBITS = (
+    Exhibit(
+        "01.accumulation_divides_twice", "01",
+        "with --microbatches 2 the loss is half the single-device loss; with one micro-batch all is well",
+        "gradient accumulation that divides twice",
+        "01_data_parallel/train_dp.py",
+        "kw = dict(tokens_per_step=args.global_batch * args.seq_len, bf16=args.dtype == \"bf16\")",
+        "kw = dict(tokens_per_step=args.global_batch * args.seq_len * args.microbatches, bf16=args.dtype == \"bf16\")",
+        ("tests/test_dp.py::test_every_impl_reproduces_single_device_losses",),
+        ("python 01_data_parallel/train_dp.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
+         "torchrun --nproc_per_node=2 01_data_parallel/train_dp.py --steps 5 --quiet --metrics runs/bug/mb1.jsonl",
+         "torchrun --nproc_per_node=2 01_data_parallel/train_dp.py --steps 5 --microbatches 2 --quiet "
+         "--metrics runs/bug/mb2.jsonl",
+         "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/mb1.jsonl runs/bug/mb2.jsonl"),
+        "`compare_metrics` passes the 1-micro-batch run and fails the 2-micro-batch one from step 1, by a "
+        "factor of exactly 2 (0.5 relative): the number of micro-batches is the culprit, not the ranks. "
+        "`forward_backward_rows` divides each micro-batch's summed loss by `tokens_per_step`, and "
+        "`build_trainer` now passes `global_batch · seq_len · microbatches`: the global token count already "
+        "covers every micro-batch, so multiplying by their count divides the accumulated loss (and gradient) "
+        "a second time. Fix: `tokens_per_step` is the step's token count, `global_batch · seq_len`."),
+    Exhibit(
+        "01.ddp_averages_twice", "01",
+        "--impl torch trains to the same losses as ours, but reports a gradient norm N times smaller",
+        "gradient accumulation that divides twice (the all-reduce averages a loss already divided by the "
+        "global token count)",
+        "01_data_parallel/torch_dp.py",
+        "    return work.get_future().then(lambda fut: fut.value()[0])",
+        "    return work.get_future().then(lambda fut: fut.value()[0].div_(torch.distributed.get_world_size(group)))",
+        ("tests/test_dp.py::test_every_impl_reproduces_single_device_losses",),
+        ("python 01_data_parallel/train_dp.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
+         "torchrun --nproc_per_node=2 01_data_parallel/train_dp.py --impl torch --steps 5 --quiet "
+         "--metrics runs/bug/torch.jsonl",
+         "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/torch.jsonl --key grad_norm",
+         "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/torch.jsonl"),
+        "`compare_metrics --key grad_norm` fails from step 1 with a ratio of exactly 1/N (0.5 at 2 ranks) "
+        "while the losses match to 1e-7, and `--impl naive` and `bucketed` pass: the culprit is what only the torch path does, DDP's communication hook. "
+        "It now averages each bucket (sum ÷ N, DDP's own default), but our loss is already divided by the "
+        "global token count: the gradient is divided by N twice. The losses hide it: `--clip 1.0` scales both "
+        "runs' gradients (norm 9 and 4.5 at step 1) to norm 1, and AdamW's m/√v ignores a constant factor "
+        "anyway (but for `eps`). The gradient norm is the number to watch; with `--clip 0` and SGD the steps "
+        "would be N times too small. Fix: the hook returns the sum."),
+    Exhibit(
+        "02.g_backward_all_reduces", "02",
+        "TP runs report a gradient norm several times one device's from step 1 (TP 2: 6.6×), and the losses follow",
+        "f and g swapped (the conjugate operators' backward)",
+        "02_tensor_parallel/tp_operators.py",
+        "    def forward(ctx, x, group):\n        return _all_reduce(x, group)\n\n    @staticmethod\n"
+        "    def backward(ctx, grad):             # d(sum of partials)/d(partial) = 1\n        return grad, None",
+        "    def forward(ctx, x, group):\n        ctx.group = group\n        return _all_reduce(x, group)\n\n"
+        "    @staticmethod\n    def backward(ctx, grad):             # d(sum of partials)/d(partial) = 1\n"
+        "        return _all_reduce(grad, ctx.group), None",
+        ("tests/test_tp.py::test_tp_layouts_match_single_device[2]",),
+        ("python 02_tensor_parallel/train_tp.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
+         "torchrun --nproc_per_node=2 02_tensor_parallel/train_tp.py --tp 2 --steps 5 --quiet --metrics runs/bug/tp2.jsonl",
+         "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/tp2.jsonl --key grad_norm"),
+        "`compare_metrics --key grad_norm` fails at step 1 while the step-1 loss still matches (the forward "
+        "is right: only backward is wrong). `check_operators` in tests/test_tp_ops.py (run by tests/test_tp.py) "
+        "names the operator: fed 10·r on rank r, g's backward must give 10·r back, and gives the sum over ranks. "
+        "Megatron's g is all-reduce forward, *identity* backward: each rank's partial sum enters the total "
+        "with coefficient 1, so its gradient is the incoming gradient itself. An all-reduce there sums tp "
+        "identical gradients, tp× too large, and the error compounds block after block down the residual "
+        "stream. Fix: g's backward returns `grad` unchanged (f is the one that all-reduces in backward)."),
+    Exhibit(
+        "02.sp_norm_grads_partial", "02",
+        "--sequence-parallel reports another gradient norm than plain TP from step 2, and its losses slowly drift away",
+        "gradients of replicated parameters left partial (sequence-parallel norm gains)",
+        "02_tensor_parallel/tensor_parallel.py",
+        "            if p.grad is not None and p.tp_split_dim is None and replicas(p)[\"tp\"] == model.tp_size:\n"
+        "                comm.all_reduce(p.grad, group=tp_group, name=\"tp\")",
+        "            if p.grad is not None and p.tp_split_dim is None and replicas(p)[\"tp\"] == model.tp_size:\n"
+        "                pass          # each rank keeps its own norm gradient",
+        ("tests/test_tp.py::test_tp_layouts_match_single_device[2]",),
+        ("torchrun --nproc_per_node=2 02_tensor_parallel/train_tp.py --tp 2 --steps 5 --quiet --metrics runs/bug/tp.jsonl",
+         "torchrun --nproc_per_node=2 02_tensor_parallel/train_tp.py --tp 2 --sequence-parallel --steps 5 --quiet "
+         "--metrics runs/bug/sp.jsonl",
+         "python -m common.compare_metrics runs/bug/tp.jsonl runs/bug/sp.jsonl",
+         "python -m common.compare_metrics runs/bug/tp.jsonl runs/bug/sp.jsonl --key grad_norm"),
+        "`compare_metrics --key grad_norm` of the SP run against plain TP fails from step 2; the loss stays within "
+        "1e-5 for 5 steps but drifts (4e-6 at step 5, where plain TP matches one device to 1e-7; the tests compare "
+        "at 1e-6 and catch it). Only `--sequence-parallel` shows it, so the suspects are what SP changes: the "
+        "norms run on S/tp tokens per rank. A norm gain is replicated on every TP rank, but each rank's "
+        "gradient of it sums over its own S/tp tokens only: a partial sum. `sync_sequence_parallel_grads` "
+        "must all-reduce it over the TP group (D floats per norm); without it the replicas' norm gains "
+        "drift apart. Fix: the all-reduce of the norm gradients."),
+    Exhibit(
+        "02.recompute_wrong_tp_group", "02",
+        "TP 2 × DP 2 with --recompute full trains to other losses than --recompute none; TP 2 alone is fine",
+        "a wrong TP group in recomputed code",
+        "02_tensor_parallel/tp_layers.py",
+        "        return tp_operators.reduce_from_tp_region(y, self.group)",
+        "        from common.recompute import is_recomputing          # the recomputation rebuilds the block\n"
+        "        return tp_operators.reduce_from_tp_region(y, None if is_recomputing() else self.group)",
+        ("tests/test_recompute.py::test_every_mode_is_the_run_of_none_and_the_ledger_holds[4]",),
+        ("torchrun --nproc_per_node=4 02_tensor_parallel/train_tp.py --tp 2 --steps 3 --quiet "
+         "--metrics runs/bug/none.jsonl",
+         "torchrun --nproc_per_node=4 02_tensor_parallel/train_tp.py --tp 2 --steps 3 --recompute full --quiet "
+         "--metrics runs/bug/full.jsonl",
+         "python -m common.compare_metrics runs/bug/none.jsonl runs/bug/full.jsonl --key grad_norm"),
+        "Recomputation must give the bit-identical run: `compare_metrics` of `--recompute full` against "
+        "`none` fails from step 1's gradient norm, but only when the TP group is not the world (TP 2 at 2 "
+        "ranks passes; TP 2 × DP 2 at 4 fails): so a collective of the recomputed forward runs on the wrong "
+        "ranks. `TPRegion.g` passes `None` (the default group: the world) while `is_recomputing()`: the "
+        "rebuilt activations sum the other TP group's partial outputs too, and backward differentiates a "
+        "forward that never happened. Fix: the recomputation uses the module's own `self.group`, like the "
+        "forward (common/recompute.py: the same collectives on the same groups)."),
+    Exhibit(
+        "03.dp_sync_before_w", "03",
+        "zero-bubble (zb-h1) with data parallelism drifts from one device; 1F1B with DP, and zb-h1 alone, match",
+        "gradients reduced before they are final (the all-reduce launched before zero bubble's W)",
+        "03_pipeline_parallel/pipeline_executor.py",
+        "last_grad_action = {a.stage: i for i, a in enumerate(actions) if a.kind in (\"B\", \"W\")}",
+        "last_grad_action = {a.stage: i for i, a in enumerate(actions) if a.kind == \"B\"}",
+        ("tests/test_pp.py::test_world_4",),
+        ("python 03_pipeline_parallel/train_pp.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
+         "torchrun --nproc_per_node=4 03_pipeline_parallel/train_pp.py --pp 2 --schedule zb-h1 --microbatches 2 "
+         "--steps 5 --quiet --metrics runs/bug/zb.jsonl --timeline runs/bug/zb_trace.json",
+         "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/zb.jsonl --key grad_norm",
+         "python 03_pipeline_parallel/plot_timeline.py runs/bug/zb_trace.json --out runs/bug/zb.png"),
+        "`compare_metrics` fails from step 1's gradient norm, only for zb-h1 with dp > 1 (1F1B with dp, and "
+        "zb-h1 without, pass): so the data-parallel sum meets something only zero bubble does. The timeline "
+        "shows it: a stage's last action of the step is a W, not a B. The sum of a stage starts from "
+        "`on_stage_grads_ready`, which `PipelineExecutor.run` calls after the stage's last gradient action; "
+        "counting only B, it fires while W actions of that stage still follow. The bucket copies `.grad` when "
+        "it is launched and copies the sum back when waited for, so the weight gradients that the later W actions added are overwritten by a sum that never had them. "
+        "Fix: a stage's gradients are final after its last B *or W* (`last_grad_action` counts both)."),
+    Exhibit(
+        "04.clip_norm_without_tp", "04",
+        "with --tp 2 the 3D run's gradient norm differs from one device's from step 1 (dp × pp layouts match)",
+        "gradient-norm clipping that forgets a model-parallel group",
+        "04_3d_combined/trainer_3d.py",
+        "self.norm_groups = [self.tp_group, self.pp_group]",
+        "self.norm_groups = [self.pp_group]",
+        ("tests/test_3d.py::test_four_rank_layouts_and_resume_in_another_layout",),
+        ("python 04_3d_combined/train_3d.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
+         "torchrun --nproc_per_node=4 04_3d_combined/train_3d.py --dp 1 --tp 2 --pp 2 --steps 5 --quiet "
+         "--metrics runs/bug/tp2pp2.jsonl",
+         "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/tp2pp2.jsonl --key grad_norm"),
+        "`compare_metrics --key grad_norm` fails at step 1 in every layout with tp > 1 (dp × pp layouts pass), "
+        "and the losses follow once clipping acts (the default `--clip 1.0`). The norm of the whole model "
+        "sums squares over the groups whose ranks hold *different* parts: TP shards and pipeline stages. "
+        "Without the TP group each rank clips by the norm of its own shard, the ranks of a TP group scale by "
+        "different factors, and the layers' shards stop being slices of one model. Fix: sum over TP too "
+        "(`norm_groups = [tp_group, pp_group]`); DP replicas are the ones never summed."),
+    Exhibit(
+        "05.router_grads_unsummed", "05",
+        "expert parallelism trains to other losses than one device, a little more every step",
+        "router gradients never summed across ranks",
+        "05_moe_expert_parallel/moe_trainer.py",
+        "self.dense = [p for n, p in self.named if not is_expert_param(n)]",
+        "self.dense = [p for n, p in self.named if not is_expert_param(n) and \".router.\" not in n]",
+        ("tests/test_moe_ep.py::test_training_matches_world_size_one[2]",),
+        ("python 05_moe_expert_parallel/train_moe.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
+         "torchrun --nproc_per_node=2 05_moe_expert_parallel/train_moe.py --ep 2 --steps 5 --quiet "
+         "--metrics runs/bug/ep2.jsonl",
+         "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/ep2.jsonl --key grad_norm"),
+        "`compare_metrics` fails at step 1's gradient norm and from step 2's loss. The MoE layer test "
+        "(`test_expert_parallel_layer_equals_single_device_layer`) still passes: one layer's forward and "
+        "backward are right, so the bug is in what happens to the gradients after backward. The router is a "
+        "dense parameter (every rank holds it whole, each computed its gradient from its own rows): it must "
+        "be summed over all data-parallel ranks like every dense weight. Left out of both the dense and the "
+        "expert all-reduce, each rank's router learns from its own rows only and the replicas part. Fix: the "
+        "router is in `self.dense`."),
+    Exhibit(
+        "05.expert_grads_wrong_group", "05",
+        "expert-parallel runs (ep 4; or ep 2 at dp 4) part from one device from step 1's gradient norm",
+        "expert gradients reduced over the wrong group",
+        "05_moe_expert_parallel/moe_trainer.py",
+        "self.expert_sync = data_parallel.AsyncGradAllReduce(mesh.group(\"edp\"))",
+        "self.expert_sync = data_parallel.AsyncGradAllReduce(mesh.group(\"ep\"))",
+        ("tests/test_moe_ep.py::test_training_matches_world_size_one[4]",),
+        ("python 05_moe_expert_parallel/train_moe.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
+         "torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py --ep 2 --steps 5 --quiet "
+         "--metrics runs/bug/ep2dp4.jsonl",
+         "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/ep2dp4.jsonl --key grad_norm"),
+        "`compare_metrics` fails at step 1's gradient norm at dp 4 = edp 2 × ep 2. An expert's gradient must "
+        "be summed over the ranks holding *the same* expert (edp: each saw its own EP group's rows); the EP "
+        "group's ranks hold *different* experts, so summing over it adds unrelated experts' gradients into "
+        "each other's slots and misses the other copy's rows. Read the grid that `train_moe.py` prints: the "
+        "expert sum must run along edp. Fix: `mesh.group(\"edp\")`."),
+    Exhibit(
+        "05.bias_one_tp_rank", "05",
+        "with TP and --router-bias-rate the 4D run slowly drifts from chapter 05's one-device run; the TP ranks "
+        "of a stage route the same tokens differently",
+        "the selection bias updated on one TP rank only",
+        "05_moe_expert_parallel/router_statistics.py",
+        "        if self.bias_rate > 0:                                     # aux-loss-free balancing, from the whole step",
+        "        if self.bias_rate > 0 and self.counted:                    # aux-loss-free balancing, from the whole step",
+        ("tests/test_4d.py::test_selection_biases_equal_across_each_tp_group",),
+        ("torchrun --nproc_per_node=4 05_moe_expert_parallel/train_4d.py --model tiny-moe --dp 2 --ep 2 --tp 2 --pp 1 "
+         "--router-bias-rate 0.01 --steps 10 --quiet --metrics runs/bug/tp2.jsonl",
+         "torchrun --nproc_per_node=4 05_moe_expert_parallel/train_4d.py --model tiny-moe --dp 4 --ep 2 --tp 1 --pp 1 "
+         "--router-bias-rate 0.01 --steps 10 --quiet --metrics runs/bug/tp1.jsonl",
+         "python -m common.compare_metrics runs/bug/tp1.jsonl runs/bug/tp2.jsonl --key max_over_mean_load"),
+        "The losses may match for several steps (a bias moves the selection only when it flips a top-k "
+        "choice), so compare the routing: `expert_load` and `max_over_mean_load` part between the TP 2 and "
+        "TP 1 runs, and `test_selection_biases_equal_across_each_tp_group` reads the biases of every rank: "
+        "they differ inside a TP group. The statistics are *counted* by tp rank 0 only (else the TP ranks, "
+        "which route the same tokens, would count them tp times), but after the all-reduce *every* rank "
+        "holds the same totals and must update its copy of the bias. Fix: update on every rank; only the "
+        "counting is restricted to tp rank 0."),
+    Exhibit(
+        "05.router_counts_twice_under_recompute", "05",
+        "with --recompute full the MoE run reports twice the expert loads and aux loss of --recompute none",
+        "a side effect repeated by recomputation",
+        "common/moe_routing.py",
+        "        if is_recomputing():         # backward reruns the forward (--recompute): these tokens are counted\n"
+        "            return\n",
+        "",
+        ("tests/test_recompute.py::test_every_mode_is_the_run_of_none_and_the_ledger_holds[2]",),
+        ("torchrun --nproc_per_node=2 05_moe_expert_parallel/train_moe.py --ep 2 --steps 3 --quiet "
+         "--metrics runs/bug/none.jsonl",
+         "torchrun --nproc_per_node=2 05_moe_expert_parallel/train_moe.py --ep 2 --steps 3 --recompute full --quiet "
+         "--metrics runs/bug/full.jsonl",
+         "python -m common.compare_metrics runs/bug/none.jsonl runs/bug/full.jsonl --key aux_loss"),
+        "The losses match (the gradients are right), but `compare_metrics --key aux_loss` shows a factor of "
+        "exactly 2, and `expert_load` doubles. Full recomputation runs each block's forward a second time in "
+        "backward, and the router's tally (`RoutingTally.add`) records every call: each token is counted "
+        "twice. Fix: a forward with a side effect checks `is_recomputing()` and records once. The bias "
+        "update hides it (its sign(mean − load) is unchanged by a factor of 2); the reported numbers do not."),
+    Exhibit(
+        "06.stale_kv", "06",
+        "context-parallel runs match one device at step 1 but not from step 2; the ring's bytes are as the "
+        "formula says",
+        "a ring-attention backward that reuses stale K/V",
+        "06_context_parallel/ring_attention.py",
+        "                if t < cp - 1:\n                    kv = kv_next\n            if partial is not None:",
+        "            if partial is not None:",
+        ("tests/test_ring_attention.py::test_matches_single_device_attention",),
+        ("python 06_context_parallel/train_cp.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
+         "torchrun --nproc_per_node=2 06_context_parallel/train_cp.py --cp 2 --steps 5 --quiet --metrics runs/bug/cp2.jsonl",
+         "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/cp2.jsonl --key grad_norm"),
+        "Step 1 matches to 1e-6 (attention's share of the gradient is small at initialisation); the gradient "
+        "norm parts from step 2, the loss after it. "
+        "`tests/test_ring_attention.py` narrows it to the attention: the output matches, the gradients of q, "
+        "k, v do not. In the backward ring each step must compute with the K/V block that just arrived "
+        "(`kv = kv_next`), like the forward; without it every step reuses the rank's own block, so the "
+        "gradients are those of attention to one block, repeated. The bytes still equal the formula: "
+        "everything is sent, it is just never used. Fix: advance `kv` after each hop in backward too."),
+    Exhibit(
+        "06.loss_not_reduced_over_cp", "06",
+        "train_cp.py at cp 2 reports about half the loss of one device, yet it trains exactly as well",
+        "a CP×TP loss not reduced over the context-parallel group",
+        "06_context_parallel/train_cp.py",
+        "loss_value = global_sum(local_loss, mesh.group(\"dp_cp\"))",
+        "loss_value = global_sum(local_loss, mesh.group(\"dp\"))",
+        (CP_TEST,),
+        ("python 06_context_parallel/train_cp.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
+         "torchrun --nproc_per_node=2 06_context_parallel/train_cp.py --cp 2 --steps 5 --quiet --metrics runs/bug/cp2.jsonl",
+         "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/cp2.jsonl",
+         "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/cp2.jsonl --key grad_norm"),
+        "`compare_metrics` fails on `loss` and passes on `grad_norm`: training is right, only the reported "
+        "number is wrong. Each rank's loss is its own positions' share of the step's mean; the printed loss "
+        "must sum the shares over every rank that holds other tokens: dp (other rows) *and* cp (other "
+        "positions of the same rows). Summed over dp only, rank 0 reports the share of its own positions "
+        "(with zig-zag, about half at cp 2). Fix: `global_sum` over `dp_cp`."),
+    Exhibit(
+        "06.aux_tokens_before_split", "06",
+        "the 5D run with cp 2 reports twice chapter 05's aux loss, and its losses part from step 2",
+        "tokens counted before the CP split (the balance statistics' denominator)",
+        "common/moe_routing.py",
+        "f = whole.float() / (S * parts * top_k)",
+        "f = whole.float() / (S * top_k)",
+        ("tests/test_cp.py::test_5d_layouts_match_chapter_05_on_one_device",),
+        ("python 06_context_parallel/train_5d.py --model tiny-moe --aux-loss-coef 0.1 --steps 5 --quiet "
+         "--metrics runs/bug/one.jsonl",
+         "torchrun --nproc_per_node=4 06_context_parallel/train_5d.py --model tiny-moe --aux-loss-coef 0.1 --dp 2 --ep 2 "
+         "--tp 1 --pp 1 --cp 2 --steps 5 --quiet --metrics runs/bug/cp2.jsonl",
+         "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/cp2.jsonl --key aux_loss"),
+        "`compare_metrics --key aux_loss` shows a ratio of exactly cp (2) at step 1 (about 2 after), and the loss "
+        "follows. "
+        "Under CP each rank holds S of the sequence's cp·S positions; the slot counts fᵢ are summed over the CP "
+        "group (the whole sequence's), so they must be divided by the whole sequence's slots, cp·S·k. "
+        "Dividing by this rank's S·k counts the sequence's tokens as if it were not split: fᵢ is cp× too "
+        "large, and so is the balance loss and its gradient. Fix: divide by `S * parts * top_k`."),
+)
+
+BY_ID = {e.id: e for e in EXHIBITS}
