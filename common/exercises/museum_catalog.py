@@ -81,17 +81,20 @@ EXHIBITS = (
         "TP runs report a gradient norm several times one device's from step 1 (TP 2: 6.6×), and the losses follow",
         "f and g swapped (the conjugate operators' backward)",
         "02_tensor_parallel/tp_operators.py",
-        "    def forward(ctx, x, group):\n        return _all_reduce(x, group)\n\n    @staticmethod\n"
-        "    def backward(ctx, grad):             # d(sum of partials)/d(partial) = 1\n        return grad, None",
-        "    def forward(ctx, x, group):\n        ctx.group = group\n        return _all_reduce(x, group)\n\n"
-        "    @staticmethod\n    def backward(ctx, grad):             # d(sum of partials)/d(partial) = 1\n"
-        "        return _all_reduce(grad, ctx.group), None",
-        ("tests/test_tp.py::test_tp_layouts_match_single_device[2]",),
+        "    def forward(ctx, x, group):\n        # >>> exercise 02.f_g\n        return _all_reduce(x, group)\n"
+        "        # <<< exercise 02.f_g\n\n    @staticmethod\n"
+        "    def backward(ctx, grad):             # d(sum of partials)/d(partial) = 1\n"
+        "        # >>> exercise 02.f_g\n        return grad, None",
+        "    def forward(ctx, x, group):\n        # >>> exercise 02.f_g\n        ctx.group = group\n"
+        "        return _all_reduce(x, group)\n        # <<< exercise 02.f_g\n\n    @staticmethod\n"
+        "    def backward(ctx, grad):             # d(sum of partials)/d(partial) = 1\n"
+        "        # >>> exercise 02.f_g\n        return _all_reduce(grad, ctx.group), None",
+        ("tests/test_tp_ops.py::test_operators_at_two_ranks", "tests/test_tp.py::test_tp_layouts_match_single_device[2]"),
         ("python 02_tensor_parallel/train_tp.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
          "torchrun --nproc_per_node=2 02_tensor_parallel/train_tp.py --tp 2 --steps 5 --quiet --metrics runs/bug/tp2.jsonl",
          "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/tp2.jsonl --key grad_norm"),
         "`compare_metrics --key grad_norm` fails at step 1 while the step-1 loss still matches (the forward "
-        "is right: only backward is wrong). `check_operators` in tests/test_tp_ops.py (run by tests/test_tp.py) "
+        "is right: only backward is wrong). `check_operators` (tests/test_tp_ops.py::test_operators_at_two_ranks) "
         "names the operator: fed 10·r on rank r, g's backward must give 10·r back, and gives the sum over ranks. "
         "Megatron's g is all-reduce forward, *identity* backward: each rank's partial sum enters the total "
         "with coefficient 1, so its gradient is the incoming gradient itself. An all-reduce there sums tp "
