@@ -47,7 +47,8 @@ def test_dependencies_and_in_flight_limit(name, p, m, v):
     sim = pipeline_schedules.simulate(pipeline_schedules.build_schedule(name, p, m, v), p * v)
     promise = {"gpipe": [m] * p, "1f1b": [min(p - r, m) for r in range(p)], "zb-h1": [min(p, m)] * p,
                "interleaved": [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) for r in range(p)]}[name]
-    assert all(have <= want for have, want in zip(sim["in_flight"], promise)), (sim["in_flight"], promise)
+    for r, (have, want) in enumerate(zip(sim["in_flight"], promise)):
+        assert have <= want, f"{name} p={p} m={m}: rank {r} holds {have} micro-batches at once, the schedule promises at most {want}"
 
 
 def run_protocol(sched, n: int, blocking_sends: bool) -> None:
