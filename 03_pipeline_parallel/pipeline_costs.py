@@ -78,11 +78,11 @@ def stage_costs(fit: dict) -> dict:
     return {"cost": lambda rank, a: fit["cost"][(a.kind, a.stage)]}
 
 
-def mean_costs(fit: dict) -> dict:
+def mean_costs(fit: dict, handovers: bool = True) -> dict:
     """simulate's keyword arguments for the model: stage costs, plus each rank's mean gap and mean
-    hand-over (of the messages it waited for)."""
+    hand-over (of the messages it waited for; free with handovers=False)."""
     return {**stage_costs(fit), "gap": lambda rank, a: fit["gap"][rank],
-            "handover": lambda rank, a: fit["handover"][rank]}
+            "handover": (lambda rank, a: fit["handover"][rank]) if handovers else 0.0}
 
 
 def replayed(fit: dict) -> dict:
