@@ -16,7 +16,7 @@ pipeline_schedules.simulate runs the same schedule on paper three ways, each add
     + gaps        and each rank pays its mean executor gap between two actions
     + hand-overs  and each message its receiver waited for costs that rank's mean hand-over: the model,
                   a handful of numbers per run, that the README sets beside the measurement
-    replay        each action takes its own measured time and pays its own measured gap or hand-over
+    own times     the model, but each action takes its own measured time: what the spread adds
 and the measured bubble (common/timeline.py's definition, the same as simulate's) is set beside them.
 """
 import argparse
@@ -36,7 +36,7 @@ OUT = HERE / "results"
 SCHEDS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
 MS = (1, 2, 4, 8, 16)
 STEPS = 8
-COLUMNS = ("theory", "stage costs", "+ gaps", "+ hand-overs", "replay", "measured")
+COLUMNS = ("theory", "stage costs", "+ gaps", "+ hand-overs", "own times", "measured")
 
 
 def configs(p: int) -> list[tuple[str, int, int]]:
@@ -75,7 +75,7 @@ def analyse(path: Path, name: str, p: int, m: int, v: int) -> dict:
         rows.append({"theory": schedules.theory_bubble(name, p, m, v),
                      **{col: schedules.simulate(plan, n, **model(fit))["bubble"] for col, model in (
                          ("stage costs", costs.stage_costs), ("+ gaps", partial(costs.mean_costs, handovers=False)),
-                         ("+ hand-overs", costs.mean_costs), ("replay", costs.replayed))},
+                         ("+ hand-overs", costs.mean_costs), ("own times", costs.own_times))},
                      **(zero_bubble_what_ifs(fit, p, m) if name == "zb-h1" else {}),
                      "measured": bubble_fraction(events, step),
                      **{f"gap{r}": 1e3 * t for r, t in fit["gap"].items()},
@@ -95,12 +95,12 @@ def report(results: dict, run_s: float) -> str:
              f"sequence, {STEPS} steps per run, each column the mean over steps 2..{STEPS}. Measured bubbles and "
              "milliseconds are this machine's, at the moment of the run: other jobs on the machine move them.", "",
              "## Bubble: theory, simulated with the run's own costs, measured", "",
-             "| p | schedule | m | " + " | ".join(COLUMNS) + " | measured − model (+ hand-overs) | measured − replay |",
+             "| p | schedule | m | " + " | ".join(COLUMNS) + " | measured − model (+ hand-overs) | measured − own times |",
              "|---" * (len(COLUMNS) + 5) + "|"]
     for p, res in sorted(results.items()):
         for (name, v, m), r in res.items():
             lines.append(f"| {p} | {label(name, v)} | {m} | " + " | ".join(f"{r[c]:.3f}" for c in COLUMNS)
-                         + f" | {r['measured'] - r['+ hand-overs']:+.3f} | {r['measured'] - r['replay']:+.3f} |")
+                         + f" | {r['measured'] - r['+ hand-overs']:+.3f} | {r['measured'] - r['own times']:+.3f} |")
     lines += ["", "![bubble](pp_bubble.png)", "",
               "## What the simulation was fed (ms, mean over the steps): F, B, W per stage, gap and hand-over per rank", ""]
     for p, res in sorted(results.items()):

@@ -14,10 +14,9 @@ rank there are two kinds of time, and each action's start tells which one it pai
 
 So an action whose cross-rank input ended after the rank became free is a sample of the hand-over;
 every other action (the first of each rank excepted) is a sample of the gap. `fit_costs` returns
-each rank's mean of both and the mean F, B, W time per stage (8 numbers at p = 2, 10 with W), and each
-action's own time, gap and hand-over, which is exactly what pipeline_schedules.simulate takes: feed
-them in and the simulated bubble can be set beside the measured one, term by term (bubble_pp.py).
-The means say what the excess over the theory is made of; the replay, that nothing is left out.
+each rank's mean of both, the mean F, B, W time per stage (8 numbers at p = 2, 10 with W) and each
+action's own time, which is what pipeline_schedules.simulate takes: feed them in and the simulated
+bubble can be set beside the measured one, term by term (bubble_pp.py).
 """
 from collections import defaultdict
 from statistics import fmean
@@ -35,8 +34,7 @@ def step_spans(events: list[dict], step: int) -> dict[tuple, tuple[int, float, f
 
 def fit_costs(events: list[dict], step: int, n_stages: int) -> dict:
     """One step's costs, in seconds: {"cost": {(kind, stage): mean time}, "gap" and "handover":
-    {rank: mean} (`rank_means`), and per action (kind, mb, stage): "durations" (its time), "gaps" /
-    "handovers" (the one it paid before starting)}."""
+    {rank: mean} (`rank_means`), "durations": {(kind, mb, stage): each action's own time}}."""
     spans = step_spans(events, step)
     per_rank = defaultdict(list)
     for key, (rank, start, end) in spans.items():
@@ -57,8 +55,7 @@ def fit_costs(events: list[dict], step: int, n_stages: int) -> dict:
         by_kind[(kind, stage)].append(end - start)
     return {"cost": {k: fmean(v) for k, v in by_kind.items()},
             "gap": rank_means(gaps, spans), "handover": rank_means(handovers, spans),
-            "durations": {k: end - start for k, (_, start, end) in spans.items()},
-            "gaps": gaps, "handovers": handovers}
+            "durations": {k: end - start for k, (_, start, end) in spans.items()}}
 
 
 def rank_means(samples: dict, spans: dict) -> dict[int, float]:
@@ -85,10 +82,7 @@ def mean_costs(fit: dict, handovers: bool = True) -> dict:
             "handover": (lambda rank, a: fit["handover"][rank]) if handovers else 0.0}
 
 
-def replayed(fit: dict) -> dict:
-    """simulate's keyword arguments that replay the measured step: each action takes the time it
-    took, and pays the gap or hand-over it paid (its rank's mean of the other term, not paid)."""
-    key = lambda a: (a.kind, a.mb, a.stage)                                   # noqa: E731
-    return {"cost": lambda rank, a: fit["durations"][key(a)],
-            "gap": lambda rank, a: fit["gaps"].get(key(a), fit["gap"][rank]),
-            "handover": lambda rank, a: fit["handovers"].get(key(a), fit["handover"][rank])}
+def own_times(fit: dict) -> dict:
+    """simulate's keyword arguments for the model with each action's own measured time instead of
+    its stage's mean (the same mean gaps and hand-overs): what the spread of the action times adds."""
+    return {**mean_costs(fit), "cost": lambda rank, a: fit["durations"][(a.kind, a.mb, a.stage)]}

@@ -68,6 +68,6 @@ def test_fit_recovers_the_costs_of_a_synthetic_trace(name, v):
     assert fit["gap"] == pytest.approx(overhead) and fit["handover"] == pytest.approx(overhead)
     measured = bubble_fraction(events, 1)
     assert measured == pytest.approx(sim["bubble"])                  # one definition of the bubble
-    for model in (pipeline_costs.mean_costs, pipeline_costs.replayed):
+    for model in (pipeline_costs.mean_costs, pipeline_costs.own_times):
         assert simulate(build(name, p, m, v), p * v, **model(fit))["bubble"] == pytest.approx(measured)
     assert simulate(build(name, p, m, v), p * v, **pipeline_costs.stage_costs(fit))["bubble"] < measured
