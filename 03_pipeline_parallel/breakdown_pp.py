@@ -158,7 +158,8 @@ def per_step_ms(ranks: list[list[dict]], key: str) -> float:
 
 def per_action_ms(ranks: list[list[dict]], kind: str) -> float | None:
     calls = sum(s.get(f"n {kind}", 0) for steps in ranks for s in steps)
-    time_in = sum(s.get(k, 0.0) for steps in ranks for s in steps for k in ((kind, "loss") if kind == "F" else (kind,)))
+    keys = (kind, "loss") if kind == "F" else (kind,)
+    time_in = sum(s.get(k, 0.0) for steps in ranks for s in steps for k in keys)
     return 1e3 * time_in / calls if calls else None
 
 
