@@ -1,6 +1,6 @@
 """Chapter 03 benchmark: bubble vs theory, activation memory GPipe vs 1F1B, ours vs torch.distributed.pipelining.
 
-    python 03_pipeline_parallel/bench_pp.py            # launches torchrun at 2 and 4 ranks, ~3½ min on 2 cores
+    python 03_pipeline_parallel/bench_pp.py            # launches torchrun at 2 and 4 ranks, ~2 min on 2 cores
     python 03_pipeline_parallel/bench_pp.py --quick    # fewer configurations (for the notebook)
 
 Writes 03_pipeline_parallel/results/pp_bench.md, bubble.png, timelines_p2.png, timelines_p4.png.
