@@ -14,6 +14,11 @@ runs it unchanged and records, around the same four methods (receive, compute, s
     backward action on that stage frees it. With zero bubble, B frees the graph but leaves each
     linear layer's (x, dy) for W: from B to W those are what the micro-batch holds.
     `peak_activation_bytes`: the most bytes alive at once during the last step.
+
+Both are on by default. The meter is the dearer of the two (a Python call for every tensor autograd
+saves, and a storage look-up for each at the end of every F); `meter_activations=False`
+(train_pp.py --no-activation-meter) leaves it out, and the peak is then None (not measured).
+breakdown_pp.py measures what each costs per step.
 """
 import torch
 
@@ -24,17 +29,19 @@ from . import pipeline_executor
 
 class MeasuredExecutor(pipeline_executor.PipelineExecutor):
     """A PipelineExecutor whose steps leave their spans in `timeline` and their activation peak in
-    `peak_activation_bytes` (None before the first step). Arguments: PipelineExecutor's, and the
-    rank's common.timeline.Timeline."""
+    `peak_activation_bytes` (None before the first step, or with meter_activations=False). Arguments:
+    PipelineExecutor's, the rank's common.timeline.Timeline, and whether to meter the activations."""
 
-    def __init__(self, *args, timeline, **kwargs):
+    def __init__(self, *args, timeline, meter_activations: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
-        self.timeline = timeline
+        self.timeline, self.meter_activations = timeline, meter_activations
         # noted once, here: ZeRO (chapter 04) moves the parameters into flat buffers before this
         self.param_storages = parameter_storages(self.model)
         self.peak_activation_bytes = None
 
     def run(self, schedule, tokens: list, targets: list, on_stage_grads_ready=None) -> torch.Tensor:
+        if not self.meter_activations:
+            return super().run(schedule, tokens, targets, on_stage_grads_ready)
         self.ledger = ActivationLedger(self.param_storages | storages(tokens + targets))
         loss = super().run(schedule, tokens, targets, on_stage_grads_ready)
         self.peak_activation_bytes = self.ledger.peak
@@ -51,13 +58,14 @@ class MeasuredExecutor(pipeline_executor.PipelineExecutor):
     def compute(self, a, received, tokens: list, targets: list):
         saved = []                    # F: every tensor autograd keeps for the backward
         start = self.timeline.now()
-        if a.kind == "F":
+        if a.kind == "F" and self.meter_activations:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
                 outgoing = super().compute(a, received, tokens, targets)
         else:
             outgoing = super().compute(a, received, tokens, targets)
         self.timeline.add(a.kind, start, self.timeline.now(), mb=a.mb, stage=a.stage)   # compute only
-        self._count_activations(a, saved)
+        if self.meter_activations:
+            self._count_activations(a, saved)
         return outgoing
 
     def _count_activations(self, a, saved: list) -> None:

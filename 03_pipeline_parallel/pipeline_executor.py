@@ -12,9 +12,16 @@ posts `irecv` before it needs the data. Two rules keep gloo (and any backend) fr
   2. Messages between two ranks are matched in order (same tag), so the receiver must post its
      irecvs in the SENDER's order. The schedule is a pure function, so every rank can compute every
      other rank's action list and therefore the order of each incoming channel (`incoming_order`).
-     When an action needs a message, all earlier messages of that channel are posted first; and the
-     next action's message is posted one action ahead so the transfer overlaps the compute.
-The unit tests simulate the schedules under exactly these rules (no deadlock, dependencies hold).
+     When an action needs a message, all earlier messages of that channel are posted first.
+When to post. A message moves only once both ends are posted, so an irecv posted late makes the
+sender's data wait. With gloo (CPU) every irecv of the step is posted when the step begins, in each
+channel's order: a message then travels the moment it is sent, by gloo's own thread, while this
+rank computes. Its price: every incoming buffer of the step exists from the start (one (mb, S, D)
+per message; not activations autograd saves, so not in the measured activation peak). NCCL runs a
+rank's sends and receives to one peer in order, on one stream: there an irecv posted long before its
+message would hold up this rank's own sends to that peer, and deadlock. So with NCCL the next
+action's message is posted one action ahead, no earlier. The unit tests simulate the schedules under
+that stricter rule (no deadlock, dependencies hold); posting more irecvs earlier only removes waits.
 
 Zero-bubble split (zero_bubble.py). The first time a schedule with W actions runs, every nn.Linear
 of this rank's stages becomes a SplitLinear (same Parameter). B is then one backward pass that
@@ -30,6 +37,7 @@ memory the chapter reports.
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from common import comm
@@ -116,6 +124,7 @@ class PipelineExecutor:
         self.loss_fn, self.loss_scale, self.autocast_dtype = loss_fn, loss_scale, autocast_dtype
         self.stage_params = {s.index: stage_parameters(model, s) for s in specs if s.index % self.p == pp_rank}
         self.store, self.b_params = None, None    # set up by the first schedule with W actions
+        self.post_all_at_start = dist.get_backend(group) == "gloo"     # see "When to post" above
 
     def _split_weight_grads(self) -> None:
         """Zero bubble: linear layers postpone dW to W; B computes the other parameters' gradients."""
@@ -140,9 +149,13 @@ class PipelineExecutor:
         self.in_flight: dict[tuple[int, int], InFlight] = {}  # (micro-batch, stage) -> its tensors
         self.loss = torch.zeros((), device=self.device)
         last_grad_action = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
+        if self.post_all_at_start:                      # gloo: every message of the step can travel now
+            for src, queue in self.order.items():
+                if queue:
+                    self._post_until(queue[-1], src)
         for i, a in enumerate(actions):
-            if i + 1 < len(actions):
-                self.post_ahead(actions[i + 1])         # start the next message's transfer now
+            if not self.post_all_at_start and i + 1 < len(actions):
+                self.post_ahead(actions[i + 1])         # NCCL: start the next message's transfer now
             received = self.receive(a)                  # the input this action waits for, if any
             outgoing = self.compute(a, received, tokens, targets)
             if outgoing is not None:

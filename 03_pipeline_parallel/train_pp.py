@@ -64,6 +64,9 @@ def parse_args(argv=None, schedule=None):
                    help="ours: pipeline_executor.py; torch: torch.distributed.pipelining, same stages")
     p.add_argument("--timeline", type=OUTPUT_FILE, default=None,
                    help="write every rank's events as a Chrome trace JSON here (default: none)")
+    p.add_argument("--no-activation-meter", action="store_true",
+                   help="ours: do not count the activation bytes autograd saves (peak_activation_bytes null; "
+                        "faster, see breakdown_pp.py); the timeline is kept")
     p.add_argument("--print-schedule", action="store_true", help="draw the per-rank schedule as text and exit")
     return p.parse_args(argv)
 
@@ -173,7 +176,8 @@ def build_trainer(args, layout, model, optimizer, specs, my_specs, plan, mesh, a
     executor = measured_executor.MeasuredExecutor(
         model, specs, mesh.coord("pp"), mesh.group_ranks["pp"], pp_group, act_shape=act_shape,   # (mb, S, D)
         loss_fn=loss_sum, loss_scale=tokens_per_step, device=device,
-        autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline)
+        autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline,
+        meter_activations=not args.no_activation_meter)
     predicted = pipeline_trainer.predicted_peaks(PRESETS[args.model], args, plan, specs, act_shape[0])
     return pipeline_trainer.PipelineTrainer(executor, plan, optimizer, layout.m, dp_group, pp_group, predicted)
 

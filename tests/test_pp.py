@@ -48,6 +48,7 @@ def test_world_2(reference, tmp_path):
         "gpipe m=4": ["--schedule", "gpipe", "--microbatches", "4"],
         "1f1b m=2": ["--schedule", "1f1b", "--microbatches", "2"],
         "1f1b m=4": ["--schedule", "1f1b", "--microbatches", "4"],
+        "1f1b m=4 no meter": ["--schedule", "1f1b", "--microbatches", "4", "--no-activation-meter"],
         "interleaved v=2 m=2": ["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "2"],
         "interleaved v=2 m=4": ["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4"],
         "zb-h1 m=1": ["--schedule", "zb-h1", "--microbatches", "1"],
@@ -69,6 +70,13 @@ def test_world_2(reference, tmp_path):
         assert_same_run(res, reference[0], f"{label}, world 2")
     for label, directory in ck.items():
         check_weights(directory, reference, label)
+    # the activation meter only counts: without it the same bits, and a peak that is null, not a number
+    labels = list(configs)
+    metered, unmetered = (every_rank(results[labels.index(k)]) for k in ("1f1b m=4", "1f1b m=4 no meter"))
+    for with_meter, without in zip(metered, unmetered):
+        assert [r["loss"] for r in with_meter] == [r["loss"] for r in without], "the meter changed the losses"
+        assert with_meter[-1]["peak_activation_bytes"] and without[-1]["peak_activation_bytes"] is None
+        assert without[-1]["bubble_fraction"] is not None, "the timeline stays on without the meter"
     assert_same_run(results[n], reference[0][:6], "6 steps at pp=2")
     assert_same_run(results[n + 1], reference[0][6:], "resumed as dp=2 × pp=1")
     for (flags, expected), res in zip(BAD, results[n + 2:]):

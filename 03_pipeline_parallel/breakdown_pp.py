@@ -1,0 +1,208 @@
+"""Chapter 03: where a pipeline step's time goes, ours and torch.distributed.pipelining's, p = 2 and 4.
+
+    python 03_pipeline_parallel/breakdown_pp.py        # torchrun at 2 and 4 ranks, about 3 min on 2 cores
+
+Writes 03_pipeline_parallel/results/pp_breakdown.md. Every schedule runs four times on the same
+configuration as bench_pp.py's throughput table (m = 8, 16 × 128 tokens per step): ours as the
+chapter runs it (timeline and activation meter on), ours with --no-activation-meter, ours posting
+each irecv one action ahead as it does with NCCL (instead of all at the step's start, as with gloo:
+pipeline_executor.py, "When to post"), and PyTorch's.
+
+A stopwatch wraps the functions that do each kind of work and charges each call its OWN time (its
+callees' time subtracted), so the parts add up to the time of the step's forward_backward:
+  F, B, W      the stage's compute (ours: the executor's _forward/_backward/_weights; torch's: the
+               stage module's forward and loss, and its stage_backward / _input / _weight)
+  waiting      blocked until a message has arrived (ours: receive and wait_sends, less the posting
+               done inside them; torch's: _wait_batch_p2p)
+  posting      handing an isend or irecv to the backend (ours: common.comm.send / recv; torch's:
+               _batch_p2p)
+  measurement  ours only: the MeasuredExecutor's own lines (timeline spans, the activation ledger).
+               The meter's pack hook runs inside each F, so the F column holds it: the run with
+               --no-activation-meter shows the whole meter's cost as the difference of the totals
+  runtime      the rest: the executor's (or torch's runtime's) own Python between the pieces above,
+               cutting the batch into micro-batches included
+Each value is ms per step: the mean over the ranks of the median over steps 3..8 of two runs (alternated rounds). The
+stopwatch costs about a microsecond per call it times, a few hundred calls per step.
+"""
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from importlib import import_module
+from itertools import product
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.launch import launch  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "results"
+SCHEDS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+RUNS = {"ours": ["--impl", "ours"], "ours, no meter": ["--impl", "ours", "--no-activation-meter"],
+        "ours, irecv one ahead": ["--impl", "ours"], "torch": ["--impl", "torch"]}
+PARTS = ("F", "B", "W", "waiting", "posting", "measurement", "runtime")      # F: with torch's "loss"
+SKIP = 2                                       # steps 1..2: warm-up (allocations, the zero-bubble split)
+ROUNDS = 2                                     # every run twice, the rounds alternated; their steps pooled
+
+
+class Stopwatch:
+    """Exclusive time per part, per step. `wrap(fn, part)` returns fn timed; a call's callees that are
+    timed too are subtracted from it. The outermost timed call (forward_backward) ends a step."""
+
+    def __init__(self):
+        self.stack: list[float] = []           # time spent in timed callees of each open call
+        self.now: dict = defaultdict(float)    # this step so far: part -> seconds (and "n F" -> calls)
+        self.steps: list[dict] = []
+
+    def wrap(self, fn, part: str):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            self.stack.append(0.0)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inner, took = self.stack.pop(), time.perf_counter() - start
+                self.now[part] += took - inner
+                self.now[f"n {part}"] += 1
+                if self.stack:
+                    self.stack[-1] += took
+                else:                           # forward_backward returned: one step
+                    self.now["step"] = took
+                    self.steps.append(dict(self.now))
+                    self.now.clear()
+        return timed
+
+    @contextmanager
+    def timing(self, targets):
+        """targets: (owner, attribute name, part); each replaced by its timed self inside the block."""
+        saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in targets]
+        for owner, name, part in targets:
+            setattr(owner, name, self.wrap(getattr(owner, name), part))
+        try:
+            yield self
+        finally:
+            for owner, name, fn in saved:
+                setattr(owner, name, fn)
+
+
+def timed_functions():
+    """What the stopwatch wraps, ours and torch's, with the part each one's own time belongs to."""
+    from torch.distributed.pipelining import schedules, stage
+    from common import comm
+    pe = import_module("03_pipeline_parallel.pipeline_executor")
+    me = import_module("03_pipeline_parallel.measured_executor")
+    pt = import_module("03_pipeline_parallel.pipeline_trainer")
+    tp = import_module("03_pipeline_parallel.torch_pipelining")
+    ours = [(pt.PipelineTrainer, "forward_backward", "runtime"), (pe.PipelineExecutor, "run", "runtime"),
+            (pe.PipelineExecutor, "_forward", "F"), (pe.PipelineExecutor, "_backward", "B"),
+            (pe.PipelineExecutor, "_weights", "W"), (pe.PipelineExecutor, "receive", "waiting"),
+            (pe.PipelineExecutor, "wait_sends", "waiting"), (comm, "send", "posting"), (comm, "recv", "posting")]
+    ours += [(me.MeasuredExecutor, name, "measurement")
+             for name in ("run", "receive", "compute", "send", "wait_sends", "_count_activations")]
+    theirs = [(tp.TorchPipelineTrainer, "forward_backward", "runtime"), (tp.ChunkModule, "forward", "F"),
+              (schedules._PipelineSchedule, "_compute_loss", "loss"), (stage, "stage_backward", "B"),
+              (stage, "stage_backward_input", "B"), (stage, "stage_backward_weight", "W"),
+              (schedules, "_batch_p2p", "posting"), (schedules, "_wait_batch_p2p", "waiting")]
+    return ours + theirs
+
+
+@contextmanager
+def posting(one_ahead: bool):
+    """Inside: executors post each irecv one action ahead (NCCL's rule) even with gloo."""
+    pe = import_module("03_pipeline_parallel.pipeline_executor")
+    init = pe.PipelineExecutor.__init__
+
+    def init_one_ahead(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.post_all_at_start = False
+    pe.PipelineExecutor.__init__ = init_one_ahead if one_ahead else init
+    try:
+        yield
+    finally:
+        pe.PipelineExecutor.__init__ = init
+
+
+def worker(p: int, tmp: Path) -> None:
+    """Runs inside torchrun: every schedule × run, timed; rank 0 writes every rank's steps."""
+    import torch.distributed as dist
+    from common.distributed import init_distributed
+    train_pp = import_module("03_pipeline_parallel.train_pp")
+    init_distributed()
+    results = defaultdict(list)
+    for _, (name, v), (run, flags) in product(range(ROUNDS), SCHEDS, RUNS.items()):
+        argv = ["--seq-len", "128", "--quiet", "--warmup", "2", "--schedule", name, "--virtual-stages", str(v),
+                "--microbatches", "8", "--global-batch", "16", "--steps", "8"] + flags
+        with Stopwatch().timing(timed_functions()) as watch, posting(one_ahead="one ahead" in run):
+            train_pp.main(argv)
+        every = [None] * p if dist.get_rank() == 0 else None
+        dist.gather_object(watch.steps[SKIP:], every, dst=0)
+        if every:                                           # rank 0: every rank's timed steps, rounds pooled
+            results[f"{name} {run}"] = [mine + steps for mine, steps in
+                                        zip(results[f"{name} {run}"] or [[] for _ in every], every)]
+    if dist.get_rank() == 0:
+        (tmp / f"p{p}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def per_step_ms(ranks: list[list[dict]], key: str) -> float:
+    """Mean over ranks of the median over steps, in ms. F includes torch's loss, timed apart."""
+    keys = (key, "loss") if key == "F" else (key,)
+    return statistics.mean(statistics.median(1e3 * sum(s.get(k, 0.0) for k in keys) for s in steps)
+                           for steps in ranks)
+
+
+def per_action_ms(ranks: list[list[dict]], kind: str) -> float | None:
+    calls = sum(s.get(f"n {kind}", 0) for steps in ranks for s in steps)
+    keys = (kind, "loss") if kind == "F" else (kind,)
+    time_in = sum(s.get(k, 0.0) for steps in ranks for s in steps for k in keys)
+    return 1e3 * time_in / calls if calls else None
+
+
+def report(all_results: dict) -> list[str]:
+    lines = ["# Chapter 03 — where a pipeline step's time goes", "",
+             "Command: `python 03_pipeline_parallel/breakdown_pp.py` (2-core CPU, gloo, `tiny` model, m = 8, "
+             "16 × 128 tokens per step). ms per step: mean over ranks of the median over steps 3..8 of two runs; each "
+             "call's own time (see the file's docstring). `measurement`: the timeline and the ledger's lines "
+             "in MeasuredExecutor; the meter's hook itself is inside F, so its whole cost is the step "
+             "difference between `ours` and `ours, no meter`. Per action: the mean over every rank's "
+             "actions; torch's stage B on rank 0 of zb-h1, which does nothing, lowers its B.", "",
+             "| p | schedule | run | step ms | F | B | W | waiting | posting | measurement | runtime | "
+             "per action F / B / W ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p, res in sorted(all_results.items()):
+        for name, _ in SCHEDS:
+            for run in RUNS:
+                ranks = res[f"{name} {run}"]
+                parts = [per_step_ms(ranks, k) for k in PARTS]
+                cells = ["" if run == "torch" and k == "measurement" else f"{x:.1f}" for k, x in zip(PARTS, parts)]
+                actions = " / ".join("–" if x is None else f"{x:.1f}" for x in (per_action_ms(ranks, k) for k in "FBW"))
+                lines.append(f"| {p} | {name} | {run} | {per_step_ms(ranks, 'step'):.1f} | " + " | ".join(cells)
+                             + f" | {actions} |")
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.worker, Path(args.tmp))
+    tmp = Path(tempfile.mkdtemp(prefix="breakdown_pp_"))
+    results = {}
+    for p in (2, 4):
+        launch(__file__, p, ["--worker", p, "--tmp", tmp])
+        results[p] = {k: v for k, v in json.loads((tmp / f"p{p}.json").read_text()).items()}
+    lines = report(results)
+    OUT.mkdir(exist_ok=True)
+    (OUT / "pp_breakdown.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    from common.errors import run_main
+    run_main(main)
