@@ -24,7 +24,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# Every chapter's benchmark, one after another (about 37 minutes on 2 cores: 2½ + 2½ + 5 + 2½ + 1 + 4 + 4½ + 10 + 5);
+# Every chapter's benchmark, one after another (about 39 minutes on 2 cores: 2½ + 2½ + 5 + 2 + 1 + 2½ + 4 + 4½ + 10 + 5);
 # each writes the tables (and plots) under its chapter's results/ that the READMEs show.
 bench: $(STAMP)
 	$(PY) 01_data_parallel/bench_dp.py
@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) 02_tensor_parallel/bench_tp.py
 	$(PY) 03_pipeline_parallel/bench_pp.py
 	$(PY) 03_pipeline_parallel/bubble_pp.py --pp 2 4
+	$(PY) 03_pipeline_parallel/breakdown_pp.py
 	$(PY) 04_3d_combined/bench_3d.py
 	$(PY) 05_moe_expert_parallel/bench_4d.py
 	$(PY) 05_moe_expert_parallel/bench_moe.py
