@@ -63,6 +63,11 @@ def test_verdicts_read_the_failures():
     line = grader.verdict(ex, ROOT, wrong, quick=True).line()
     assert line.endswith("wrong: test_pp_schedules.py::test_executor_message_plan_matches_and_never_deadlocks: "
                          "AssertionError: tp2, rank 0: losses differ by 3.1e-02"), line
+    # as pytest writes it ("E   " before each line), and a bare assert: its source line is the message
+    bare = "E   AssertionError: expected 'ok' on every rank; got:\nE   --- rank 0: error ---\nE   Traceback (most recent call last):\n" \
+           "E     File \"t.py\", line 54, in check\nE       assert torch.equal(x.grad, want)\nE   AssertionError\n"
+    assert grader.first_failure({"line": "AssertionError: expected 'ok' on every rank; got:", "text": bare}) == \
+        "AssertionError: assert torch.equal(x.grad, want)"
     # 02.f_g's own test passes, the layout run it shares with 02.row_parallel fails: the wrong one is blamed
     f_g, row = catalog.BY_ID["02.f_g"], catalog.BY_ID["02.row_parallel"]
     shared = {f_g.units[0]: {"status": "passed", "line": "", "text": ""}, f_g.layout: wrong[node]}

@@ -45,10 +45,15 @@ def first_failure(record: dict) -> str:
     """One line: the failing comparison, or the exception that stopped a rank."""
     line = record.get("line", "").strip()
     if "on every rank; got:" in line or not line:
-        for block in _RANK_BLOCK.findall(record.get("text", "")):
-            found = [ln.strip() for ln in block.splitlines() if _EXCEPTION.match(ln.strip())]
+        text = re.sub(r"(?m)^E {3,}", "", record.get("text", ""))       # pytest's "E   " before each line
+        for block in _RANK_BLOCK.findall(text):
+            lines = [ln.strip() for ln in block.splitlines()]
+            found = [i for i, ln in enumerate(lines) if _EXCEPTION.match(ln)]
             if found:
-                return found[-1][:300]
+                i = found[-1]
+                if lines[i] == "AssertionError" and i > 0:           # a bare assert: show its source line
+                    return f"AssertionError: {lines[i - 1]}"[:300]
+                return lines[i][:300]
     return re.sub(r"^E\s+", "", line)[:300]          # pytest's "E   " prefix of a collection error
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from common.errors import ConfigError
 
+from .grader import first_failure
 from .museum_catalog import BY_ID, EXHIBITS, Exhibit
 from .repo_copy import ROOT, copy_repo
 from .run_tests import run_tests
@@ -47,7 +48,7 @@ def catch(ex: Exhibit, repo: Path) -> tuple[str | None, str]:
     results = run_tests(repo, list(ex.catch))
     for node in ex.catch:
         if results[node]["status"] == "failed":
-            return node, results[node]["line"]
+            return node, first_failure(results[node])
     return None, ""
 
 
