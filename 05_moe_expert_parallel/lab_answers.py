@@ -157,8 +157,8 @@ are different, equally good runs.""")
 
     key.run(M6)
     mb = key.run(M6_CMP, check=False)
-    edits = [Edit("common/moe_routing.py", "f = per_sequence.float() / (S * top_k)", "f = per_sequence.sum(0) / (B*S*top_k)"),
-             Edit("common/moe_routing.py", "P = probs.mean(dim=1)", "P = probs.mean(dim=(0, 1))"),
+    edits = [Edit("common/moe_routing.py", "f = whole.float() / (S * parts * top_k)", "f = whole.sum(0) / (B * S * parts * top_k)"),
+             Edit("common/moe_routing.py", "P = probs.mean(dim=1) / parts", "P = probs.mean(dim=(0, 1)) / parts"),
              Edit("common/moe_routing.py", "aux_sum = (E * (f * P).sum(dim=-1)).sum()", "aux_sum = B * E * (f * P).sum()")]
     with key.broken(*edits) as root:          # the same commands (and /tmp files) as the student
         for cmd in M5[:2] + [M6]:
