@@ -52,3 +52,29 @@ def test_names_and_write(key, tmp_path):
     key.section("1. First", "answer")
     text = key.write().read_text()
     assert text.startswith("# Lab 99 — answer key") and "## 1. First\n\nanswer" in text
+
+
+def _edits_in(key_script):
+    """Every Edit(file, old, new) in a chapter's lab_answers.py, its arguments evaluated with the module's
+    own constants (the chapter's folder is `CH`) and nothing run."""
+    import ast
+    names = {"CH": key_script.parent.name}
+    for node in ast.walk(ast.parse(key_script.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Edit":
+            yield lab_key.Edit(*(eval(compile(ast.Expression(arg), str(key_script), "eval"), names)
+                                 for arg in node.args))
+
+
+@pytest.mark.parametrize("chapter", sorted(p.parent.name for p in lab_key.ROOT.glob("0*/lab_answers.py")))
+def test_every_lab_edit_still_finds_its_code(chapter):
+    """The real keys, without running them: each "break it" edit is printed in its LAB.md and its text is
+    still in the code exactly once (else `make lab-answers` stops at it, and the lab names a line the
+    student cannot find)."""
+    root = lab_key.ROOT
+    lab = lab_key.squeeze((root / chapter / "LAB.md").read_text())
+    edits = list(_edits_in(root / chapter / "lab_answers.py"))
+    assert edits, f"{chapter}/lab_answers.py has no edit"
+    for e in edits:
+        assert lab_key.squeeze(e.old) in lab and lab_key.squeeze(e.new) in lab, f"{chapter}/LAB.md does not print {e}"
+        count = (root / e.file).read_text().count(e.old)
+        assert count == 1, f"{e.file}: the text of {chapter}'s edit occurs {count} times: {e.old!r}"
