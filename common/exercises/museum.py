@@ -110,8 +110,8 @@ def museum_table(rows) -> str:
     caught = sum(r[1] == "caught" for r in rows)
     lines = ["# The museum of real bugs: does the test suite catch them?", "",
              "Written by `python -m common.exercises bug --check` (`make museum`): each bug planted in a fresh copy",
-             "of the course, then the tests that must catch it run there. Seconds are this machine's (2 cores",
-             f"shared with other work); a test module's spawned groups dominate them. {caught} of {len(rows)} caught,",
+             "of the course, then the tests that must catch it run there. Seconds are this machine's (other work",
+             f"on it slows them); a test module's spawned groups dominate them. {caught} of {len(rows)} caught,",
              f"{total:.0f} s of tests in all.", "",
              "| bug | chapter | class of real bug | catching test | verdict | seconds | first failure line |",
              "|---|---|---|---|---|---|---|"]
