@@ -82,6 +82,8 @@ def pipeline_layout(args, world: int) -> Layout:
     m = pipeline_microbatches(args, dp, pp)
     check_common(args, dp=dp, microbatches=m)
     if args.impl == "torch":
+        require(not args.no_activation_meter, "--no-activation-meter is for --impl ours: "
+                "torch.distributed.pipelining's runs meter no activations; drop the flag")
         require(m >= pp * args.virtual_stages or args.schedule == "gpipe",
                 f"torch.distributed.pipelining's {args.schedule} needs --microbatches ≥ the number of stages "
                 f"({pp * args.virtual_stages}); use --microbatches {pp * args.virtual_stages}")
