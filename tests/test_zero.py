@@ -1,6 +1,6 @@
 """Chapter 01 part two, ZeRO: every stage reproduces the single-device run (losses and gradient
 norms), holds on every rank the bytes the formulas say, resumes exactly, and rejects bad input with
-one clear message."""
+one clear message; stage 2's gradient hook alone gives each rank its shard of the twin's summed gradient."""
 import os
 import subprocess
 import sys
@@ -72,6 +72,53 @@ def stage3_frees_gathered_weights() -> dict:
             "regathered": sorted(u for u, _ in refs), "peak": zero.peak_param_bytes}
 
 
+def stage2_gradient_shards() -> dict:
+    """A job: ZeRO stage 2's gradient hook alone, on a two-unit toy, against its single-device twin.
+
+    y = (x @ w1 + b1) @ w2 + b2, loss = sum(y * c); unit 0 = (w1, b1), 15 elements, unit 1 = (w2, b2),
+    7 elements: both padded to 16 and 8 at N = 2. Two micro-batches, each rank its own x and c. Every
+    value is a small integer, so every sum is exact in any order: the shards must match bit for bit."""
+    import torch
+    import torch.distributed as dist
+    from importlib import import_module
+    zero_sharding = import_module("01_data_parallel.zero_sharding")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def ints(seed, *shape):                               # small integers held as fp32: exact arithmetic
+        return torch.randint(-3, 4, shape, generator=torch.Generator().manual_seed(seed)).float()
+
+    shapes = {"w1": (4, 3), "b1": (3,), "w2": (3, 2), "b2": (1,)}
+    init = {n: ints(i, *s) for i, (n, s) in enumerate(shapes.items())}
+    batch = {(r, mb): (ints(100 + 10 * r + mb, 2, 4), ints(200 + 10 * r + mb, 2, 2))   # x (2, 4), c (2, 2)
+             for r in range(world) for mb in range(2)}
+
+    def loss(p, x, c):
+        return (((x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]) * c).sum()
+
+    # The twin: one device, every rank's micro-batches, the gradients summed (what the DP group adds up).
+    twin = {n: t.clone().requires_grad_() for n, t in init.items()}
+    for (r, mb), (x, c) in batch.items():
+        loss(twin, x, c).backward()
+
+    params = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
+    fired = []                                            # registered first: runs before ZeRO's hook
+    for p in params.values():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(1))
+    units = [("first", [(n, params[n]) for n in ("w1", "b1")]), ("second", [(n, params[n]) for n in ("w2", "b2")])]
+    opt = zero_sharding.ZeroOptimizer([nv for _, named in units for nv in named], dist.group.WORLD,
+                                      1e-3, 0.1, stage=2, units=units)
+    launches, launch = [], opt.reduce_scatter.launch
+    opt.reduce_scatter.launch = lambda u, full: (launches.append((u, len(fired))), launch(u, full))
+    kept = []
+    for mb in range(2):
+        loss(params, *batch[(rank, mb)]).backward()
+        kept += [f"micro-batch {mb}: {n}" for n, p in params.items() if p.grad is not None]
+    opt.sync_gradients()
+    want = [u.flatten([twin[n].grad for n in u.names])[u.lo:u.hi] for u in opt.units]   # (padded/N,) each
+    return {"shards": [g.tolist() for g in opt.shard_grads], "want": [w.tolist() for w in want],
+            "spans": [(u.lo, u.hi) for u in opt.units], "launches": launches, "kept": kept}
+
+
 @pytest.fixture(scope="module")
 def reference():
     results = run_group(1, [("01_data_parallel.train_dp:main", BASE)] +
@@ -110,6 +157,23 @@ def test_two_ranks(reference, tmp_path):
         assert freed["after_forward"] == [] and freed["after_backward"] == [], (rank, freed)
         assert freed["regathered"] == list(range(1, 10)), rank         # every unit but the embedding
         assert freed["peak"] == 2 * block, rank                         # one unit + the prefetched next one
+
+
+def test_stage2_reduce_scatters_each_unit_once_its_gradients_exist():
+    """ZeroOptimizer._on_grad_ready alone (stage 2), two ranks, two micro-batches: each unit's flat gradient
+    is reduce-scattered as soon as its last gradient exists, the full gradients are freed, and each
+    rank's shard holds its slice of the gradient summed over ranks and micro-batches. Its own small group,
+    not test_two_ranks's: the exercise's quick grade (its unit tests alone) then runs no training."""
+    for rank, got in enumerate(every_rank(run_group(2, [("test_zero:stage2_gradient_shards",)])[0])):
+        assert got["launches"] == [(1, 2), (0, 4), (1, 6), (0, 8)], \
+            f"rank {rank}: reduce-scatters launched as (unit, gradients ready so far) {got['launches']}; " \
+            f"expected [(1, 2), (0, 4), (1, 6), (0, 8)]: each unit once per backward, as soon as its own " \
+            f"2 gradients exist (unit 1 is nearer the loss, so first)"
+        assert got["kept"] == [], f"rank {rank}: after backward these .grad still hold a full gradient " \
+                                  f"(set q.grad = None once the unit is flattened): {got['kept']}"
+        for u, (shard, want, (lo, hi)) in enumerate(zip(got["shards"], got["want"], got["spans"])):
+            assert shard == want, f"rank {rank}: shard_grads[{u}] = {shard}; expected {want}, elements " \
+                                  f"{lo}:{hi} of unit {u}'s padded flat gradient summed over 2 ranks and 2 micro-batches"
 
 
 def test_four_ranks_equivalence_memory_and_bytes(reference):

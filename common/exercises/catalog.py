@@ -62,6 +62,7 @@ EXERCISES = [
              "count ready gradients per unit (self.unit_of[p], self._ready[u]) and reset the count when the unit is "
              "full; self.units[u].flatten(grads) gives the padded flat gradient; set each q.grad = None before "
              "self.reduce_scatter.launch(u, full), which adds this rank's summed shard into self.shard_grads[u]",
+             units=("tests/test_zero.py::test_stage2_reduce_scatters_each_unit_once_its_gradients_exist",),
              layout="tests/test_zero.py::test_two_ranks"),
     Exercise("02.f_g", "02_tensor_parallel/tp_operators.py",
              "f (identity forward, all-reduce backward) and g (all-reduce forward, identity backward)",
