@@ -172,8 +172,8 @@ def test_stage2_reduce_scatters_each_unit_once_its_gradients_exist():
         assert got["kept"] == [], f"rank {rank}: after backward these .grad still hold a full gradient " \
                                   f"(set q.grad = None once the unit is flattened): {got['kept']}"
         for u, (shard, want, (lo, hi)) in enumerate(zip(got["shards"], got["want"], got["spans"])):
-            assert shard == want, f"rank {rank}: shard_grads[{u}] = {shard}; expected {want}, elements " \
-                                  f"{lo}:{hi} of unit {u}'s padded flat gradient summed over 2 ranks and 2 micro-batches"
+            assert shard == want, f"rank {rank}: shard_grads[{u}] = {shard}; expected {want}, elements {lo}:{hi} " \
+                                  f"of unit {u}'s padded flat gradient summed over 2 ranks and 2 micro-batches"
 
 
 def test_four_ranks_equivalence_memory_and_bytes(reference):
