@@ -1,6 +1,7 @@
 """Chapter 04: every DP × TP × PP layout reproduces the single-device run (losses, gradient norms and
 validation losses, on every rank); resume across layouts; bad input fails on every rank; a killed
-rank does not hang the others."""
+rank does not hang the others. Two verbs of Trainer3D alone, on 2 ranks: sync_gradients and
+clip_grad_norm against the single-device gradients and norm (jobs_3d.py)."""
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import LOSS_RTOL, ROOT, assert_same_run, free_port, max_rel_diff, ok, run_group
+from harness import LOSS_RTOL, ROOT, assert_same_run, every_rank, free_port, max_rel_diff, ok, run_group
 
 STEPS = 6          # enough for every layout bug we have seen to show; the resumes start from step 3
 BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet", "--sample-tokens", "0",
@@ -88,6 +89,45 @@ def test_four_rank_layouts_and_resume_in_another_layout(reference, tmp_path):
     assert abs(zero[-1]["optim_bytes"] - plain / 2) <= 0.01 * plain, (plain, zero[-1]["optim_bytes"])
     for i in (2, 4, 7, 9):
         assert_same_run(results[n + i], ref_hist[3:], f"resumed (job {n + i})")
+
+
+# --- two verbs alone, each against one device, in one group of 2 ranks ---------------------------------
+GRID = ["--seq-len", "32", "--global-batch", "8", "--quiet"]
+SYNC_LAYOUTS = {"dp 2": ["--dp", "2", "--tp", "1", "--pp", "1"],                  # the DP all-reduces
+                "tp 2, sequence parallel": ["--dp", "1", "--tp", "2", "--pp", "1", "--sequence-parallel"]}  # TP sums
+CLIP_LAYOUTS = {"dp 2": ["--dp", "2", "--tp", "1", "--pp", "1"],                  # replicas: not summed
+                "tp 2": ["--dp", "1", "--tp", "2", "--pp", "1"],                  # shards summed, gains counted once
+                "pp 2": ["--dp", "1", "--tp", "1", "--pp", "2", "--microbatches", "2"]}   # stages summed
+GRAD_RTOL = 1e-5          # float32 sums in another order: round-off, ~1e-7 of a tensor's largest entry
+NORM_RTOL = 1e-9          # the same gradients put in, squares summed in float64: only the order differs
+
+
+@pytest.fixture(scope="module")
+def verbs_at_two_ranks():
+    """results[job][rank]: the sync's checks first, so that they have run while clip_grad_norm is a stub."""
+    jobs = [("jobs_3d:sync_gradients_job", GRID + argv) for argv in SYNC_LAYOUTS.values()]
+    jobs += [("jobs_3d:clip_norm_job", GRID + argv) for argv in CLIP_LAYOUTS.values()]
+    return run_group(2, jobs)
+
+
+def test_sync_gradients_gives_the_single_device_gradients(verbs_at_two_ranks):
+    for name, res in zip(SYNC_LAYOUTS, verbs_at_two_ranks):
+        for rank, got in enumerate(every_rank(res)):
+            assert got["rel"] <= GRAD_RTOL, \
+                f"{name}, rank {rank}: after sync_gradients the gradient of {got['name']} differs from one " \
+                f"device's by {got['rel']:.1e} of its largest entry (expected ≤ {GRAD_RTOL:g}, round-off)"
+
+
+def test_clip_grad_norm_is_the_single_device_norm(verbs_at_two_ranks):
+    for name, res in zip(CLIP_LAYOUTS, verbs_at_two_ranks[len(SYNC_LAYOUTS):]):
+        for rank, got in enumerate(every_rank(res)):
+            assert abs(got["norm"] - got["ref_norm"]) <= NORM_RTOL * got["ref_norm"], \
+                f"{name}, rank {rank}: clip_grad_norm returned {got['norm']:.9f}, one device's norm is " \
+                f"{got['ref_norm']:.9f} (expected equal within {NORM_RTOL:g} of it)"
+            assert got["rel"] <= GRAD_RTOL, \
+                f"{name}, rank {rank}: clipped to half the norm, the gradient of {got['name']} differs from one " \
+                f"device's by {got['rel']:.1e} of its largest entry (expected ≤ {GRAD_RTOL:g}: every gradient " \
+                f"scaled by the same factor)"
 
 
 def point_latest_at(directory, name):

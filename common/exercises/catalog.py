@@ -107,6 +107,7 @@ EXERCISES = [
              "One step, one batch, through the grid (`main` in `train_3d.py`, the verbs in `trainer_3d.py`)",
              "chapter 03's PipelineTrainer.sync_gradients waits for the per-stage DP all-reduces; chapter 02's "
              "tensor_parallel.sync_tp_gradients(model, tp_group) sums the gradients of TP-replicated tensors",
+             units=("tests/test_3d.py::test_sync_gradients_gives_the_single_device_gradients",),
              layout="tests/test_3d.py::test_four_rank_layouts_and_resume_in_another_layout"),
     Exercise("04.clip_norm", "04_3d_combined/trainer_3d.py",
              "Trainer3D.clip_grad_norm: the whole model's gradient norm, each tensor counted once",
@@ -114,6 +115,7 @@ EXERCISES = [
              "counted_here(replicas(p), self.mesh.coords) picks one holder of a TP-replicated tensor; "
              "clip_by_global_norm(counted, max_norm, groups=self.norm_groups, all_grads=every grad) sums the "
              "squares over TP and PP and scales every gradient",
+             units=("tests/test_3d.py::test_clip_grad_norm_is_the_single_device_norm",),
              layout="tests/test_3d.py::test_four_rank_layouts_and_resume_in_another_layout"),
     Exercise("05.all_to_all", "05_moe_expert_parallel/moe_dispatch.py",
              "AllToAll forward and backward: rows out by input_splits, in by output_splits; gradients go home",
