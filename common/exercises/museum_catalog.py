@@ -170,7 +170,8 @@ EXHIBITS = (
         "04_3d_combined/trainer_3d.py",
         "self.norm_groups = [self.tp_group, self.pp_group]",
         "self.norm_groups = [self.pp_group]",
-        ("tests/test_3d.py::test_four_rank_layouts_and_resume_in_another_layout",),
+        ("tests/test_3d.py::test_clip_grad_norm_is_the_single_device_norm",
+         "tests/test_3d.py::test_four_rank_layouts_and_resume_in_another_layout"),
         ("python 04_3d_combined/train_3d.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
          "torchrun --nproc_per_node=4 04_3d_combined/train_3d.py --dp 1 --tp 2 --pp 2 --steps 5 --quiet "
          "--metrics runs/bug/tp2pp2.jsonl",
