@@ -15,7 +15,6 @@ Two guards keep the lab and its key from drifting apart:
 import os
 import platform
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.compare_metrics import compare, summary
+from common.exercises.repo_copy import copy_repo
 from common.metrics import PIPE_COLUMNS, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", "*.ipynb", "figures")
 
 
 @dataclass
@@ -109,7 +108,7 @@ class Key:
         """A copy of the repository with the lab's edits applied; yields its root."""
         with tempfile.TemporaryDirectory(prefix=f"lab_{self.chapter[:2]}_") as tmp:
             root = Path(tmp) / "repo"
-            shutil.copytree(ROOT, root, ignore=COPY_IGNORE)
+            copy_repo(root, ROOT)                # the course as shipped: what git tracks
             for e in edits:
                 assert squeeze(e.old) in self.lab and squeeze(e.new) in self.lab, \
                     f"{self.chapter}/LAB.md does not print the edit {e}"
