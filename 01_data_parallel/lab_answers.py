@@ -2,7 +2,6 @@
 
     python 01_data_parallel/lab_answers.py          # runs every command of LAB.md
 """
-import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -117,9 +116,9 @@ three later backwards push `ready` past the size, so those buckets are never sen
 code not checked, `sync_gradients` would copy back the all-reduced sums of micro-batch 1 alone,
 silently dropping three quarters of the gradient; it counts and refuses instead.""")
 
+    key.fresh("runs/lab01/ck", "runs/lab01/ck2")
     key.run("torchrun --nproc_per_node=2 01_data_parallel/train_dp.py --steps 20 --checkpoint-every 5 --checkpoint-dir runs/lab01/ck --metrics runs/lab01/full.jsonl")
     ck2 = ROOT / "runs/lab01/ck2"
-    shutil.rmtree(ck2, ignore_errors=True)                 # a fresh directory, as for a student
     key.interrupt_when("torchrun --nproc_per_node=2 01_data_parallel/train_dp.py --steps 20 --checkpoint-every 5 --checkpoint-dir runs/lab01/ck2 --metrics runs/lab01/a.jsonl", ck2 / "latest")
     key.run("torchrun --nproc_per_node=2 01_data_parallel/train_dp.py --steps 20 --checkpoint-every 5 --checkpoint-dir runs/lab01/ck2 --metrics runs/lab01/b.jsonl --resume")
     d7 = key.run("python -m common.compare_metrics runs/lab01/full.jsonl runs/lab01/b.jsonl --tol 1e-6", check=False)
@@ -280,6 +279,7 @@ so its memory *at rest* is stage 3's.""")
 
     failures = key.failures(["torchrun --nproc_per_node=4 01_data_parallel/train_zero.py --zero-stage 4",
                              "torchrun --nproc_per_node=4 01_data_parallel/train_zero.py --global-batch 6"], "train_zero.py")
+    key.fresh("runs/lab01/c")
     key.run("torchrun --nproc_per_node=4 01_data_parallel/train_zero.py --zero-stage 3 --steps 4 --quiet --checkpoint-dir runs/lab01/c")
     cross = key.run("torchrun --nproc_per_node=4 01_data_parallel/train_zero.py --zero-stage 1 --steps 8 --quiet --checkpoint-dir runs/lab01/c --resume", check=False)
     assert cross.code, "a stage-3 checkpoint now resumes as stage 1: update Z8's reading"

@@ -22,9 +22,10 @@ from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import run_main
 from common.mesh import Mesh
 from common.metrics import RunLog, format_bytes
-from common.model import PRESETS, build_model, count_parameters
+from common.model import build_model, count_parameters, dense_preset
 from common.optim import build_adamw, lr_at
-from common.training import StepTimer, global_sum, resume_state, run_identity, should_save, stop_if_not_finite
+from common.training import (StepTimer, global_sum, resume_state, run_identity, should_save, start_rng,
+                             stop_if_not_finite)
 
 dp_trainer = import_module("01_data_parallel.dp_trainer")
 torch_dp = import_module("01_data_parallel.torch_dp")
@@ -45,11 +46,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    cfg = dense_preset(args.model, "05_moe_expert_parallel/train_moe.py")   # a mixture of experts is chapter 05's
     rt = init_distributed(args.device, args.timeout)
     mesh = Mesh(rt.rank, rt.world_size, dp=rt.world_size)
     dp_group, dp_rank, dp = mesh.group("dp"), mesh.coord("dp"), mesh.size("dp")
     data = TextData(args.data, args.seq_len, args.seed)
-    cfg = PRESETS[args.model]
     resume = resume_state(args)
 
     # --- the model: a full replica on every rank -------------------------------------------------
@@ -72,6 +73,7 @@ def main(argv=None) -> list[dict]:
                   "torchrun --nproc_per_node=4 01_data_parallel/train_dp.py")
 
     tokens_per_step = args.global_batch * args.seq_len
+    start_rng(args, resume)                   # torch's generator: seeded, or as the checkpoint left it
     log.start(start + 1)
     for step in range(start + 1, args.steps + 1):
         comm.COUNTER.reset()

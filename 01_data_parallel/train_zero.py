@@ -22,9 +22,10 @@ from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import require, run_main
 from common.mesh import Mesh
 from common.metrics import RunLog, format_bytes
-from common.model import PRESETS, build_model, count_parameters
+from common.model import build_model, count_parameters, dense_preset
 from common.optim import lr_at
-from common.training import StepTimer, global_sum, resume_state, run_identity, should_save, stop_if_not_finite
+from common.training import (StepTimer, global_sum, resume_state, run_identity, should_save, start_rng,
+                             stop_if_not_finite)
 
 zero_sharding = import_module("01_data_parallel.zero_sharding")
 zero_stage3 = import_module("01_data_parallel.zero_stage3")
@@ -60,11 +61,11 @@ def identity(args) -> dict:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    cfg = dense_preset(args.model, "05_moe_expert_parallel/train_moe.py")   # a mixture of experts is chapter 05's
     rt = init_distributed(args.device, args.timeout)
     mesh = Mesh(rt.rank, rt.world_size, dp=rt.world_size)
     dp_group, dp_rank, dp = mesh.group("dp"), mesh.coord("dp"), mesh.size("dp")
     data = TextData(args.data, args.seq_len, args.seed)
-    cfg = PRESETS[args.model]
     resume = resume_state(args, identity(args))      # every rank loads and checks it, so every rank fails alike
 
     # --- the model: built whole from the seed on every rank, then sharded --------------------------
@@ -90,6 +91,7 @@ def main(argv=None) -> list[dict]:
                   "torchrun --nproc_per_node=4 01_data_parallel/train_zero.py --zero-stage 3")
 
     tokens_per_step = args.global_batch * args.seq_len
+    start_rng(args, resume)                   # torch's generator: seeded, or as the checkpoint left it
     log.start(start + 1)
     for step in range(start + 1, args.steps + 1):
         comm.COUNTER.reset()

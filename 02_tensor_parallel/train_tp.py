@@ -25,9 +25,10 @@ from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import require, run_main
 from common.mesh import Mesh
 from common.metrics import RunLog, format_bytes
-from common.model import PRESETS, build_model, count_parameters
+from common.model import PRESETS, build_model, count_parameters, dense_preset
 from common.optim import lr_at
-from common.training import StepTimer, global_sum, resume_state, run_identity, should_save, stop_if_not_finite
+from common.training import (StepTimer, global_sum, resume_state, run_identity, should_save, start_rng,
+                             stop_if_not_finite)
 
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")
 tp_trainer = import_module("02_tensor_parallel.tp_trainer")
@@ -60,11 +61,11 @@ def tp_degree(args, world: int) -> int:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     tp = tp_degree(args, env_world_size())
+    cfg = dense_preset(args.model, "05_moe_expert_parallel/train_4d.py")   # a mixture of experts is chapter 05's
     rt = init_distributed(args.device, args.timeout)
     mesh = Mesh(rt.rank, rt.world_size, dp=rt.world_size // tp, tp=tp)
     dp_group, dp_rank, dp = mesh.group("dp"), mesh.coord("dp"), mesh.size("dp")
     data = TextData(args.data, args.seq_len, args.seed)
-    cfg = PRESETS[args.model]
     resume = resume_state(args)
 
     # --- the model: build the full one from the seed (or the checkpoint); the trainer keeps this
@@ -91,6 +92,7 @@ def main(argv=None) -> list[dict]:
                   "torchrun --nproc_per_node=4 02_tensor_parallel/train_tp.py [--sequence-parallel]")
 
     tokens_per_step = args.global_batch * args.seq_len
+    start_rng(args, resume)                   # torch's generator: seeded, or as the checkpoint left it
     log.start(start + 1)
     for step in range(start + 1, args.steps + 1):
         comm.COUNTER.reset()

@@ -27,11 +27,12 @@ from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import require, run_main
 from common.mesh import Mesh
 from common.metrics import RunLog, format_bytes
-from common.model import PRESETS, build_model, count_parameters, loss_sum
+from common.model import PRESETS, build_model, count_parameters, dense_preset, loss_sum
 from common.optim import build_adamw, lr_at
 from common.timeline import Timeline, write_chrome_trace
 from common.training import (StepTimer, consolidate_on_rank0, global_sum, load_optim_state_by_name,
-                             resume_state, run_identity, should_save, stop_if_not_finite)
+                             resume_state, run_identity, should_save, start_rng,
+                             stop_if_not_finite)
 
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")   # who runs what, when
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")         # the model cut into stages
@@ -92,7 +93,7 @@ def pipeline_layout(args, world: int) -> Layout:
 
 def main(argv=None, schedule=None) -> list[dict]:
     args = parse_args(argv, schedule)
-    cfg = PRESETS[args.model]
+    cfg = dense_preset(args.model, "05_moe_expert_parallel/train_4d.py")   # a mixture of experts is chapter 05's
     # Pure functions of the flags, identical on every rank, before any communication: bad layouts fail here.
     layout = pipeline_layout(args, env_world_size())
     plan = pipeline_schedules.build_schedule(args.schedule, layout.pp, layout.m, layout.v)   # every rank's actions
@@ -119,6 +120,7 @@ def main(argv=None, schedule=None) -> list[dict]:
 
     tokens_per_step = args.global_batch * args.seq_len
     dist.barrier()                                   # every rank starts the first step together
+    start_rng(args, resume)                   # torch's generator: seeded, or as the checkpoint left it
     log.start(start + 1)
     for step in range(start + 1, args.steps + 1):
         comm.COUNTER.reset()

@@ -139,6 +139,7 @@ unequal size, the training itself would go wrong; here mainly the reported loss 
   Under sequence parallelism the pipeline message is the sequence shard (2, 64, 128): half.""")
 
     # 4. -------------------------------------------------------------------------------------------
+    key.fresh("runs/lab04/ck")
     key.run("torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --steps 20 --quiet --sample-tokens 0 --checkpoint-dir runs/lab04/ck --checkpoint-every 10 --metrics runs/lab04/a.jsonl")
     key.run("echo step_000010.pt > runs/lab04/ck/latest")
     key.run("torchrun --nproc_per_node=4 04_3d_combined/train_3d.py --steps 20 --quiet --sample-tokens 0 --checkpoint-dir runs/lab04/ck --resume --dp 1 --tp 4 --pp 1 --metrics runs/lab04/b.jsonl")

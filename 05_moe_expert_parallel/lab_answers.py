@@ -297,6 +297,7 @@ higher; the last column shows by how much at each factor over these 30 steps. At
 it is smaller than the ~1e-2 by which any two MoE runs part once they route one token differently
 (M5), so its sign there means little.""")
 
+    key.fresh("/tmp/ck5")
     key.run("torchrun --nproc_per_node=2 05_moe_expert_parallel/train_moe.py --steps 10 --seq-len 32 --global-batch 8 --router-bias-rate 0.01 --checkpoint-dir /tmp/ck5 --checkpoint-every 5 --metrics /tmp/m11_full.jsonl --quiet")
     key.run("echo step_000005.pt > /tmp/ck5/latest")
     key.run("torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py --steps 10 --seq-len 32 --global-batch 8 --router-bias-rate 0.01 --checkpoint-dir /tmp/ck5 --resume --metrics /tmp/m11_resumed.jsonl --quiet")
@@ -340,6 +341,7 @@ def part_four(key: Key) -> None:
     key.run("python 05_moe_expert_parallel/train_moe.py --steps 3 --quiet --metrics /tmp/m13_1.jsonl")
     same = [key.run(f"python -m common.compare_metrics /tmp/m13_1.jsonl /tmp/m13.jsonl /tmp/m13b.jsonl{k}", check=False)
             for k in ("", " --key aux_loss")]
+    key.fresh("/tmp/ck13")
     key.run(f"{M13_SMALL} --checkpoint-every 5 --metrics /tmp/m13_a.jsonl")
     key.run("echo step_000005.pt > /tmp/ck13/latest")
     key.run(f"{M13_SMALL} --resume --dp 4 --ep 4 --tp 1 --pp 2 --metrics /tmp/m13_b.jsonl")

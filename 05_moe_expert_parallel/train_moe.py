@@ -30,7 +30,8 @@ from common.metrics import RunLog, format_bytes
 from common.model import build_model, count_parameters
 from common.moe_args import add_moe_args, check_moe_args, expert_parallel_degree, moe_model_config
 from common.optim import lr_at
-from common.training import StepTimer, global_sum, resume_state, run_identity, should_save, stop_if_not_finite
+from common.training import (StepTimer, global_sum, resume_state, run_identity, should_save, start_rng,
+                             stop_if_not_finite)
 
 expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")
 moe_trainer = import_module("05_moe_expert_parallel.moe_trainer")
@@ -87,6 +88,7 @@ def main(argv=None) -> list[dict]:
                   "torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py [--ep 2]")
 
     tokens_per_step = args.global_batch * args.seq_len
+    start_rng(args, resume)                   # torch's generator: seeded, or as the checkpoint left it
     log.start(start + 1)
     for step in range(start + 1, args.steps + 1):
         comm.COUNTER.reset()

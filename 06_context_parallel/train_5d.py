@@ -26,7 +26,8 @@ from common.metrics import RunLog
 from common.model import loss_sum
 from common.optim import lr_at
 from common.timeline import Timeline
-from common.training import StepTimer, global_sum, resume_state, run_identity, should_save, stop_if_not_finite
+from common.training import (StepTimer, global_sum, resume_state, run_identity, should_save, start_rng,
+                             stop_if_not_finite)
 
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")          # chapter 02: the TP loss
 parallel_3d = import_module("04_3d_combined.parallel_3d")                      # chapter 04: each rank's piece
@@ -73,6 +74,7 @@ def main(argv=None) -> list[dict]:
 
     full_model = None                          # the consolidated weights, for the text sample at the end
     dist.barrier()
+    start_rng(args, resume)                   # torch's generator: seeded, or as the checkpoint left it
     log.start(start + 1)
     for step in range(start + 1, args.steps + 1):
         comm.COUNTER.reset()

@@ -27,9 +27,10 @@ from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import require, run_main
 from common.mesh import Mesh
 from common.metrics import RunLog, format_bytes
-from common.model import PRESETS, build_model, count_parameters
+from common.model import PRESETS, build_model, count_parameters, dense_preset
 from common.optim import lr_at
-from common.training import StepTimer, global_sum, resume_state, run_identity, should_save, stop_if_not_finite
+from common.training import (StepTimer, global_sum, resume_state, run_identity, should_save, start_rng,
+                             stop_if_not_finite)
 
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")     # chapter 02: the TP checks
 context_parallel = import_module("06_context_parallel.context_parallel")  # this chapter: CP's pieces
@@ -64,6 +65,7 @@ def decide_degrees(args, world: int) -> tuple[int, int, int]:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    cfg = dense_preset(args.model, "06_context_parallel/train_5d.py")   # the 5D run splits a mixture of experts
     dp, cp, tp = decide_degrees(args, env_world_size())
     rt = init_distributed(args.device, args.timeout)
     # TP innermost (it talks inside every layer), then CP (every attention), then DP (once per step)
@@ -71,7 +73,6 @@ def main(argv=None) -> list[dict]:
     dp_rank, cp_rank, cp_group = mesh.coord("dp"), mesh.coord("cp"), mesh.group("cp")
     split = cp_split.SequenceSplit(args.seq_len, cp, args.cp_split)
     data = TextData(args.data, args.seq_len, args.seed)
-    cfg = PRESETS[args.model]
     resume = resume_state(args)
 
     # --- the model: the full one from the seed (or the checkpoint); the trainer keeps this rank's TP
@@ -99,6 +100,7 @@ def main(argv=None) -> list[dict]:
         log.print("world size 1: the single-device reference. More ranks: "
                   "torchrun --nproc_per_node=4 06_context_parallel/train_cp.py [--cp-split contiguous]")
 
+    start_rng(args, resume)                   # torch's generator: seeded, or as the checkpoint left it
     log.start(start + 1)
     for step in range(start + 1, args.steps + 1):
         comm.COUNTER.reset()

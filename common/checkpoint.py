@@ -4,10 +4,14 @@ Format: one file per save, `step_{k:06d}.pt`, holding the *consolidated single-d
     model   {reference parameter name: full tensor}
     optim   {reference parameter name: {"exp_avg", "exp_avg_sq", "step"}}   (AdamW's state)
     step    the last finished optimizer step k
-    rng     torch's CPU random state
+    rng     torch's global random state (CPU; and this rank's GPU as `cuda_rng` on CUDA)
     meta    the model config, seed and run settings that must match to resume
 Because it is the single-device state, a run may resume in any layout: each rank takes its slice.
 (The data position needs no saving: the batch of step t is a function of (seed, t), see data.py.)
+
+Nothing lost: a run without --resume refuses a directory that already holds checkpoints (they belong
+to another run, and its first save would start replacing them), and the cleanup after a save removes
+only checkpoints older than the one just written, never the one `latest` names nor a later one.
 
 Atomic: the file is written to a temporary name, flushed to disk, then renamed over the final name
 (a rename is atomic on POSIX), and only then does the `latest` pointer move. A crash mid-save leaves
@@ -39,11 +43,41 @@ def save(directory, step: int, model: dict, optim: dict, meta: dict) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{step:06d}.pt"
     state = {"model": model, "optim": optim, "step": step, "rng": torch.get_rng_state(), "meta": meta}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda_rng"] = torch.cuda.get_rng_state()
     _atomic_write(path, lambda f: torch.save(state, f))
     _atomic_write(directory / "latest", lambda f: f.write(path.name.encode()))
-    for old in sorted(directory.glob("step_*.pt"))[:-KEEP]:
+    older = [p for p in saved_steps(directory) if _step_of(p) < step]
+    for old in older[:len(older) - (KEEP - 1)]:       # by step number: the newest KEEP - 1 of them stay
         old.unlink()
     return path
+
+
+def saved_steps(directory) -> list[Path]:
+    """The checkpoint files in `directory`, oldest step first (by number: names sort wrongly past 999,999)."""
+    return sorted(Path(directory).glob("step_*.pt"), key=_step_of)
+
+
+def _step_of(path: Path) -> int:
+    digits = path.stem.removeprefix("step_")
+    return int(digits) if digits.isdigit() else -1
+
+
+def refuse_fresh_run_over(directory) -> None:
+    """A run without --resume must not write into another run's checkpoints: refuse, naming what is there."""
+    directory = Path(directory)
+    files = saved_steps(directory) if directory.is_dir() else []
+    if not files and not has_checkpoint(directory):
+        return
+    pointer = directory / "latest"
+    name = pointer.read_text().strip() if pointer.is_file() else ""
+    if name:
+        what = f"its 'latest' names {name!r}" + (f", step {_step_of(Path(name))}" if _step_of(Path(name)) >= 0 else "")
+    else:
+        what = f"{', '.join(p.name for p in files)}, and no 'latest'"
+    raise ConfigError(f"--checkpoint-dir {str(directory)!r} already holds checkpoints ({what}): add --resume to "
+                      "continue that run, or give an empty or new --checkpoint-dir for a fresh one "
+                      "(this run would replace them)")
 
 
 def has_checkpoint(directory) -> bool:

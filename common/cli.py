@@ -19,6 +19,7 @@ import shlex
 import tempfile
 from pathlib import Path
 
+from common import checkpoint
 from common.data import DEFAULT_CORPUS, check_length
 from common.errors import ConfigError, require
 from common.model import PRESETS, describe_size
@@ -181,6 +182,12 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
+    """The course's parser: each Domain knows its flag's name, --help shows each domain, and a bad value
+    or flag is one ConfigError line (exit code 2). Every command of the course parses with it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=_HelpFormatter, **kwargs)
+
     def error(self, message):           # one clear line and exit code 2, like every other bad input
         if message.endswith("expected one argument"):      # `--lr -inf`: argparse reads -inf as a flag
             message += f" (a value that starts with '-' is written {message.split()[1].rstrip(':')}=VALUE)"
@@ -196,7 +203,7 @@ class Parser(argparse.ArgumentParser):
 def base_parser(description: str, pipeline: bool = False) -> Parser:
     """The shared flags. `pipeline`: the script runs a pipeline, whose --microbatches default is a rule."""
     presets = ", ".join(f"{n} ({describe_size(c)})" for n, c in PRESETS.items())
-    p = Parser(description=description, formatter_class=_HelpFormatter)
+    p = Parser(description=description)
     p.add_argument("--steps", type=POSITIVE_INT, default=50, help="optimizer steps to run")
     p.add_argument("--seed", type=whole(0, 2**32 - 1), default=1337, help="seed for weights and batches")
     p.add_argument("--model", type=PRESET, default="tiny", help=f"model preset: {presets}")
@@ -244,6 +251,8 @@ def check_common(args, dp: int = 1, microbatches: int | None = None) -> None:
             f"--global-batch {args.global_batch} does not split over {dp} data-parallel rank(s) × "
             f"{m} micro-batch(es); use a multiple of {dp * m}")
     require(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir")
+    if args.checkpoint_dir and not args.resume:
+        checkpoint.refuse_fresh_run_over(args.checkpoint_dir)     # another run's checkpoints are kept
     data = Path(args.data) if args.data else DEFAULT_CORPUS
     check_length(data, data.stat().st_size, args.seq_len)       # bytes = tokens (byte-level tokenizer)
 

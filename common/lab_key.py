@@ -15,6 +15,7 @@ Two guards keep the lab and its key from drifting apart:
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,6 +82,13 @@ class Key:
         if check and result.code != 0:
             raise RuntimeError(f"exit code {result.code}: {cmd}\n{result.out[-3000:]}")
         return result
+
+    @staticmethod
+    def fresh(*folders: str) -> None:
+        """Remove checkpoint folders an earlier run of this key left, so that the lab's runs start as
+        a student's first try does (a run without --resume refuses a folder that holds checkpoints)."""
+        for folder in folders:
+            shutil.rmtree(ROOT / folder, ignore_errors=True)
 
     def interrupt_when(self, cmd: str, path: Path) -> None:
         """Run one of LAB.md's commands and press Ctrl-C (SIGINT to its process group) once `path`

@@ -89,8 +89,21 @@ def resume_state(args, identity: dict | None = None) -> dict | None:
     require(state["step"] < args.steps,
             f"the checkpoint {str(path)!r} is at step {state['step']} and --steps is {args.steps}: nothing is "
             f"left to train; pass --steps greater than {state['step']} to train on from it")
-    torch.set_rng_state(state["rng"])
     return state
+
+
+def start_rng(args, resume: dict | None) -> None:
+    """torch's global random generator as the first step must find it: seeded from --seed in a fresh
+    run, the checkpoint's saved state in a resumed one (so a draw at step k+1 is the uninterrupted run's).
+
+    Call it just before the loop, after the model is built: building modules draws from this generator
+    (each layer's default initialisation, before init_weights overwrites it by name), so a state set
+    before the build would be spent by the time the first step runs."""
+    torch.manual_seed(args.seed)                 # CPU and every GPU
+    if resume is not None:
+        torch.set_rng_state(resume["rng"])
+        if "cuda_rng" in resume and torch.cuda.is_available():
+            torch.cuda.set_rng_state(resume["cuda_rng"])
 
 
 def stop_if_not_finite(step: int, loss: float, grad_norm: float, args) -> None:

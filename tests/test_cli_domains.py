@@ -218,3 +218,24 @@ def test_the_micro_batch_suggestion_is_a_count_that_works(monkeypatch, world, ar
 def test_default_micro_batches_are_the_largest_count_up_to_2pp_that_splits_the_rows(rows, pp, schedule, expect):
     args = mock.Mock(global_batch=rows * 2, microbatches=None, schedule=schedule)
     assert pipeline_microbatches(args, dp=2, pp=pp) == expect
+
+
+DISTRIBUTES_EXPERTS = {"05_moe_expert_parallel.train_moe", "05_moe_expert_parallel.train_4d",
+                       "06_context_parallel.train_5d"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_dense_only_script_refuses_a_mixture_of_experts_naming_the_script_that_splits_it(script):
+    """Without its balancing terms and expert metrics a mixture of experts would train as something else:
+    a script that does not distribute experts refuses the preset before any process group exists."""
+    if script in DISTRIBUTES_EXPERTS:
+        with pytest.raises(_ReachedTraining):
+            run_until_training(script, ["--model", "tiny-moe"])
+        return
+    with pytest.raises(ConfigError, match=r"--model tiny-moe is a mixture of experts, which this script does not "
+                                          r"distribute; run it with 0[56]_\w+/train_(moe|4d|5d)\.py") as refused:
+        run_until_training(script, ["--model", "tiny-moe"])
+    if script.startswith(("02", "03", "04")):
+        assert "train_4d.py" in str(refused.value), "TP and PP with experts is chapter 05's 4D run"
+    if script.startswith("06"):
+        assert "train_5d.py" in str(refused.value), "CP with experts is chapter 06's 5D run"
