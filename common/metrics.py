@@ -15,6 +15,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from common import mfu
+from common.errors import ConfigError
+
+EXAMPLE_ROW = '{"step": 1, "loss": 5.5}'   # what a metrics file's line looks like, for messages
 
 PIPE_COLUMNS = 160      # the console's width when it is not a terminal (a pipe, a file, a notebook's cell)
 
@@ -126,12 +129,54 @@ class RunLog:
 def read_metrics(path) -> list[dict]:
     """The rows of a metrics file, one per step in step order: the last row written for each step (a run
     restarted from a checkpoint appends the steps it re-runs after the rows of the attempt that died)."""
+    return [row for _, row in read_rows(path).values()]
+
+
+def read_rows(path) -> dict[int, tuple[int, dict]]:
+    """{step: (line number, row)} of a metrics file, the last row of each step; anything that is not a
+    metrics file is refused with one line naming the file (and the line)."""
+    what = f"a metrics file holds one JSON object per line, one per optimizer step, e.g. {EXAMPLE_ROW}"
+    file = Path(path)
+    if not file.exists():
+        raise ConfigError(f"{path} does not exist; give the path of a metrics file (JSON Lines)")
+    if file.is_dir():
+        raise ConfigError(f"{path} is a directory, not a metrics file; give the .jsonl file a run wrote")
+    try:
+        raw = file.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{path} cannot be read ({err.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text (invalid byte at offset {err.start}); {what}") from None
     rows = {}
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {number}"
+        try:
             row = json.loads(line)
-            rows[row.get("step")] = row
-    return [rows[k] for k in sorted(rows, key=lambda k: (k is None, k or 0))]
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{where}: not JSON ({err.msg} at column {err.colno}); {what}") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where}: a JSON {_json_kind(row)}, not an object; {what}")
+        if "step" not in row:
+            raise ConfigError(f"{where}: the object has no `step`; {what}")
+        step = row["step"]
+        if isinstance(step, float) and step.is_integer():
+            step = int(step)
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ConfigError(f"{where}: `step` must be a whole number ≥ 1 (1 for the first step), "
+                              f"got {json.dumps(row['step'])}")
+        rows[step] = (number, row)
+    if not rows:
+        raise ConfigError(f"{path} is empty (no rows); {what}")
+    return dict(sorted(rows.items()))
+
+
+def _json_kind(value) -> str:
+    kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def format_bytes(n: float) -> str:
