@@ -17,8 +17,10 @@ check_layouts.py (the chapter's README shows both tables).
 sequence_parallel, schedule, microbatches, memory_bytes {params, grads, optim_bytes,
 peak_activation_bytes, total}, comm_bytes {dp, tp, pp, ep, cp} (per optimizer step, global rank 0's,
 sent + received: the metrics' comm_bytes_*), bubble, step_time_s, fits.
+
+Exit codes: 0, a plan; 1, no layout fits (one `error:` line says the smallest one's memory; the table and
+the --json rows, every one fits = false, are still written); 2, a bad flag (one line that names it).
 """
-import argparse
 import json
 import sys
 from importlib import import_module
@@ -26,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common` and the chapters
 
-from common.cli import OUTPUT_FILE, POSITIVE_INT  # noqa: E402
-from common.errors import ConfigError, require, run_main  # noqa: E402
+from common.cli import OUTPUT_FILE, POSITIVE_INT, Domain, Parser, Refused, real  # noqa: E402
+from common.errors import ConfigError, fail, require, run_main  # noqa: E402
 from common.metrics import format_bytes  # noqa: E402
 from common.model import count_parameters  # noqa: E402
 
@@ -131,9 +133,7 @@ def explain(rows: list[dict], cfg, dev, args) -> list[str]:
                    + ("it fits, so anything else must buy speed." if p["fits"] else
                       "it does not fit, so the state must be split (ZeRO, TP, PP) or the activations cut."))
     if not fitting:
-        best = rows[0]
-        return out + [f"No layout fits: the smallest, {describe(best)}, still holds "
-                      f"{gib(best['memory_bytes']['total'])}. Use more ranks, a smaller batch or shorter sequences."]
+        return out                          # the verdict is main's NothingFits, with the smallest layout
     for i, r in enumerate(fitting[:args.explain]):
         mem, parts = r["memory_bytes"], r["time_parts_s"]
         slowest = max((k for k in parts if k != "compute"), key=parts.get)
@@ -145,26 +145,49 @@ def explain(rows: list[dict], cfg, dev, args) -> list[str]:
     return out
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help=f"a preset or a published shape: {', '.join(layout_inputs.MODELS)}")
+def _model(domain: Domain, text: str) -> str:
+    if text not in layout_inputs.MODELS:
+        raise Refused("unknown model", f"choose one of {', '.join(layout_inputs.MODELS)}")
+    return text
+
+
+MODEL = Domain("model", "", _model)
+
+
+def parser() -> Parser:
+    """The course's parser: every flag has a domain (or choices), and a value outside it is refused with one
+    line that names the flag (a ConfigError, exit code 2), as in every training script."""
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=MODEL, default="tiny",
+                   help=f"a course preset or a published shape: {', '.join(layout_inputs.MODELS)}")
     p.add_argument("--world", type=POSITIVE_INT, default=8, help="ranks (GPUs) in all")
     p.add_argument("--gpus-per-node", type=POSITIVE_INT, default=8, help="ranks that share a node's fast links")
-    p.add_argument("--device", default="cpu", help=f"one of {', '.join(layout_inputs.DEVICES)}")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--device", default="cpu", choices=list(layout_inputs.DEVICES),
+                   help="cpu: this machine, measured; h100, a100: datasheet numbers")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype")
     p.add_argument("--global-batch", type=POSITIVE_INT, default=16, help="sequences per optimizer step")
-    p.add_argument("--seq-len", type=POSITIVE_INT, default=128)
-    p.add_argument("--efficiency", type=float, default=None, help="share of peak FLOP/s the math reaches "
-                   "(default: 0.5 on a GPU, 0.4 on this CPU)")
+    p.add_argument("--seq-len", type=POSITIVE_INT, default=128,
+                   help="tokens per sequence (at most the model's max_seq_len)")
+    p.add_argument("--efficiency", type=real(0, strict=True, high=1), default=None,
+                   help="share of peak FLOP/s the math reaches (default: 0.5 on a GPU, 0.4 on this CPU)")
     p.add_argument("--top", type=POSITIVE_INT, default=10, help="layouts in the printed table")
     p.add_argument("--explain", type=POSITIVE_INT, default=3, help="layouts explained in words")
-    p.add_argument("--json", type=OUTPUT_FILE, default=None, help="write every layout's row here (JSON list)")
-    args = p.parse_args(argv)
-    require(args.efficiency is None or 0 < args.efficiency <= 1, f"--efficiency {args.efficiency} must be in (0, 1]")
-    return args
+    p.add_argument("--json", type=OUTPUT_FILE, default=None,
+                   help="write every layout's row here, a JSON list (default: none)")
+    return p
+
+
+def parse_args(argv=None):
+    return parser().parse_args(argv)
+
+
+class NothingFits(Exception):
+    """No layout holds this model and batch on these ranks: the plan's answer is no (exit code 1; a bad
+    flag is a ConfigError, exit code 2). Raised after the table and the JSON rows are out."""
 
 
 def main(argv=None) -> list[dict]:
+    """Plan, print, write --json; every layout's row, or NothingFits when none fits."""
     args = parse_args(argv)
     rows, dev = plan(args)
     cfg = layout_inputs.model_for(args.model)
@@ -178,8 +201,22 @@ def main(argv=None) -> list[dict]:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([{k: r[k] for k in SCHEMA} for r in rows], indent=1))
         print(f"\n{len(rows)} rows written to {args.json}")
+    if not any(r["fits"] for r in rows):
+        best, ranks = rows[0], f"{args.world} {dev.name} rank{'s' if args.world > 1 else ''}"   # sorted by memory
+        raise NothingFits(f"no layout of {ranks} fits: the smallest, {describe(best)}, "
+                          f"still holds {gib(best['memory_bytes']['total'])} per rank against {gib(dev.memory)}; "
+                          f"use more ranks (--world), a smaller --global-batch or a shorter --seq-len")
     return rows
 
 
+def command() -> None:
+    """The script: a bad flag exits 2 (run_main), a plan where nothing fits exits 1 with its one line."""
+    try:
+        main()
+    except NothingFits as err:
+        sys.stdout.flush()                  # the table first, then the verdict, also in a log of both
+        fail("error", str(err), 1)
+
+
 if __name__ == "__main__":
-    run_main(main)
+    run_main(command)

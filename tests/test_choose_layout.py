@@ -8,6 +8,7 @@ from importlib import import_module
 
 import pytest
 
+from common.cli import Domain
 from common.errors import ConfigError
 from common.model import PRESETS
 from harness import ROOT
@@ -104,18 +105,55 @@ def test_published_sanity():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "gpt5"], "unknown --model 'gpt5'"),
-    (["--device", "tpu"], "unknown --device 'tpu'"),
+    (["--model", "gpt5"], "--model gpt5: unknown model; choose one of tiny"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["--world", "13"], "no layout of --world 13"),
     (["--seq-len", "4096"], "--seq-len 4096 is longer than --model tiny's 256 positions"),
-    (["--efficiency", "2"], "--efficiency 2.0 must be in (0, 1]"),
+    (["--efficiency", "2"], "--efficiency must be a finite number > 0 and ≤ 1, got 2"),
 ])
 def test_bad_input(argv, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         choose_layout.main(["--device", "h100", *argv] if "--device" not in argv else argv)
 
 
-def test_command_line_fails_with_one_line():
-    proc = subprocess.run([sys.executable, "06_context_parallel/choose_layout.py", "--model", "gpt5"], cwd=ROOT,
+def test_every_flag_declares_a_domain_and_help_shows_it(capsys):
+    """The training scripts' parser: a Domain or choices on every flag, the rule and default in --help."""
+    parser = choose_layout.parser()
+    untyped = [a.dest for a in parser._actions
+               if a.dest != "help" and not isinstance(a.type, Domain) and a.choices is None]
+    assert not untyped
+    with pytest.raises(SystemExit) as stop:
+        choose_layout.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert stop.value.code == 0 and "ranks (GPUs) in all (a whole number ≥ 1; default: 8)" in help_text
+
+
+def planner(*argv):
+    return subprocess.run([sys.executable, "06_context_parallel/choose_layout.py", *argv], cwd=ROOT,
                           capture_output=True, text=True)
-    assert proc.returncode == 2 and "unknown --model 'gpt5'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world", "0"], "error: --world must be a whole number ≥ 1, got 0; e.g. --world 8 (the default)"),
+    (["--global-batch", "-3"], "error: --global-batch must be a whole number ≥ 1, got -3; e.g. --global-batch 16"),
+    (["--seq-len", "x"], "error: --seq-len must be a whole number ≥ 1, got x; e.g. --seq-len 128"),
+    (["--json", "/proc/x.json"], "error: --json /proc/x.json: cannot be created: '/proc' refuses new files"),
+    (["--model", "gpt5"], "error: --model gpt5: unknown model; choose one of tiny"),
+])
+def test_command_line_names_the_bad_flag_in_one_line(argv, message):
+    """Exit code 2 and one line that names the flag and what it accepts, as every training script says it."""
+    proc = planner("--device", "h100", *argv)
+    assert proc.returncode == 2 and proc.stderr.startswith(message), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and not proc.stdout
+
+
+def test_nothing_fits_exits_1_after_writing_the_rows(tmp_path):
+    """405B parameters on one 80 GiB GPU: every layout is printed and written, none fits, exit code 1."""
+    out = tmp_path / "rows.json"
+    proc = planner("--model", "llama3-405b", "--world", "1", "--device", "h100", "--json", str(out))
+    assert proc.returncode == 1 and proc.stderr.startswith(
+        "error: no layout of 1 h100 rank fits: the smallest, dp 1 × tp 1 × pp 1 × cp 1, recompute full, m=16, "
+        "still holds 6,048.82 GiB per rank against 80.00 GiB; use more ranks (--world)"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and "(does not fit)" in proc.stdout
+    rows = json.loads(out.read_text())
+    assert rows and not any(r["fits"] for r in rows)
