@@ -1,5 +1,6 @@
 """python -m common.exercises {list, make, grade, bug}: see this package's __init__."""
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -38,5 +39,17 @@ def main(argv=None) -> int:
         return 2
 
 
+def run(argv=None) -> int:
+    """`main` as a command: output piped into a reader that stops early (`bug list | head -1`) ends it
+    quietly, as any command-line tool does, instead of in a BrokenPipeError."""
+    try:
+        code = main(argv)
+        sys.stdout.flush()          # a write still buffered fails here, inside the try
+        return code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # the interpreter's final flush goes nowhere
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

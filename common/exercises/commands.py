@@ -6,7 +6,7 @@ from common.errors import ConfigError
 
 from .catalog import EXERCISES, for_chapter
 from .grader import grade
-from .repo_copy import ROOT
+from .repo_copy import course_copy
 from .student_copy import make_student_copy
 
 
@@ -38,9 +38,7 @@ def main(args) -> int:
     if args.command == "grade":
         if args.chapter is None:
             raise ConfigError("grade needs --chapter NN (or --chapter all)")
-        repo = (args.repo or ROOT).resolve()
-        if not (repo / "common" / "exercises").is_dir():
-            raise ConfigError(f"--repo {args.repo}: not a copy of the course (no common/exercises in it)")
-        verdicts = grade(for_chapter(args.chapter), repo, quick=args.quick)
+        exercises, repo = for_chapter(args.chapter), course_copy(args.repo)     # both checked before any run
+        verdicts = grade(exercises, repo, quick=args.quick)
         return 0 if all(v.status == "done" for v in verdicts) else 1
     raise ConfigError(f"unknown command {args.command}")

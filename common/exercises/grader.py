@@ -1,9 +1,11 @@
 """`grade`: one pytest run over every test of a chapter's exercises, then one verdict per exercise.
 
-    done                      every test that grades it passed
+    done                      every test that grades it passed (and only then: a skipped test checked nothing)
     not done                  its stub is still in the file, or its own NotImplementedError stopped a test
     waits on 02.f_g           its tests fail only where another exercise's NotImplementedError stopped them
     wrong: <test>: <line>     a test failed on its own: the first failing comparison, in one line
+    wrong: <test> does not import: <line>    the test's module (or the code it imports) did not load
+    skipped: <test>: <reason> no test failed, but this one was skipped: the exercise is not graded yet
 
 Nothing here knows an answer: the verdicts are the course's own tests, read."""
 import re
@@ -24,15 +26,15 @@ _EXCEPTION = re.compile(r"^(?:[\w.]+(?:Error|Exception)|AssertionError|ConfigErr
 @dataclass
 class Verdict:
     exercise: Exercise
-    status: str            # "done" | "not done" | "waits on" | "wrong"
+    status: str            # "done" | "not done" | "waits on" | "wrong" | "skipped"
     detail: str = ""
 
     def line(self) -> str:
         ex, width = self.exercise, 26
         if self.status == "waits on":
             return f"{ex.id:<{width}}waits on {self.detail}"
-        if self.status == "wrong":
-            return f"{ex.id:<{width}}wrong: {self.detail}"
+        if self.status in ("wrong", "skipped"):
+            return f"{ex.id:<{width}}{self.status}: {self.detail}"
         return f"{ex.id:<{width}}{self.status}" + (f"   ({self.detail})" if self.detail else "")
 
 
@@ -67,9 +69,14 @@ def verdict(ex: Exercise, repo: Path, outcomes: dict, quick: bool, units_wrong=f
     fails and it is shared with one of them, that one is the likelier culprit: this one waits on it."""
     if unsolved(repo, ex):
         return Verdict(ex, "not done")
-    failed = [(node, outcomes[node]) for node in ex.node_ids(quick) if outcomes[node]["status"] == "failed"]
-    if not failed:
+    nodes = ex.node_ids(quick)
+    failed = [(node, outcomes[node]) for node in nodes if outcomes[node]["status"] not in ("passed", "skipped")]
+    skipped = [(node, outcomes[node]) for node in nodes if outcomes[node]["status"] == "skipped"]
+    if not failed and not skipped:
         return Verdict(ex, "done")
+    if not failed:
+        node, rec = skipped[0]
+        return Verdict(ex, "skipped", f"{short_test(node)}: {rec['line'] or 'skipped'}")
     if any(stub_prefix(ex) in rec["text"] or stub_prefix(ex) in rec["line"] for _, rec in failed):
         return Verdict(ex, "not done", "its NotImplementedError is still raised")
     waits = sorted({other for _, rec in failed for other in blocked_by(rec["text"] + rec["line"], ex)})
@@ -79,6 +86,8 @@ def verdict(ex: Exercise, repo: Path, outcomes: dict, quick: bool, units_wrong=f
     if waits:
         return Verdict(ex, "waits on", ", ".join(waits))
     node, rec = failed[0]
+    if rec.get("phase") == "collect":
+        return Verdict(ex, "wrong", f"{short_test(node)} does not import: {first_failure(rec)}")
     return Verdict(ex, "wrong", f"{short_test(node)}: {first_failure(rec)}")
 
 
@@ -91,7 +100,7 @@ def grade(exercises: list[Exercise], repo: Path, quick: bool = False, log=print)
         flush=True)
     t0 = time.perf_counter()
     outcomes = run_tests(repo, nodes) if todo else {}
-    units_wrong = {ex.id for ex in todo if any(outcomes[n]["status"] == "failed" for n in ex.units)}
+    units_wrong = {ex.id for ex in todo if any(outcomes[n]["status"] not in ("passed", "skipped") for n in ex.units)}
     verdicts = [verdict(ex, repo, outcomes, quick, units_wrong) for ex in exercises]
     for v in verdicts:
         log(v.line())

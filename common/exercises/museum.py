@@ -16,7 +16,7 @@ from common.errors import ConfigError
 
 from .grader import first_failure
 from .museum_catalog import BY_ID, EXHIBITS, Exhibit
-from .repo_copy import ROOT, copy_repo
+from .repo_copy import ROOT, check_out, copy_repo, course_copy
 from .run_tests import run_tests
 
 MUSEUM_MD = ROOT / "common" / "exercises" / "MUSEUM.md"
@@ -44,11 +44,16 @@ def plant(ex: Exhibit, repo: Path) -> None:
 
 
 def catch(ex: Exhibit, repo: Path) -> tuple[str | None, str]:
-    """Run the exhibit's catching tests in `repo`: (None, "") if all pass, else (first failing test, its line)."""
+    """Run the exhibit's catching tests in `repo`: (None, "") if all passed, else (the first test that did
+    not pass, one line on why). A skipped test is no pass: it checked nothing."""
     results = run_tests(repo, list(ex.catch))
+    for node in ex.catch:                          # a failure first: it is what catches the bug
+        rec = results[node]
+        if rec["status"] not in ("passed", "skipped"):
+            return node, ("does not import: " if rec.get("phase") == "collect" else "") + first_failure(rec)
     for node in ex.catch:
-        if results[node]["status"] == "failed":
-            return node, first_failure(results[node])
+        if results[node]["status"] == "skipped":
+            return node, f"skipped: {results[node]['line']}"
     return None, ""
 
 
@@ -63,6 +68,7 @@ def list_exhibits() -> int:
 
 def make_copy(ex: Exhibit, out: Path) -> int:
     planted_text(ex, (ROOT / ex.file).read_text())          # stale? say so before copying anything
+    check_out(out)
     copy_repo(out)
     plant(ex, out)
     print(f"{out}: the course with bug {ex.id} planted. What a user reported:\n  {ex.title}\n")
@@ -79,7 +85,10 @@ def grade(ex: Exhibit, repo: Path) -> int:
     if failed is None:
         print(f"{ex.id}: fixed")
         return 0
-    print(f"{ex.id}: still broken: {failed}: {line}")
+    if line.startswith("skipped: "):          # nothing was checked: not "fixed", and not proof of the bug either
+        print(f"{ex.id}: not confirmed: {failed} was {line}")
+    else:
+        print(f"{ex.id}: still broken: {failed}: {line}")
     return 1
 
 
@@ -94,8 +103,9 @@ def check(exhibits) -> int:
             t0 = time.perf_counter()
             failed, line = catch(ex, repo)
             seconds = time.perf_counter() - t0
-        verdict = "caught" if failed else "MISSED"
-        missed += failed is None
+        caught = failed is not None and not line.startswith("skipped: ")     # a skipped test caught nothing
+        verdict = "caught" if caught else "MISSED"
+        missed += not caught
         print(f"{ex.id:<40} {verdict:<7} {seconds:6.0f} s  {failed or ', '.join(ex.catch)}", flush=True)
         rows.append((ex, verdict, seconds, failed, line))
     if len(rows) == len(EXHIBITS):
@@ -135,7 +145,11 @@ def key_section(chapter: str) -> tuple[str, str]:
 def main(args) -> int:
     """Dispatch of `bug ...` and `grade --bug ID` (common/exercises/__main__.py)."""
     if args.command == "grade":
-        return grade(exhibit(args.bug), args.repo or ROOT)
+        if args.chapter is not None:
+            raise ConfigError(f"grade --bug {args.bug} --chapter {args.chapter}: give one of them "
+                              "(--bug grades a museum copy, --chapter a student copy)")
+        ex, repo = exhibit(args.bug), course_copy(args.repo)      # both checked before any test runs
+        return grade(ex, repo)
     if args.check:
         return check([exhibit(args.bug_id)] if args.bug_id else EXHIBITS)
     if args.bug_id in (None, "list"):
