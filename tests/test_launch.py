@@ -96,7 +96,7 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_with_the_same_losses(tm
     proc = launch(["--standalone", "--nproc_per_node=2", "--max-restarts=2"],
                   tp_run + ["--checkpoint-dir", str(tmp_path / "b"), "--metrics", str(metrics)], log)
     deadline = time.time() + 120
-    while not (metrics.exists() and any(r["step"] >= 5 for r in read_metrics(metrics))):
+    while not (metrics.exists() and metrics.stat().st_size and any(r["step"] >= 5 for r in read_metrics(metrics))):
         assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before step 5"
         time.sleep(0.05)
     victim = worker_with_rank(proc.pid, 1)

@@ -138,7 +138,7 @@ def test_two_ranks(reference, tmp_path):
     jobs += [(ZERO, BASE + ["--zero-stage", "1", "--checkpoint-dir", ckpt, "--resume"])]          # 7
     jobs += [(ZERO, BASE + ["--zero-stage", "4"]),                                      # 8
              (ZERO, BASE[:-3] + ["--global-batch", "7", "--quiet"]),                    # 9
-             (ZERO, BASE + ["--impl", "torch", "--checkpoint-dir", ckpt]),              # 10
+             (ZERO, BASE + ["--impl", "torch", "--checkpoint-dir", ckpt + "_torch"]),   # 10
              ("test_zero:stage3_frees_gathered_weights",)]                              # 11
     r = run_group(2, jobs)
     for i, name in enumerate(["stage 1", "stage 2", "stage 3", "FSDP2"]):
