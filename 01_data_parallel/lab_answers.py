@@ -2,13 +2,12 @@
 
     python 01_data_parallel/lab_answers.py          # runs every command of LAB.md
 """
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
 from common.exercises.museum import key_section  # noqa: E402
-from common.lab_key import ROOT, Edit, Key, mib, table  # noqa: E402
+from common.lab_key import ROOT, Edit, Key, median_step_s, mib, table, table_rows  # noqa: E402
 from common.model import PRESETS, count_parameters  # noqa: E402
 
 CH = "01_data_parallel"
@@ -65,9 +64,7 @@ Equal for all three: bucketing changes *when* the gradients leave (during backwa
 messages (a few buckets instead of one all-reduce per tensor), not how many bytes. The factor 2 is
 sent + received.""")
 
-    lab = (ROOT / CH / "LAB.md").read_text()
-    script = lab[lab.index("python - <<'PY'"):lab.index("PY\n```", lab.index("python - <<'PY'")) + 2]
-    d4 = key.run(script).out
+    d4 = key.run(key.heredoc("python - <<'PY'")).out
     lines = [line for line in d4.splitlines() if "MB:" in line]
     key.section("D4 — when do buckets leave?", """
 ```
@@ -192,7 +189,6 @@ table itself.""")
             (root / "runs/lab01/ref.jsonl").write_bytes((ROOT / "runs/lab01/ref.jsonl").read_bytes())
             runs[name] = (key.run(cmp_cmd, root=root, check=False), key.run(grad_cmd, root=root, check=False),
                           key.rows("runs/lab01/z.jsonl", root)[0]["grad_norm"])
-    first = lambda r: r.line_with("first step above").split(": ")[-1]  # noqa: E731
     (clip_loss, clip_grad, clip_norm1), names = runs["clip"], runs["names"][0]
     ratio = clip_norm1 / key.rows("runs/lab01/ref.jsonl")[0]["grad_norm"]
     key.section("Z3 — the same losses", f"""
@@ -205,8 +201,8 @@ averages them out (the root README measures how both grow over 50 steps). The ma
 machine's; the exit statuses are what to expect anywhere.
 
 Broken (each rank clips by its own shard's norm): step-1 `grad_norm` ÷ reference = **{ratio:.3f}**
-(1/√N = 0.5 would be four equal shards); `grad_norm` first step above 1e-3: **{first(clip_grad)}**;
-`loss` first step above 1e-5: **{first(clip_loss)}** ({clip_loss.line_with("z.jsonl: max")}).
+(1/√N = 0.5 would be four equal shards); `grad_norm` first step above 1e-3: **{clip_grad.first_above()}**;
+`loss` first step above 1e-5: **{clip_loss.first_above()}** ({clip_loss.line_with("z.jsonl: max")}).
 The reported norm is rank 0's shard norm; each rank clips its own shard by its own factor (or not at
 all where its shard norm is below 1.0), so the shards are scaled inconsistently whenever the true
 norm exceeds `--clip 1.0`. The loss shows it later or not at all, for D2's reason: AdamW divides each
@@ -216,21 +212,20 @@ break is `groups=(self.group, *groups),` → `groups=tuple(groups),` in `ZeroOpt
 The padding may stay out of the norm because it is zero and the optimizer only sees the *pieces*
 (views of real tensors' elements), which never cover padding.""")
     key.section("Z4 — weight decay by name", f"""
-Every piece named "x": exit status {names.code}, first step above 1e-5: **{first(names)}**.
+Every piece named "x": exit status {names.code}, first step above 1e-5: **{names.first_above()}**.
 
 `common/optim.decays(name)` decays matrices and not the norm gains, by name; "x" falls under the
 default, so the norm gains (and anything else excluded by name) now get weight decay. Weight decay
 acts in the update (AdamW: w ← w − lr·λ·w), so step 1's loss, computed before any update, is
 unchanged; from step 2 the gains shrink by lr·λ per step, a relative change of a few 1e-5 at the
-warmup's small learning rates (λ = 0.1), which the loss shows above 1e-5 from {first(names)}.""")
+warmup's small learning rates (λ = 0.1), which the loss shows above 1e-5 from {names.first_above()}.""")
 
     for flag, name in (("", "pf"), (" --no-prefetch", "nopf")):
         key.run(f"torchrun --nproc_per_node=2 01_data_parallel/train_zero.py --zero-stage 3 --steps 5 --quiet{flag} --metrics runs/lab01/{name}.jsonl")
     pf, nopf = key.rows("runs/lab01/pf.jsonl"), key.rows("runs/lab01/nopf.jsonl")
-    t = lambda rows: statistics.median(r["step_time_s"] for r in rows[1:])  # noqa: E731
     key.section("Z5 — prefetch", f"""
 `peak_param_bytes`: with prefetch **{pf[-1]["peak_param_bytes"]:,}** B (2 × 787,456 = 1,574,912), without
-**{nopf[-1]["peak_param_bytes"]:,}** B. Median step time (steps 2–5): {t(pf) * 1e3:.0f} ms with, {t(nopf) * 1e3:.0f} ms
+**{nopf[-1]["peak_param_bytes"]:,}** B. Median step time (steps 2–5): {median_step_s(pf) * 1e3:.0f} ms with, {median_step_s(nopf) * 1e3:.0f} ms
 without (this machine, this run; noisy). The bytes are the same on any machine.
 
 With prefetch the next block's all-gather is in flight while the current block computes, so two
@@ -254,8 +249,8 @@ the truth about our references, not about memory. The test checks the storages a
 keeps, which is why it catches the change.""")
 
     bench = key.bench("python 01_data_parallel/bench_zero.py --worlds 2 --repeats 1", f"{CH}/results/zero_throughput.md")
-    ratios = {cells[1]: float(cells[-1]) for cells in (line.strip("|").split(" | ") for line in bench.splitlines())
-              if len(cells) == 6 and cells[1].startswith("ZeRO stage")}
+    ratios = {row["configuration"]: float(row["ours / PyTorch"]) for row in table_rows(bench)
+              if row["configuration"].startswith("ZeRO stage")}
     slower = [name for name, r in ratios.items() if r < 1]
     verdict = (f"Slower than PyTorch's in this run: {', '.join(slower)}." if slower else
                f"None is slower than PyTorch's in this run (ours / PyTorch: "

@@ -14,10 +14,6 @@ from common.model import PRESETS, count_parameters  # noqa: E402
 CH = "02_tensor_parallel"
 
 
-def first_above(result) -> str:
-    return result.line_with("first step above").split("first step above 1e-05: ")[-1]
-
-
 def main() -> None:
     key = Key(CH, "Lab 02 — tensor parallelism")
     key.names(f"{CH}/dtensor_tp.py", "def settle_grads")
@@ -93,10 +89,10 @@ shrank: the activations kept for backward around the norms, (B, S/N, D) per rank
             outcome[name] = [key.run(c, root=root, check=False) for c in compares]
     (a,), (b_loss, b_grad) = outcome["a"], outcome["b"]
     key.section("4. Break it on purpose", f"""
-(a) without f, `loss`: exit status {a.code}, first step above 1e-5: **{first_above(a)}** ({a.line_with("no_f.jsonl: max")}).
+(a) without f, `loss`: exit status {a.code}, first step above 1e-5: **{a.first_above()}** ({a.line_with("no_f.jsonl: max")}).
 (b) without the replicated-gradient sync, under SP, 10 steps: `loss` exit status {b_loss.code}, first step
-above 1e-5: **{first_above(b_loss)}** ({b_loss.line_with("no_sync.jsonl: max")}); `grad_norm` exit status
-{b_grad.code}, first step above 1e-5: **{first_above(b_grad)}** ({b_grad.line_with("no_sync.jsonl: max")}).
+above 1e-5: **{b_loss.first_above()}** ({b_loss.line_with("no_sync.jsonl: max")}); `grad_norm` exit status
+{b_grad.code}, first step above 1e-5: **{b_grad.first_above()}** ({b_grad.line_with("no_sync.jsonl: max")}).
 
 Step 1's loss is equal in both: f is the identity in the forward, and the norm gains' gradients
 only act through the update, so the first loss (computed before any update) cannot see either bug.
@@ -106,7 +102,7 @@ below the first column-parallel layer is wrong, and step 2's loss differs.
 (b) under SP each rank's norm gains see only its slice of the sequence, so without the all-reduce
 their gradients are partial sums, and each rank updates its copy of the gains differently. The
 gradient norm counts these gradients, but they are a tiny part of it (17 vectors of 128 among 1.6 M
-parameters), so even it moves by less than 1e-5 until {first_above(b_grad)}. The loss notices later still: AdamW divides each
+parameters), so even it moves by less than 1e-5 until {b_grad.first_above()}. The loss notices later still: AdamW divides each
 gradient by its own running RMS, so a gradient that is about half the right one, with the right
 sign, produces nearly the same update; the replicas drift apart slowly. A bug that the loss hides
 for many steps is why the tests compare gradients (and every rank's copy of a replicated tensor),

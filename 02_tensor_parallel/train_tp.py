@@ -144,7 +144,7 @@ def layout_rows(args, cfg, mesh, rt, data, memory: dict, start: int) -> dict:
         "data": data.describe(), "mesh (dp, tp)": "\n" + mesh.describe(),
         "model": f"{args.model}: {count_parameters(cfg):,} parameters ({format_bytes(M)} fp32)",
         "parameters per rank": f"{format_bytes(memory['param_bytes'])} (full/tp = {format_bytes(M / tp)})",
-        "heads per rank": f"{cfg.n_heads // tp} query, {max(1, cfg.n_kv_heads // tp)} KV"
+        "heads per rank": f"{cfg.n_heads // tp} query, {cfg.kv_heads_per_rank(tp)} KV"
                           + (f" (each KV head on {tp // cfg.n_kv_heads} ranks)" if cfg.n_kv_heads < tp else ""),
         "activations per f/g": f"B·S·D = {B}·{S}·{D} floats = {format_bytes(B * S * D * 4)} per all-reduce",
         "global batch": f"{args.global_batch} seq × {args.seq_len} tokens = {args.global_batch * args.seq_len:,} tokens",

@@ -16,7 +16,7 @@ callees' time subtracted), so the parts add up to the time of the step's forward
                done inside them; torch's: _wait_batch_p2p)
   posting      handing an isend or irecv to the backend (ours: common.comm.send / recv; torch's:
                _batch_p2p)
-  measurement  ours only: the MeasuredExecutor's own lines (timeline spans, the activation ledger).
+  measurement  ours only: the MeasuredExecutor's own lines (timeline spans, the activation meter).
                The meter's pack hook runs inside each F, so the F column holds it: the run with
                --no-activation-meter shows the whole meter's cost as the difference of the totals
   runtime      the rest: the executor's (or torch's runtime's) own Python between the pieces above,
@@ -36,8 +36,20 @@ from importlib import import_module
 from itertools import product
 from pathlib import Path
 
+import torch.distributed as dist
+from torch.distributed.pipelining import schedules, stage
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import comm  # noqa: E402
+from common.distributed import init_distributed  # noqa: E402
+from common.errors import run_main  # noqa: E402
 from common.launch import launch  # noqa: E402
+
+pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")   # this chapter: the executor
+measured_executor = import_module("03_pipeline_parallel.measured_executor")   # and what it measures
+pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")     # the step verbs around it
+torch_pipelining = import_module("03_pipeline_parallel.torch_pipelining")     # PyTorch's runtime
+train_pp = import_module("03_pipeline_parallel.train_pp")                     # the training loop
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results"
@@ -91,19 +103,15 @@ class Stopwatch:
 
 def timed_functions():
     """What the stopwatch wraps, ours and torch's, with the part each one's own time belongs to."""
-    from torch.distributed.pipelining import schedules, stage
-    from common import comm
-    pe = import_module("03_pipeline_parallel.pipeline_executor")
-    me = import_module("03_pipeline_parallel.measured_executor")
-    pt = import_module("03_pipeline_parallel.pipeline_trainer")
-    tp = import_module("03_pipeline_parallel.torch_pipelining")
-    ours = [(pt.PipelineTrainer, "forward_backward", "runtime"), (pe.PipelineExecutor, "run", "runtime"),
-            (pe.PipelineExecutor, "_forward", "F"), (pe.PipelineExecutor, "_backward", "B"),
-            (pe.PipelineExecutor, "_weights", "W"), (pe.PipelineExecutor, "receive", "waiting"),
-            (pe.PipelineExecutor, "wait_sends", "waiting"), (comm, "send", "posting"), (comm, "recv", "posting")]
-    ours += [(me.MeasuredExecutor, name, "measurement")
+    executor = pipeline_executor.PipelineExecutor
+    ours = [(pipeline_trainer.PipelineTrainer, "forward_backward", "runtime"), (executor, "run", "runtime"),
+            (executor, "_forward", "F"), (executor, "_backward", "B"), (executor, "_weights", "W"),
+            (executor, "receive", "waiting"), (executor, "wait_sends", "waiting"),
+            (comm, "send", "posting"), (comm, "recv", "posting")]
+    ours += [(measured_executor.MeasuredExecutor, name, "measurement")
              for name in ("run", "receive", "compute", "send", "wait_sends", "_count_activations")]
-    theirs = [(tp.TorchPipelineTrainer, "forward_backward", "runtime"), (tp.ChunkModule, "forward", "F"),
+    theirs = [(torch_pipelining.TorchPipelineTrainer, "forward_backward", "runtime"),
+              (torch_pipelining.ChunkModule, "forward", "F"),
               (schedules._PipelineSchedule, "_compute_loss", "loss"), (stage, "stage_backward", "B"),
               (stage, "stage_backward_input", "B"), (stage, "stage_backward_weight", "W"),
               (schedules, "_batch_p2p", "posting"), (schedules, "_wait_batch_p2p", "waiting")]
@@ -113,24 +121,20 @@ def timed_functions():
 @contextmanager
 def posting(one_ahead: bool):
     """Inside: executors post each irecv one action ahead (NCCL's rule) even with gloo."""
-    pe = import_module("03_pipeline_parallel.pipeline_executor")
-    init = pe.PipelineExecutor.__init__
+    init = pipeline_executor.PipelineExecutor.__init__
 
     def init_one_ahead(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.post_all_at_start = False
-    pe.PipelineExecutor.__init__ = init_one_ahead if one_ahead else init
+    pipeline_executor.PipelineExecutor.__init__ = init_one_ahead if one_ahead else init
     try:
         yield
     finally:
-        pe.PipelineExecutor.__init__ = init
+        pipeline_executor.PipelineExecutor.__init__ = init
 
 
 def worker(p: int, tmp: Path) -> None:
     """Runs inside torchrun: every schedule × run, timed; rank 0 writes every rank's steps."""
-    import torch.distributed as dist
-    from common.distributed import init_distributed
-    train_pp = import_module("03_pipeline_parallel.train_pp")
     init_distributed()
     results = defaultdict(list)
     for _, (name, v), (run, flags) in product(range(ROUNDS), SCHEDS, RUNS.items()):
@@ -167,7 +171,7 @@ def report(all_results: dict) -> list[str]:
     lines = ["# Chapter 03 — where a pipeline step's time goes", "",
              "Command: `python 03_pipeline_parallel/breakdown_pp.py` (2-core CPU, gloo, `tiny` model, m = 8, "
              "16 × 128 tokens per step). ms per step: mean over ranks of the median over steps 3..8 of two runs; each "
-             "call's own time (see the file's docstring). `measurement`: the timeline and the ledger's lines "
+             "call's own time (see the file's docstring). `measurement`: the timeline and the meter's lines "
              "in MeasuredExecutor; the meter's hook itself is inside F, so its whole cost is the step "
              "difference between `ours` and `ours, no meter`. Per action: the mean over every rank's "
              "actions; torch's stage B on rank 0 of zb-h1, which does nothing, lowers its B.", "",
@@ -204,5 +208,4 @@ def main():
 
 
 if __name__ == "__main__":
-    from common.errors import run_main
     run_main(main)

@@ -8,7 +8,7 @@ runs it unchanged and records, around the same four methods (receive, compute, s
     each isend and one for the wait, at the end of the step, until every send is done. The
     measured bubble is computed from these spans (pipeline_trainer.step_stats), and
     plot_timeline.py draws them;
-  - the activation bytes alive (common/activation_meter.py's `ActivationLedger`): every tensor
+  - the activation bytes alive (common/activation_meter.py's `ActivationMeter`): every tensor
     autograd saves for the backward during an F, counted once per storage, parameters and the
     step's token ids left out, held until the micro-batch's last
     backward action on that stage frees it. With zero bubble, B frees the graph but leaves each
@@ -22,7 +22,7 @@ breakdown_pp.py measures what each costs per step.
 """
 import torch
 
-from common.activation_meter import ActivationLedger, parameter_storages, storages
+from common.activation_meter import ActivationMeter, parameter_storages, storages
 
 from . import pipeline_executor
 
@@ -42,9 +42,9 @@ class MeasuredExecutor(pipeline_executor.PipelineExecutor):
     def run(self, schedule, tokens: list, targets: list, on_stage_grads_ready=None) -> torch.Tensor:
         if not self.meter_activations:
             return super().run(schedule, tokens, targets, on_stage_grads_ready)
-        self.ledger = ActivationLedger(self.param_storages | storages(tokens + targets))
+        self.meter = ActivationMeter(self.param_storages | storages(tokens + targets))
         loss = super().run(schedule, tokens, targets, on_stage_grads_ready)
-        self.peak_activation_bytes = self.ledger.peak
+        self.peak_activation_bytes = self.meter.peak
         return loss
 
     def receive(self, a):
@@ -71,11 +71,11 @@ class MeasuredExecutor(pipeline_executor.PipelineExecutor):
     def _count_activations(self, a, saved: list) -> None:
         key = (a.mb, a.stage)
         if a.kind == "F":
-            self.ledger.hold(key, saved)
+            self.meter.hold(key, saved)
         elif key not in self.in_flight:                               # its last backward action
-            self.ledger.free(key)
+            self.meter.free(key)
         elif self.in_flight[key].pending is not None:                 # zero bubble's B: (x, dy) until W
-            self.ledger.hold(key, [t for _, x, dy in self.in_flight[key].pending for t in (x, dy)])
+            self.meter.hold(key, [t for _, x, dy in self.in_flight[key].pending for t in (x, dy)])
 
     def send(self, key, dst: int, tensor) -> None:
         start = self.timeline.now()

@@ -38,6 +38,9 @@ class PipelineTrainer(OptimizerVerbs):
                `peak_activation_bytes`
     schedule   every rank's action list (pipeline_schedules.build_schedule); the executor runs ours
     optimizer  AdamW over the stage model's parameters
+    dp_group   the ranks holding the same stages, each with its own rows: `dp_sync` sums the gradients
+               over it. The runs built on this one pass the group their layout names for it
+               (04_3d_combined/parallel_3d.py, `Layout.gradient_groups()`: dp, or dp × cp with CP)
     predicted  each stage's activation peak as common/activation_ledger.py predicts it (None: it does
                not apply), reported by memory() beside the measured peak
     """

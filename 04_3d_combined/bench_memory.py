@@ -23,12 +23,12 @@ sys.path.insert(0, str(ROOT))
 from common.launch import launch  # noqa: E402
 from common.model import PRESETS  # noqa: E402
 from common.plots import plt  # noqa: E402
+from common.recompute import MODES  # noqa: E402
 
 from bench_3d import bench_args, write  # noqa: E402
 
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")   # chapter 03's FLOP model
 
-MODES = ("none", "selective", "full")
 LAYOUTS = {  # name: (script, ranks, flags)
     "1 rank": ("01_data_parallel/train_dp.py", 1, []),
     "TP 2": ("02_tensor_parallel/train_tp.py", 2, ["--tp", "2"]),

@@ -1,11 +1,15 @@
-"""What train_3d.py prints around its loop: the configuration, the grid, the timeline file, the sample.
+"""What train_3d.py prints around its loop: the configuration, the grid's ranks and groups, the
+timeline file, the summary's bubble, the sample.
 
-Kept apart from the loop so that the first screenful of `main()` is the training itself. A later
-chapter's run (chapter 05's train_4d.py) prints the same tables with its own rows and columns added.
+Kept apart from the loop so that the first screenful of `main()` is the training itself; run_tail.py
+calls these. A later chapter's run (chapter 05's train_4d.py) prints the same tables with its own rows
+and columns added.
 """
 from importlib import import_module
 
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from common.generate import sample
 from common.model import describe_size
@@ -30,36 +34,33 @@ def config_rows(args, cfg, layout, rt, data, start: int) -> dict:
         "resumed from step": start or "-"}
 
 
-def grid_rows(mesh, extra_cols: tuple = ()) -> tuple[list[str], list[list[str]]]:
-    """The console's grid: column names, then one row per rank (its coordinates and groups, a group's
-    ranks as `0,2,4,6`). A later chapter adds its own columns (`extra_cols`, from mesh.rank_rows())."""
-    cols = ["rank", *mesh.joined, *mesh.dims, *(f"{d} group" for d in ("dp", "pp", "tp")), *extra_cols]
-    return cols, [[ranks_text(r[c]) for c in cols] for r in mesh.rank_rows()]
+def rank_table(mesh, columns: dict | None = None) -> Group:
+    """One line per rank: its coordinates on the joined dimensions (chapter 05's dp = (edp, ep): the
+    data-parallel index d = edp·ep + ep), then on the grid, then a later chapter's own columns: `columns`
+    maps a title to a function of the rank's row (chapter 05: the experts the rank holds). Its groups
+    are `group_table`'s: short cells only, so the table reads in an 80-column terminal."""
+    columns = columns or {}
+    names = ["rank", *mesh.joined, *mesh.dims]
+    table = Table()
+    for name in (*names, *columns):
+        table.add_column(name)
+    for row in mesh.rank_rows():
+        table.add_row(*(str(row[n]) for n in names), *(describe(row) for describe in columns.values()))
+    return Group(Text(f"the ranks: grid = arange(world).view({', '.join(mesh.dims)})", style="italic"), table)
 
 
-def ranks_text(value) -> str:
-    """A coordinate, or a list of ranks written compactly (`0,2,4,6`): the 12-column 4D grid fits the
-    160 columns the console uses in a pipe or a notebook; an 80-column terminal folds its cells."""
-    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
-
-
-def grid_table(title: str, cols: list[str], rows: list[list[str]]) -> Table:
-    """The grid as a rich table (a header wraps onto two lines before a cell does)."""
-    table = Table(title=title, title_justify="left")
-    for col in cols:
-        table.add_column(col.replace(" ", "\n"), overflow="fold")
-    for row in rows:
-        table.add_row(*row)
-    return table
-
-
-def print_start(log, rt, title: str, rows: dict, grid: Table, launch_hint: str) -> None:
-    """The configuration table, the grid (rank 0 only, not with --quiet), and at world size 1 how to
-    launch more ranks."""
-    log.config_table(title, rows)
-    log.print(grid)
-    if rt.world_size == 1:
-        log.print(f"world size 1: the single-device reference. More ranks: {launch_hint}")
+def group_table(mesh) -> Group:
+    """One row per dimension, the grid's then the joined ones (with the dimensions they join): its groups,
+    each the ranks of one line of the grid along it (dp 2 × pp 2 × tp 2: the dp groups are (0,4) (1,5)
+    (2,6) (3,7)). Whatever a group sums, sends or exchanges stays among its ranks. A row too long for the
+    terminal wraps between two groups, never inside one."""
+    table = Table()
+    table.add_column("dimension")
+    table.add_column("its groups")
+    for dim in (*mesh.dims, *mesh.joined):
+        name = f"{dim} = {' × '.join(mesh.joined[dim])}" if dim in mesh.joined else dim
+        table.add_row(name, " ".join(f"({','.join(map(str, line))})" for line in mesh.lines(dim)))
+    return Group(Text("the groups: the ranks of each line of the grid along a dimension", style="italic"), table)
 
 
 def bubble_row(history: list[dict], args, layout) -> dict:

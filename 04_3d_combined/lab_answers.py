@@ -3,7 +3,6 @@
     python 04_3d_combined/lab_answers.py          # runs every command of LAB.md
 """
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -11,19 +10,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
 from common.exercises.museum import key_section  # noqa: E402
-from common.lab_key import ROOT, Edit, Key, mib, table  # noqa: E402
+from common.lab_key import ROOT, Edit, Key, median_step_s, mesh_groups, mesh_row, mib, table  # noqa: E402
 from common.model import PRESETS, count_parameters  # noqa: E402
+from common.recompute import MODES  # noqa: E402
 
 CH = "04_3d_combined"
-
-
-def rank_row(out: str, rank: int) -> list[str]:
-    """The mesh table's row for `rank`: [rank, dp, pp, tp, dp group, pp group, tp group]."""
-    for line in out.splitlines():
-        cells = [c.strip() for c in re.split(r"[│|┃]", line) if c.strip()]
-        if len(cells) == 7 and cells[0] == str(rank):
-            return cells
-    raise ValueError(f"no mesh row for rank {rank} in:\n{out[-2000:]}")
 
 
 def killed_rank_seconds(key: Key) -> tuple[float, int, str]:
@@ -61,11 +52,11 @@ def main() -> None:
     rows = []
     for flags in ["", " --dp 1 --tp 2 --pp 4", " --dp 4 --tp 2 --pp 1"]:
         out = key.run(f"torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --steps 1 --sample-tokens 0{flags}").out
-        row = rank_row(out, 5)
+        row, groups = mesh_row(out, 5, 4), mesh_groups(out, 5)     # rank, dp, pp, tp; {dimension: ranks}
         rows.append([f"`{flags.strip() or '(default) --dp 2 --tp 2 --pp 2'}`", f"({row[1]}, {row[2]}, {row[3]})",
-                     row[6], row[5], row[4]])
+                     groups["tp"], groups["pp"], groups["dp"]])
     key.section("1. Read the grid", f"""
-Rank 5's row of the printed mesh table in each layout:
+Rank 5's row of the printed ranks table, and its groups from the groups table, in each layout:
 
 {table(["layout", "(dp, pp, tp)", "tp group", "pp group", "dp group"], rows)}
 
@@ -179,17 +170,17 @@ hangs instead of dying trips `--timeout` (60 s) on the others.""")
 
     # 6. -------------------------------------------------------------------------------------------
     rows, rc = [], {}
-    for mode in ("none", "selective", "full"):
+    for mode in MODES:
         key.run(f"torchrun --nproc_per_node=4 04_3d_combined/train_3d.py --steps 4 --quiet --sample-tokens 0 "
                 f"--recompute {mode} --metrics runs/lab04/rc_{mode}.jsonl")
         rc[mode] = key.rows(f"runs/lab04/rc_{mode}.jsonl")
         last = rc[mode][-1]
         rows.append([mode, *(mib(b) for b in last["peak_activation_bytes"]), *(mib(b) for b in last["activation_bytes_predicted"]),
-                     f"{statistics.median(r['step_time_s'] for r in rc[mode][1:]):.3f}"])
+                     f"{median_step_s(rc[mode]):.3f}"])
     same = key.run("python -m common.compare_metrics runs/lab04/rc_none.jsonl runs/lab04/rc_full.jsonl", check=False)
     stage0 = {m: rc[m][-1]["peak_activation_bytes"][0] for m in rc}
     per_mb = 4 * 128 * (4 * 7192 + 12) + 16384                 # one micro-batch on stage 0, none
-    slower = statistics.median(r["step_time_s"] for r in rc["full"][1:]) / statistics.median(r["step_time_s"] for r in rc["none"][1:])
+    slower = median_step_s(rc["full"]) / median_step_s(rc["none"])
     key.section("6. What a rank holds: recomputation", f"""
 {table(["--recompute", "measured stage 0", "stage 1", "predicted stage 0", "stage 1", "median step (s)"], rows)}
 

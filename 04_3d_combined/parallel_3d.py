@@ -12,9 +12,10 @@ is driven by trainer_3d.py). This file only decides who is who on the grid and b
                      trains on data-parallel slice d of the global batch
 
 The seam for later chapters. A later chapter adds its dimension by inserting one step, not by copying
-this file: it extends `Layout` with its degree and its `grid()` (the mesh dimensions, outermost first),
-and passes `then=` to `build_local_model`, a function applied to this rank's piece after TP — the
-way torchtitan applies TP, then context parallelism, then FSDP as separate transforms of one model.
+this file: it extends `Layout` with its degree, its `grid()` (the mesh dimensions, outermost first)
+and its `gradient_groups()` (which ranks sum which gradients), and passes `then=` to
+`build_local_model`, a function applied to this rank's piece after TP — the way torchtitan applies
+TP, then context parallelism, then FSDP as separate transforms of one model.
 Chapter 05's 4D run (05_moe_expert_parallel/train_4d.py) is the first user of that seam.
 
 Why this order. TP talks in every layer (two all-reduces per block, forward and backward), on the
@@ -50,6 +51,13 @@ class Layout:
 
     def describe(self) -> str:
         return f"dp {self.dp} × pp {self.pp} × tp {self.tp}"
+
+    def gradient_groups(self) -> dict:
+        """Over which mesh dimension each kind of gradient is summed, by name: the ranks that hold the
+        same tensors, each of which saw other tokens. The trainer takes its groups from here, and only
+        from here. Here one kind: every gradient over dp (a tensor replicated over TP is then summed
+        over tp, chapter 02's sync_tp_gradients). A later chapter's layout names its own groups."""
+        return {"dense": "dp"}
 
 
 def add_layout_args(p) -> None:

@@ -17,23 +17,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `com
 
 import torch.distributed as dist
 
-from common import checkpoint, comm
+from common import comm
 from common.cli import base_parser
 from common.data import TextData, shard_rows
-from common.distributed import env_world_size, init_distributed, shutdown
+from common.distributed import env_world_size, init_distributed
 from common.errors import run_main
 from common.mesh import Mesh
 from common.metrics import RunLog
 from common.model import dense_preset, loss_sum
 from common.optim import lr_at
 from common.timeline import Timeline
-from common.training import (StepTimer, global_sum, resume_state, run_identity, should_save, start_rng,
-                             stop_if_not_finite)
+from common.training import StepTimer, resume_state, start_rng
 
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")          # chapter 02: the TP loss
 parallel_3d = import_module("04_3d_combined.parallel_3d")                      # this chapter: each rank's piece
 trainer_3d = import_module("04_3d_combined.trainer_3d")                        # this chapter: the loop's verbs
-console_3d = import_module("04_3d_combined.console_3d")                        # this chapter: what it prints
+run_tail = import_module("04_3d_combined.run_tail")                            # this chapter: all but the step
 
 
 def parse_args(argv=None):
@@ -65,9 +64,10 @@ def main(argv=None) -> list[dict]:
     start, tokens_per_step = (resume["step"] if resume else 0), args.global_batch * args.seq_len
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet, append=args.resume)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
-    print_start(log, rt, args, cfg, layout, mesh, data, start)
+    # what comes before and after each step (the tables, the metrics row, validation, checkpoints, the sample)
+    tail = run_tail.RunTail(log, rt, args, cfg, layout, mesh, data, trainer, timeline, my_specs, loss_fn, shape)
+    tail.print_start("3D parallel pretraining", "torchrun --nproc_per_node=8 04_3d_combined/train_3d.py", start)
 
-    full_model = None                          # the consolidated weights, for the text sample at the end
     dist.barrier()
     start_rng(args, resume)                   # torch's generator: seeded, or as the checkpoint left it
     log.start(start + 1)
@@ -89,34 +89,10 @@ def main(argv=None) -> list[dict]:
             grad_norm = trainer.clip_grad_norm(args.clip)
             trainer.step()                                # 5. AdamW on my piece (ZeRO-1: my shard)
             trainer.zero_grad()
-        memory = trainer.memory()
-        loss_value = global_sum(local_loss, dist.group.WORLD)                  # last stage, tp rank 0
-        stop_if_not_finite(step, loss_value, grad_norm, args)
-        # the step's bytes by group (before validation adds its sends), memory, the measured bubble
-        extra = trainer_3d.step_metrics(memory, timeline, mesh, layout, rt.device, groups=("dp", "tp", "pp"))
-        if (args.val_every and step % args.val_every == 0) or step == args.steps:
-            extra["val_loss"] = trainer_3d.validation_loss(trainer, my_specs, data, step, args, layout, mesh, loss_fn,
-                                                           shape, rt.device)
-            log.note(f"step {step}: validation loss {extra['val_loss']:.4f}")
-        log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm, **extra)
-        if should_save(args, step) or (step == args.steps and args.sample_tokens):
-            full_model, full_optim = parallel_3d.consolidated_state(trainer, mesh, layout, cfg)
-            if rt.is_main and should_save(args, step):
-                log.note(f"checkpoint saved: {checkpoint.save(args.checkpoint_dir, step, full_model, full_optim, run_identity(args))}")
-    if args.timeline:
-        console_3d.write_timeline(args.timeline, timeline, rt, log, args, layout)
-    log.finish(console_3d.bubble_row(log.history, args, layout))
-    console_3d.print_sample(log, rt, full_model, cfg, args)
-    shutdown(rt)
-    return log.history
-
-
-def print_start(log, rt, args, cfg, layout, mesh, data, start: int) -> None:
-    """The configuration table and the grid: which rank holds which coordinates and groups."""
-    cols, rows = console_3d.grid_rows(mesh)
-    grid = console_3d.grid_table("the mesh: grid = arange(world).view(dp, pp, tp)", cols, rows)
-    console_3d.print_start(log, rt, "3D parallel pretraining", console_3d.config_rows(args, cfg, layout, rt, data, start),
-                           grid, "torchrun --nproc_per_node=8 04_3d_combined/train_3d.py")
+        # the loss summed over the ranks (the last stage's, tp index 0), checked finite; the metrics row (bytes
+        # by dp, tp, pp); validation; the checkpoint, written by one replica of each stage
+        tail.after_step(step, local_loss, lr, tokens_per_step, timer.seconds, grad_norm)
+    return tail.finish()                       # the timeline, the summary, a text sample
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ Each verb of train_3d.py's loop is one call away from a chapter's collective:
     step, zero_grad, set_lr, memory   AdamW on this rank's piece
 
 With --zero-stage 1, `Zero1Trainer3D`: the same verbs, with chapter 01's ZeRO-1 over the DP group as
-the optimizer. `build_trainer` chooses, once, before the loop. A later chapter extends `Trainer3D`
-with its dimension (chapter 05: some gradients sum over a group of their own) and builds it from
-the same `build_executor` and `build_adamw_for`.
+the optimizer. `build_trainer` chooses, once, before the loop, and hands the trainer the group its
+gradients are summed over, `dense_group`, by name from the layout (`Layout.gradient_groups()`: dp). A
+later chapter extends `Trainer3D` with its dimension (chapter 05: some gradients sum over a group of
+their own) and builds it from the same `build_executor` and `build_adamw_for`.
 """
 from importlib import import_module
 
@@ -37,11 +38,11 @@ pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")    # c
 
 
 class Trainer3D(pipeline_trainer.PipelineTrainer):
-    """One rank of the grid: its pipeline stage(s), TP-sharded, replicated over DP; AdamW."""
-    grad_dim = "dp"       # the mesh dimension whose ranks' gradients are summed (chapter 06: "dp_cp")
+    """One rank of the grid: its pipeline stage(s), TP-sharded, replicated over `dense_group` (the ranks
+    holding the same piece, whose gradients are summed: dp here); AdamW."""
 
-    def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, predicted=None):
-        super().__init__(executor, schedule, optimizer, microbatches, mesh.group(self.grad_dim), mesh.group("pp"), predicted)
+    def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, dense_group, predicted=None):
+        super().__init__(executor, schedule, optimizer, microbatches, dense_group, mesh.group("pp"), predicted)
         self.named, self.tp_group, self.mesh = named, mesh.group("tp"), mesh
         # The norm sums squares over the groups whose ranks hold different parts of the model.
         self.norm_groups = [self.tp_group, self.pp_group]
@@ -75,8 +76,8 @@ class Zero1Trainer3D(Trainer3D):
     """--zero-stage 1: each DP replica keeps the AdamW moments of 1/dp of its piece (chapter 01's
     ZeroOptimizer). Nothing starts during the schedule: the gradients are all-reduced after it."""
 
-    def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, predicted=None):
-        super().__init__(executor, schedule, named, optimizer, mesh, microbatches, predicted)
+    def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, dense_group, predicted=None):
+        super().__init__(executor, schedule, named, optimizer, mesh, microbatches, dense_group, predicted)
         self.on_stage_grads_ready = None
 
     def sync_gradients(self) -> None:
@@ -137,8 +138,9 @@ def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shap
     `full_optim`: a checkpoint's single-device AdamW state, cut here to this rank's TP shards."""
     named = list(model.named_parameters())
     local = local_optim_state(full_optim, mesh, layout, cfg)
+    dense_group = mesh.group(layout.gradient_groups()["dense"])     # dp: the ranks holding the same piece
     if args.zero_stage == 1:
-        optimizer = zero_sharding.ZeroOptimizer(named, mesh.group("dp"), args.lr, args.weight_decay, stage=1)
+        optimizer = zero_sharding.ZeroOptimizer(named, dense_group, args.lr, args.weight_decay, stage=1)
         if local is not None:
             zero_sharding.load_optim_pieces(optimizer.units, optimizer.pieces, optimizer.optimizer, local)
         trainer_class = Zero1Trainer3D
@@ -148,13 +150,16 @@ def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shap
     executor = build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timeline)
     predicted = pipeline_trainer.predicted_peaks(cfg, args, plan, specs, act_shape[0], layout.tp,
                                                  args.sequence_parallel)                 # each stage's peak
-    return trainer_class(executor, plan, named, optimizer, mesh, layout.microbatches, predicted)
+    return trainer_class(executor, plan, named, optimizer, mesh, layout.microbatches, dense_group, predicted)
 
 
-def step_metrics(memory: dict, timeline, mesh, layout, device, groups: tuple) -> dict:
-    """The step's bytes by group (common.comm's counter), AdamW's bytes, and chapter 03's measured bubble
-    and per-stage activation peaks (an all-gather of four numbers over the pipeline group)."""
-    return {"comm_bytes": comm.COUNTER.total(), **{f"comm_bytes_{g}": comm.COUNTER.total(g) for g in groups},
+def step_metrics(memory: dict, timeline, mesh, layout, device, groups: tuple, counted_as: dict | None = None) -> dict:
+    """The step's bytes by group (common.comm's counter: `comm_bytes_<group>`, read under the counter's name
+    `counted_as[group]` where it differs), AdamW's bytes, and chapter 03's measured bubble and per-stage
+    activation peaks (an all-gather of four numbers over the pipeline group)."""
+    counted_as = counted_as or {}
+    return {"comm_bytes": comm.COUNTER.total(),
+            **{f"comm_bytes_{g}": comm.COUNTER.total(counted_as.get(g, g)) for g in groups},
             "optim_bytes": memory["optim_bytes"], "activation_bytes_predicted": memory["activation_bytes_predicted"],
             **pipeline_trainer.step_stats(timeline, memory["peak_activation_bytes"], mesh.group("pp"), layout.pp, device)}
 

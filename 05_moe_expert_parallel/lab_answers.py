@@ -1,17 +1,19 @@
-"""Lab 05's answer key: runs every command of LAB.md and writes LAB_ANSWERS.md from what they print.
+"""Lab 05's answer key: runs every command of LAB.md and writes LAB_ANSWERS.md from what they print
+(part three's in lab_answers_balancing.py).
 
     python 05_moe_expert_parallel/lab_answers.py          # runs every command of LAB.md
 """
 import math
-import re
-import statistics
 import sys
+from importlib import import_module
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
 from common.exercises.museum import key_section  # noqa: E402
-from common.lab_key import Edit, Key, mib, table  # noqa: E402
+from common.lab_key import Edit, Key, mesh_groups, mesh_row, mib, table  # noqa: E402
 from common.model import PRESETS, count_parameters  # noqa: E402
+
+balancing = import_module("05_moe_expert_parallel.lab_answers_balancing")   # part three: M9–M12
 
 CH = "05_moe_expert_parallel"
 SMALL = "--steps 10 --seq-len 32 --global-batch 8"
@@ -20,16 +22,9 @@ M5 = [f"python 05_moe_expert_parallel/train_moe.py {SMALL} --metrics /tmp/m5_1.j
       f"torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py {SMALL} --ep 2 --metrics /tmp/m5_22.jsonl --quiet"]
 M6 = f"python 05_moe_expert_parallel/train_moe.py {SMALL} --microbatches 2 --metrics /tmp/m6_mb2.jsonl --quiet"
 M6_CMP = "python -m common.compare_metrics /tmp/m5_1.jsonl /tmp/m6_mb2.jsonl /tmp/m5_4.jsonl --key aux_loss"
-GAMMAS = ("0.005", "0.02", "0.05")
-M9_RUNS = ("for g in 0.005 0.02 0.05; do python 05_moe_expert_parallel/train_moe.py --steps 50 --seq-len 64 "
-           "--global-batch 16 --aux-loss-coef 0 --router-bias-rate $g --metrics /tmp/m9_$g.jsonl --quiet; done")
-M9_PLOT = ("python 05_moe_expert_parallel/plot_expert_load.py /tmp/m9_gamma.png "
-           + " ".join(f"gamma{g}=/tmp/m9_{g}.jsonl" for g in GAMMAS))
 M13 = "torchrun --nproc_per_node=8 05_moe_expert_parallel/train_4d.py --steps 3 --sample-tokens 0"
 M13_SMALL = ("torchrun --nproc_per_node=8 05_moe_expert_parallel/train_4d.py --steps 10 --seq-len 32 --global-batch 8 "
              "--quiet --sample-tokens 0 --checkpoint-dir /tmp/ck13")
-BIAS_KEYS = ('python -c "import torch; print([k for k in torch.load(\'/tmp/ck5/step_000005.pt\')[\'model\'] '
-             'if \'bias\' in k])"')
 
 
 def parameter_arithmetic() -> str:
@@ -176,8 +171,6 @@ are the same whether it is routed on one rank with seven others, in a micro-batc
 rank of its own; summed over sequences, the total is the same in every layout. Defined over the
 batch, each micro-batch or EP rank computes statistics over its own share, a different number: the
 aux loss differs from step 1, its gradient too, and the LM loss follows.""")
-
-
     key.run("torchrun --nproc_per_node=2 05_moe_expert_parallel/train_moe.py --steps 3 --seq-len 64 --global-batch 16 --metrics /tmp/m7.jsonl --quiet")
     key.run("torchrun --nproc_per_node=2 05_moe_expert_parallel/train_moe.py --steps 3 --seq-len 64 --global-batch 16 --capacity-factor 0.5 --metrics /tmp/m7_cf.jsonl --quiet")
     formula = 8 * (8 * 0.5 * 512 * 2 * 128 * 4 + 16 * 1 * 4)
@@ -204,137 +197,13 @@ head, routers: 1,876,480 bytes) is replicated on every rank, as in data parallel
     return max(d["max"] for d in parted.values())
 
 
-def results_text(text: str) -> str:
-    """A results/ file as the key shows it: its relative links rewritten to resolve from the chapter."""
-    return re.sub(r"\]\((?![a-z]+:|/|#)([^)]+)\)", r"](results/\1)", text)
-
-
-def table_rows(markdown: str) -> list[dict]:
-    """The rows of the (first) markdown table in `markdown`, as {column header: cell}."""
-    lines = [line.strip().strip("|") for line in markdown.splitlines() if line.startswith("|")]
-    header = [cell.strip() for cell in lines[0].split("|")]
-    return [dict(zip(header, (cell.strip() for cell in line.split("|")))) for line in lines[2:]]
-
-
-def loss_reading(load_md: str, spread: float) -> str:
-    """M9: the balanced runs' losses against no balancing, weighed against how far runs part anyway."""
-    rows = table_rows(load_md)
-    column = next(h for h in rows[0] if h.startswith("loss at step"))
-    base = float(rows[0][column])
-    diffs = {row["run"]: float(row[column]) / base - 1 for row in rows[1:]}
-    said = "; ".join(f"{run}: {d:+.1e}" for run, d in diffs.items())
-    larger = [run for run, d in diffs.items() if abs(d) > spread]
-    verdict = (f"{' and '.join(larger)} by more than that: a difference these runs really make, though one "
-               f"50-step run per method says little about the method" if larger else
-               "none by more than that: over 50 steps, neither way of balancing has a visible cost in loss")
-    return (f"The {column}, relative to no balancing: {said}. M5's runs, which differ only in the order of "
-            f"float32 additions, parted by up to {spread:.1e}; here {verdict}.")
-
-
-def swing(rows: list[dict]) -> float:
-    """How much an expert's load changes from one step to the next, in fair shares (the layer's mean
-    load), averaged over layers, experts and the second half of the run."""
-    half = rows[len(rows) // 2 - 1:]
-    changes = [abs(a - b) / (sum(now) / len(now))
-               for before, after in zip(half, half[1:])
-               for was, now in zip(before["expert_load"], after["expert_load"]) for a, b in zip(now, was)]
-    return statistics.mean(changes)
-
-
-def gamma_reading(key: Key) -> str:
-    """M9's γ sweep: how even the load ends, how fast it got there, how much it swings."""
-    runs = {g: key.rows(f"/tmp/m9_{g}.jsonl") for g in GAMMAS}
-    end = {g: statistics.mean(r["max_over_mean_load"] for r in rows[-10:]) for g, rows in runs.items()}
-    early = {g: rows[9]["max_over_mean_load"] for g, rows in runs.items()}
-    swings = {g: swing(rows) for g, rows in runs.items()}
-    rows = [[g, f"{early[g]:.2f}", f"{end[g]:.2f}", f"{swings[g]:.2f}", f"{runs[g][-1]['loss']:.4f}"] for g in GAMMAS]
-    grows = [swings[g] for g in GAMMAS] == sorted(swings.values())
-    evenest = [g for g in GAMMAS if end[g] <= min(end.values()) + 0.05]          # within 0.05: a tie
-    return (table(["γ", "max/mean at step 10", "max/mean, mean of the last 10 steps",
-                   "step-to-step swing of an expert's load (fair shares)", "loss at step 50"], rows) + f"""
-
-Most even over the last 10 steps: γ = {" and ".join(evenest)}{" (about equally)" * (len(evenest) > 1)};
-the largest swing: γ = {max(swings, key=swings.get)}. """ +
-            ("The swing grows with γ: every step moves each bias by ±γ whatever the size of the imbalance, so a "
-             "larger γ overshoots further each time. A smaller γ swings less, but needs more steps to undo an "
-             "imbalance: a bias moves by at most γ per step." if grows else
-             "Here the swing does not grow steadily with γ: with 50 steps and one run each, how far a bias "
-             "overshoots also depends on where the loads happen to be; the plot shows it expert by expert."))
-
-
-def part_three(key: Key, spread: float) -> None:
-    load = results_text(key.bench("python 05_moe_expert_parallel/bench_moe.py --only load",
-                                  f"{CH}/results/load_balance.md"))
-    capacity = results_text(key.bench("python 05_moe_expert_parallel/bench_moe.py --only capacity",
-                                      f"{CH}/results/capacity.md"))
-    key.run(M9_RUNS)
-    key.run(M9_PLOT)
-    key.section("M9 — collapse", f"""
-What `bench_moe.py --only load` wrote:
-
-{load}
-
-Without balancing, routing collapses: an expert that wins a few tokens early gets trained on them,
-becomes better at them, and wins more (rich get richer). The aux loss pushes the probability of
-over-used experts down and keeps the load nearer even. {loss_reading(load, spread)}
-
-The bias controller adds γ·sign(target − load) to each expert's selection bias every step: it never
-settles, it moves around the target by ±γ, so an expert flips between over- and under-loaded from
-step to step, hence the checkerboard. The three γ (`/tmp/m9_gamma.png` draws them as the benchmark's
-plot does):
-
-{gamma_reading(key)}""")
-    key.section("M10 — dropped tokens", f"""
-What `bench_moe.py --only capacity` wrote:
-
-{capacity}
-
-Capacity factor 1.0 is the fair share *per sequence and expert*: any expert that a sequence prefers
-more than average overflows within that sequence, even when the load over the whole batch is
-nearly even (another sequence under-uses it, but the capacity is not shared across sequences). The
-dropped slots pass through on the residual, so the block does less work for them and the loss is
-higher; the last column shows by how much at each factor over these 30 steps. At the larger factors
-it is smaller than the ~1e-2 by which any two MoE runs part once they route one token differently
-(M5), so its sign there means little.""")
-
-    key.fresh("/tmp/ck5")
-    key.run("torchrun --nproc_per_node=2 05_moe_expert_parallel/train_moe.py --steps 10 --seq-len 32 --global-batch 8 --router-bias-rate 0.01 --checkpoint-dir /tmp/ck5 --checkpoint-every 5 --metrics /tmp/m11_full.jsonl --quiet")
-    key.run("echo step_000005.pt > /tmp/ck5/latest")
-    key.run("torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py --steps 10 --seq-len 32 --global-batch 8 --router-bias-rate 0.01 --checkpoint-dir /tmp/ck5 --resume --metrics /tmp/m11_resumed.jsonl --quiet")
-    resumed = key.run("python -m common.compare_metrics /tmp/m11_full.jsonl /tmp/m11_resumed.jsonl", check=False)
-    keys = key.run(BIAS_KEYS).out.strip()
-    key.section("M11 — resume in another layout", f"""
-Comparison (steps 6–10): exit {resumed.code}; {resumed.line_with("m11_resumed.jsonl: max")}
-
-Bias entries in the checkpoint's model state: `{keys[:400]}`
-
-The router bias is a buffer, not a parameter: it is updated by the controller, not by AdamW, and
-it changes which experts are chosen. It is saved in the model's state dict with the weights, so a
-resumed run, in any layout, selects the same experts as the uninterrupted one.""")
-
-    failures = key.failures([f"torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py {flags}" for flags in
-                             ("--ep 3", "--ep 8", "--top-k 9", "--capacity-factor 0", "--aux-loss-coef -1",
-                              "--model tiny --ep 2")], "train_moe.py")
-    key.section("M12 — bad input", failures)
-
-
-def rank_row(out: str, rank: int) -> list[str]:
-    """train_4d.py's mesh table, the row of `rank`: [rank, dp, edp, ep, pp, tp, dp group, pp group,
-    tp group, ep group, edp group, experts]."""
-    for line in out.splitlines():
-        cells = [c.strip() for c in re.split(r"[│|┃]", line) if c.strip()]
-        if len(cells) == 12 and cells[0] == str(rank):
-            return cells
-    raise ValueError(f"no mesh row for rank {rank} in:\n{out[-2000:]}")
-
-
 def part_four(key: Key) -> None:
     grids = {"(default)": key.run(f"{M13} --metrics /tmp/m13.jsonl").out,
              "`--dp 2 --ep 2 --tp 2 --pp 2`": key.run(f"{M13} --dp 2 --ep 2 --tp 2 --pp 2 --metrics /tmp/m13b.jsonl").out}
     rows = []
     for flags, out in grids.items():
-        r = rank_row(out, 5)
-        rows.append([flags, f"({', '.join(r[1:6])})", r[9], r[10], r[11], r[6]])
+        r, g = mesh_row(out, 5, 7), mesh_groups(out, 5)   # rank, dp, edp, ep, pp, tp, experts; {dimension: ranks}
+        rows.append([flags, f"({', '.join(r[1:6])})", g["ep"], g["edp"], r[6], g["dp"]])
     last = {name: key.rows(f"/tmp/{name}.jsonl")[-1] for name in ("m13", "m13b")}
     experts = 4 * 4 * 3 * 128 * 192 * 4          # rank 0's experts: 4 MoE layers of stage 0 × 4 of 8 experts, fp32
     dense = (last["m13"]["comm_bytes_dp"] - 2 * experts) / 3
@@ -350,7 +219,7 @@ def part_four(key: Key) -> None:
     key.names(f"{CH}/trainer_4d.py", "def _all_reduce_stage")
     key.names(f"{CH}/expert_parallel.py", 'mark_replicated(p, "ep", ep)')
     key.section("M13 — experts on chapter 04's grid", f"""
-Rank 5 in the mesh table:
+Rank 5 in the ranks table and the groups table:
 
 {table(["flags", "rank 5: (dp, edp, ep, pp, tp)", "ep group", "edp group", "experts", "dp group"], rows)}
 
@@ -395,7 +264,7 @@ def main() -> None:
     key.names("common/model.py", 'register_buffer("selection_bias"')
     part_one(key)
     spread = part_two(key)
-    part_three(key, spread)
+    balancing.part_three(key, spread)
     part_four(key)
     key.section(*key_section("05"))      # the museum's bugs of this chapter: how each is found
     key.write()

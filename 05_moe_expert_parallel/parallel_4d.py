@@ -41,8 +41,17 @@ class Layout4D(parallel_3d.Layout):
         return f"dp {self.dp} (= edp {self.dp // self.ep} × ep {self.ep}) × pp {self.pp} × tp {self.tp}"
 
     def gradient_groups(self) -> dict:
-        """Over which ranks the gradients are summed, for the console: {kind: (group, ranks)}."""
-        return {"dense": ("dp", self.dp), "experts": ("edp", self.dp // self.ep)}
+        """Chapter 04's rule with the experts, by mesh name: a dense gradient over dp (every data-parallel
+        rank of the stage saw its own rows), an expert's over edp (its holders, each of which saw its EP
+        group's rows). trainer_4d.build_trainer and the console read it here."""
+        return {"dense": "dp", "experts": "edp"}
+
+    def group_size(self, name: str) -> int:
+        """Ranks in a group of the grid, joined dimensions included (edp: dp/ep)."""
+        size = 1
+        for dim in self.joined.get(name, (name,)):
+            size *= self.grid()[dim]
+        return size
 
 
 def add_4d_args(p) -> None:
@@ -94,8 +103,17 @@ def describe_experts(cfg, args, layout: Layout4D) -> str:
     if not cfg.n_experts:
         return "- (dense model)"
     routing = "dropless" if args.capacity_factor is None else f"capacity factor {args.capacity_factor}"
-    (dense, n_dense), (experts, n_experts) = layout.gradient_groups().values()
+    groups = layout.gradient_groups()
+    dense, experts = (groups[kind].replace("_", " × ") for kind in ("dense", "experts"))     # dp_cp: "dp × cp"
     return (f"{cfg.n_experts} per MoE layer, top-{cfg.top_k}, {cfg.n_experts // layout.ep} per rank over ep "
-            f"{layout.ep} (whole on every TP rank); gradients: dense over {dense} ({n_dense} ranks), experts over "
-            f"{experts} ({n_experts}); {routing}, aux α={args.aux_loss_coef}, z β={args.z_loss_coef}, "
-            f"bias γ={args.router_bias_rate}")
+            f"{layout.ep} (whole on every TP rank); gradients: dense over {dense} "
+            f"({layout.group_size(groups['dense'])} ranks), experts over {experts} "
+            f"({layout.group_size(groups['experts'])}); {routing}, aux α={args.aux_loss_coef}, "
+            f"z β={args.z_loss_coef}, bias γ={args.router_bias_rate}")
+
+
+def console_rows(cfg, args, layout: Layout4D) -> tuple[dict, dict]:
+    """What the experts add to chapter 04's start tables (run_tail.RunTail.print_start): a row of the
+    configuration, and a column of the ranks table (the experts a rank holds, from its ep coordinate)."""
+    return ({"experts": describe_experts(cfg, args, layout)},
+            {"experts": lambda row: experts_held(cfg.n_experts, row["ep"], layout.ep)})

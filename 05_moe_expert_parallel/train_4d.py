@@ -16,23 +16,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `com
 
 import torch.distributed as dist
 
-from common import checkpoint, comm
+from common import comm
 from common.cli import base_parser
 from common.data import TextData, shard_rows
-from common.distributed import env_world_size, init_distributed, shutdown
+from common.distributed import env_world_size, init_distributed
 from common.errors import run_main
 from common.mesh import Mesh
 from common.metrics import RunLog
 from common.model import loss_sum
 from common.optim import lr_at
 from common.timeline import Timeline
-from common.training import (StepTimer, global_sum, resume_state, run_identity, should_save, start_rng,
-                             stop_if_not_finite)
+from common.training import StepTimer, resume_state, start_rng
 
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")          # chapter 02: the TP loss
 parallel_3d = import_module("04_3d_combined.parallel_3d")                      # chapter 04: each rank's piece
-trainer_3d = import_module("04_3d_combined.trainer_3d")                        # chapter 04: validation
-console_3d = import_module("04_3d_combined.console_3d")                        # chapter 04: what it prints
+run_tail = import_module("04_3d_combined.run_tail")                            # chapter 04: all but the step
 parallel_4d = import_module("05_moe_expert_parallel.parallel_4d")              # this chapter: + EP
 trainer_4d = import_module("05_moe_expert_parallel.trainer_4d")                # this chapter: the 4D verbs
 
@@ -60,14 +58,20 @@ def main(argv=None) -> list[dict]:
     loss_fn = (lambda logits, y: tensor_parallel.tp_loss_sum(logits, y, tp_group)) if layout.tp > 1 else loss_sum
     shape = parallel_3d.act_shape(args, cfg, layout)                           # (mb, S or S/tp, D)
     timeline = Timeline(rt.rank)
+    # AdamW on my piece; gradients summed as Layout4D.gradient_groups() says: dense over dp, experts over edp
     trainer = trainer_4d.build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, shape, rt.device,
                                        timeline, resume and resume["optim"])
     start, tokens_per_step = (resume["step"] if resume else 0), args.global_batch * args.seq_len
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet, append=args.resume)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py: active experts)
-    print_start(log, rt, args, cfg, layout, mesh, data, start)
+    # chapter 04's bookkeeping before and after each step, with this chapter's bytes, numbers and replicas:
+    # the ep ranks of replica edp = 0 hold every expert once between them, and write the checkpoint
+    tail = run_tail.RunTail(log, rt, args, cfg, layout, mesh, data, trainer, timeline, my_specs, loss_fn, shape,
+                            groups=("dp", "tp", "pp", "ep"), chapter_metrics=(trainer.router_metrics,),
+                            replica_dims=("edp",))
+    tail.print_start("4D parallel pretraining", "torchrun --nproc_per_node=8 05_moe_expert_parallel/train_4d.py", start,
+                     *parallel_4d.console_rows(cfg, args, layout))
 
-    full_model = None                          # the consolidated weights, for the text sample at the end
     dist.barrier()
     start_rng(args, resume)                   # torch's generator: seeded, or as the checkpoint left it
     log.start(start + 1)
@@ -89,42 +93,10 @@ def main(argv=None) -> list[dict]:
             grad_norm = trainer.clip_grad_norm(args.clip)
             trainer.step()                                # 5. router statistics and biases; AdamW on my piece
             trainer.zero_grad()
-        memory = trainer.memory()
-        loss_value = global_sum(local_loss, dist.group.WORLD)                  # last stage, tp rank 0
-        stop_if_not_finite(step, loss_value, grad_norm, args)
-        # the step's bytes by group (before validation adds its sends), memory, the bubble, the router's numbers
-        extra = trainer_3d.step_metrics(memory, timeline, mesh, layout, rt.device, groups=("dp", "tp", "pp", "ep"))
-        extra.update(trainer.router_metrics())
-        if (args.val_every and step % args.val_every == 0) or step == args.steps:
-            extra["val_loss"] = trainer_3d.validation_loss(trainer, my_specs, data, step, args, layout, mesh, loss_fn,
-                                                           shape, rt.device)
-            log.note(f"step {step}: validation loss {extra['val_loss']:.4f}")
-        log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm, **extra)
-        if should_save(args, step) or (step == args.steps and args.sample_tokens):
-            # the ep ranks of replica edp = 0 hold every expert once between them
-            full_model, full_optim = parallel_3d.consolidated_state(trainer, mesh, layout, cfg, replica_dims=("edp",))
-            if rt.is_main and should_save(args, step):
-                log.note(f"checkpoint saved: {checkpoint.save(args.checkpoint_dir, step, full_model, full_optim, run_identity(args))}")
-    if args.timeline:
-        console_3d.write_timeline(args.timeline, timeline, rt, log, args, layout)
-    log.finish(console_3d.bubble_row(log.history, args, layout))
-    console_3d.print_sample(log, rt, full_model, cfg, args)
-    shutdown(rt)
-    return log.history
-
-
-def print_start(log, rt, args, cfg, layout, mesh, data, start: int) -> None:
-    """Chapter 04's configuration table and grid, with the experts: which ranks share them (ep group),
-    which hold the same ones (edp group), and which experts each rank holds."""
-    cols, rows = console_3d.grid_rows(mesh, extra_cols=("ep group", "edp group"))
-    cols.append("experts")
-    for row in rows:
-        row.append(parallel_4d.experts_held(cfg.n_experts, int(row[cols.index("ep")]), layout.ep))
-    grid = console_3d.grid_table("the mesh: grid = arange(world).view(edp, ep, pp, tp), dp = (edp, ep)", cols, rows)
-    config = console_3d.config_rows(args, cfg, layout, rt, data, start)
-    config["experts"] = parallel_4d.describe_experts(cfg, args, layout)
-    console_3d.print_start(log, rt, "4D parallel pretraining", config, grid,
-                           "torchrun --nproc_per_node=8 05_moe_expert_parallel/train_4d.py")
+        # the loss summed over the ranks, checked finite; the metrics row (bytes by dp, tp, pp, ep; the router's
+        # loads, aux and z terms); validation; the checkpoint
+        tail.after_step(step, local_loss, lr, tokens_per_step, timer.seconds, grad_norm)
+    return tail.finish()                       # the timeline, the summary, a text sample
 
 
 if __name__ == "__main__":

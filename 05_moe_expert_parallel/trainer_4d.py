@@ -6,9 +6,11 @@ What the experts change in chapter 04's verbs, and nothing else:
                             ep); its balancing terms join that stage's backward (AddRouterLoss), so
                             their gradient starts on the stage that computed them, inside the same B
                             (or W) as the micro-batch's other gradients
-                            when a stage's gradients are final: dense ones all-reduced over dp (every
-                            data-parallel rank saw its own rows), an expert's over edp (the dp ranks
-                            holding that expert, each of which saw its EP group's rows)
+                            when a stage's gradients are final: dense ones all-reduced over
+                            `dense_group` (dp: every data-parallel rank saw its own rows), an expert's
+                            over `expert_group` (edp: the dp ranks holding that expert, each of which saw
+                            its EP group's rows); build_trainer takes both groups, by name, from the
+                            layout (`Layout4D.gradient_groups()`), the one place that names them
     sync_gradients()        wait for both, then chapter 04's TP sums
     clip_grad_norm(max)     the squares summed over ep too (its ranks hold different experts); a dense
                             tensor, the same on every ep rank, counted once (parallelize_experts marks it)
@@ -30,21 +32,23 @@ trainer_3d = import_module("04_3d_combined.trainer_3d")              # chapter 0
 
 
 class Trainer4D(trainer_3d.Trainer3D):
-    """Chapter 04's rank of the grid, whose MoE layers hold E/ep experts; AdamW."""
-    expert_grad_dim = "edp"   # the ranks holding the same experts (chapter 06: "edp_cp")
+    """Chapter 04's rank of the grid, whose MoE layers hold E/ep experts; AdamW. Dense gradients are summed
+    over `dense_group`, an expert's over `expert_group` (the ranks holding the same experts)."""
 
-    def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, router: RouterStatistics):
-        super().__init__(executor, schedule, named, optimizer, mesh, microbatches)
+    def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, dense_group, expert_group,
+                 router: RouterStatistics):
+        super().__init__(executor, schedule, named, optimizer, mesh, microbatches, dense_group)
         self.experts = {id(p) for n, p in named if is_expert_param(n)}     # (none if dense)
-        self.expert_sync = data_parallel.AsyncGradAllReduce(mesh.group(self.expert_grad_dim))
+        self.expert_sync = data_parallel.AsyncGradAllReduce(expert_group)
         self.norm_groups.append(mesh.group("ep"))       # ep ranks hold different experts: their squares add up
         self.router = router                            # this rank's MoE layers' statistics
 
     def _all_reduce_stage(self, stage: int) -> None:
-        """A stage's gradients are final: dense ones are summed over all its dp replicas (each saw its own
-        rows), an expert's over the edp ranks holding that expert (each saw its EP group's rows)."""
+        """A stage's gradients are final: dense ones are summed over `dense_group`, all its replicas (dp:
+        each saw its own rows), an expert's over `expert_group`, the ranks holding that expert (edp: each
+        saw its EP group's rows)."""
         params = self.executor.stage_params[stage]
-        self.dp_sync.launch([p for p in params if id(p) not in self.experts])
+        self.dp_sync.launch([p for p in params if id(p) not in self.experts])   # chapter 03's, over dense_group
         experts = [p for p in params if id(p) in self.experts]
         if experts:
             self.expert_sync.launch(experts)
@@ -54,8 +58,8 @@ class Trainer4D(trainer_3d.Trainer3D):
         return super().forward_backward(x, y, sync)
 
     def sync_gradients(self) -> None:
-        self.expert_sync.wait()                # edp: the experts' all-reduces
-        super().sync_gradients()               # dp: the dense all-reduces; then TP's sums
+        self.expert_sync.wait()                # expert_group: the experts' all-reduces
+        super().sync_gradients()               # dense_group: the dense all-reduces; then TP's sums
 
     def step(self) -> None:
         self.router.sum_over_ranks()           # the step's expert loads, aux and z terms; router biases
@@ -67,15 +71,21 @@ class Trainer4D(trainer_3d.Trainer3D):
 
 
 def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shape, device, timeline,
-                  full_optim=None, trainer_class=Trainer4D) -> Trainer4D:
-    """Chapter 04's pieces (AdamW on this rank's piece, the executor), plus this rank's router statistics.
-    `trainer_class`: Trainer4D, or a later chapter's subclass of it."""
+                  full_optim=None) -> Trainer4D:
+    """Chapter 04's pieces (AdamW on this rank's piece, the executor), plus this rank's router statistics,
+    and the groups its gradients are summed over, named by the layout."""
     named = list(model.named_parameters())
     optimizer = trainer_3d.build_adamw_for(named, args, trainer_3d.local_optim_state(full_optim, mesh, layout, cfg))
     executor = trainer_3d.build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timeline)
     # this rank's MoE layers under their global index (chapter 03's stages keep it): every stage fills the
     # rows of its own layers; the TP ranks of a stage route the same tokens, so tp rank 0 counts them
     layers = {int(i): block.mlp for i, block in model.layers.items() if hasattr(block.mlp, "stats")}
-    router = RouterStatistics(layers, cfg.n_layers, cfg.n_experts, routing_options(args, args.global_batch, args.seq_len),
-                              args.router_bias_rate, device, counted=counted_here({"tp": layout.tp}, mesh.coords))
-    return trainer_class(executor, plan, named, optimizer, mesh, layout.microbatches, router)
+    # the flags' routing options, which every MoE layer of this rank shares from here on; which ranks hold
+    # the rest of each sequence is the composition's to say (None here), kept from the layers as it left them
+    options = routing_options(args, args.global_batch, args.seq_len)
+    options.sequence_group = next((layer.options.sequence_group for layer in layers.values()), None)
+    router = RouterStatistics(layers, cfg.n_layers, cfg.n_experts, options, args.router_bias_rate, device,
+                              counted=counted_here({"tp": layout.tp}, mesh.coords))
+    groups = layout.gradient_groups()                  # {"dense": "dp", "experts": "edp"}: the mesh's names
+    return Trainer4D(executor, plan, named, optimizer, mesh, layout.microbatches, mesh.group(groups["dense"]),
+                     mesh.group(groups["experts"]), router)

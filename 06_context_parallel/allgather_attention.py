@@ -9,7 +9,7 @@ rank's share for its own block.
 Why it can pay: under grouped-query attention K and V are small (kv heads, not h), so gathering them costs
 little, and one collective replaces cp−1 dependent hops. What it costs: every rank holds the whole
 sequence's K/V for the backward, O(S·kv·hd) instead of the ring's O(S/cp·kv·hd). Bytes per call: see
-ring_attention.cp_bytes.
+attention_bookkeeping.cp_bytes.
 """
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from common import comm
 
 from .cp_split import SequenceSplit
-from .ring_attention import WORK, attend_block, block_grads, compute_dtype  # noqa: F401  (WORK: the one tally)
+from .ring_attention import attend_block, backward_start, block_grads, forward_start
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -29,9 +29,7 @@ class AllGatherAttention(torch.autograd.Function):
         comm.all_gather_into(kv_all, kv, group, "cp")                         # rank j's K, V at rows 2j, 2j+1
         kv_all = kv_all.view(cp, *kv.shape)                                   # (cp, 2, B, kv, S/cp, hd)
         with torch.autocast(q.device.type, enabled=False):                # the softmax math in fp32
-            qf = q.to(compute_dtype(q))                                       # (B, h, S/cp, hd)
-            out = torch.zeros_like(qf)
-            lse = torch.full(qf.shape[:-1], float("-inf"), dtype=qf.dtype, device=q.device)   # (B, h, S/cp)
+            qf, out, lse = forward_start(q)                                   # out, lse: the running result
             for j in range(cp):                                               # every rank's block, in turn
                 attend_block(qf, kv_all[j], split.pairs(r, j), out, lse)
         ctx.save_for_backward(q, kv_all, out, lse)
@@ -44,9 +42,7 @@ class AllGatherAttention(torch.autograd.Function):
         group, split = ctx.group, ctx.split
         cp, r = dist.get_world_size(group), dist.get_rank(group)
         with torch.autocast(q.device.type, enabled=False):
-            qf, do = q.to(out.dtype), dout.to(out.dtype)
-            delta = (do * out).sum(-1)                                        # D = rowsum(dO∘O): (B, h, S/cp)
-            dq = torch.zeros_like(qf)
+            qf, do, delta, dq = backward_start(q, out, dout)                  # dO, D = rowsum(dO∘O), dq
             dkv_all = torch.zeros(kv_all.shape, dtype=out.dtype, device=q.device)  # (cp, 2, B, kv, S/cp, hd)
             for j in range(cp):                                               # this rank's share of each block
                 block_grads(qf, kv_all[j], split.pairs(r, j), do, lse, delta, dq, dkv_all[j])

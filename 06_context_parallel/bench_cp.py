@@ -5,7 +5,7 @@
 
 Writes 06_context_parallel/results/:
   equality.md                   every layout of train_cp.py and train_5d.py against world size 1, 20 steps
-  bytes.md                      comm_bytes_cp per rank and step against ring_attention.cp_bytes, to the byte
+  bytes.md                      comm_bytes_cp per rank and step against attention_bookkeeping.cp_bytes, to the byte
   memory.md, memory.png         peak activation bytes per rank as S and cp double together, against cp 1
   balance.md, causal_mask.png   attn_work_imbalance, zig-zag vs contiguous; the causal mask cut into ranks' blocks
   time.md                       median step time against S at cp 1, 2, 4
@@ -33,7 +33,7 @@ from common.model import PRESETS  # noqa: E402
 
 bench_3d = import_module("04_3d_combined.bench_3d")                   # chapter 04: write
 cp_split = import_module("06_context_parallel.cp_split")              # this chapter: the split's work
-ring_attention = import_module("06_context_parallel.ring_attention")  # this chapter: the bytes formula
+attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # this chapter: the bytes formula
 plot_cp = import_module("06_context_parallel.plot_cp")                # this chapter: the plots
 
 RESULTS = HERE / "results"
@@ -137,7 +137,7 @@ def equality(runs: Runs) -> list[str]:
 
 def cp_bytes_per_step(S: int, cp: int, variant: str) -> int:
     cfg = PRESETS["small"]
-    return cfg.n_layers * ring_attention.cp_bytes(variant, 2, S, cp, cfg.n_kv_heads, cfg.head_dim, 4)
+    return cfg.n_layers * attention_bookkeeping.cp_bytes(variant, 2, S, cp, cfg.n_kv_heads, cfg.head_dim, 4)
 
 
 def bytes_table(runs: Runs) -> list[str]:
@@ -154,10 +154,10 @@ def bytes_table(runs: Runs) -> list[str]:
             lines.append(f"| {variant} | {S} | {cp} | {blk:,} | {got:,} | {want:,} | {'yes' if got == want else 'NO'} "
                          "|")
     lines += ["", "Bytes one rank sends plus receives under \"cp\" in one step (common/comm.py's count), against "
-              "`ring_attention.cp_bytes` × layers × micro-batches (1 here). blk = rows·(S/cp)·kv·hd·4 bytes is "
-              "one rank's K (or V) block. **Ring**: the forward passes K and V on cp−1 hops (2(cp−1) blocks); the "
-              "backward passes them around again (2(cp−1) blocks) together with the travelling partial sums of dK "
-              "and dV (2(cp−1) blocks, which end at their owner): 6(cp−1)·blk sent, as many received. "
+              "`attention_bookkeeping.cp_bytes` × layers × micro-batches (1 here). blk = rows·(S/cp)·kv·hd·4 "
+              "bytes is one rank's K (or V) block. **Ring**: the forward passes K and V on cp−1 hops (2(cp−1) "
+              "blocks); the backward passes them around again (2(cp−1) blocks) together with the travelling partial "
+              "sums of dK and dV (2(cp−1) blocks, which end at their owner): 6(cp−1)·blk sent, as many received. "
               "**All-gather**: one all-gather of K and V and one reduce-scatter of dK and dV, each moving (cp−1)/cp "
               "of cp·2·blk: 4(cp−1)·blk sent, as many received — a third less than the ring, because it keeps the "
               "gathered K/V for the backward instead of passing it again (the memory table shows that cost). The "
@@ -183,7 +183,7 @@ def memory(runs: Runs) -> list[str]:
         gathered = cfg.n_layers * 2 * 2 * (S - S // cp) * cfg.n_kv_heads * cfg.head_dim * 4
         lines.append(f"| {S} | {one:,} | {ring:,} (cp {cp}) | {ring / first - 1:+.2%} | {ag:,} (cp {cp}) "
                      f"| {ag - ring:,} | {gathered:,} |")
-    lines += ["", "Peak bytes of the tensors autograd saves for the backward (chapter 03's ledger), per rank, as S and "
+    lines += ["", "Peak bytes of the tensors autograd saves for the backward (measured by common/activation_meter.py), per rank, as S and "
               "cp double together at the same 2 rows. At cp 1 they double with S: every layer saves tensors per "
               "token, and one rank holds all 2·S tokens. With the ring every rank holds 2 × 64 tokens whatever S, "
               "and its attention saves only its own positions' q, k, v, output and log-sum-exp (no S × S matrix, "
@@ -275,12 +275,12 @@ def overlap(tmp: Path) -> list[str]:
               "plus a fixed latency: from c* on, one block pair's compute outlasts a hop alone, the condition for "
               "the ring to hide the hop under it. Columns 7–9: "
               f"{d['layers']} real ring forwards at each c (zig-zag, cp 2, S = 2c; each started after a barrier) "
-              "with ring_attention.TRACE on, medians over both ranks of ring step 0: posting the hop, computing on "
-              "the rank's own block (3 of its 4 chunk pairs, so more calls than one block pair at small c), and "
-              "waiting for the other rank's block: the part of the hop that did not hide. Where that wait persists "
-              "above c*, the hop did not move while both ranks computed, as expected where a transfer is itself "
-              "CPU work (with gloo, threads copy the bytes through the kernel) and two ranks computing on two cores "
-              "leave it a core only now and then. ring_timeline.png draws "
+              "with attention_bookkeeping.TRACE on, medians over both ranks of ring step 0: posting the hop, "
+              "computing on the rank's own block (3 of its 4 chunk pairs, so more calls than one block pair at "
+              "small c), and waiting for the other rank's block: the part of the hop that did not hide. Where that "
+              "wait persists above c*, the hop did not move while both ranks computed, as expected where a "
+              "transfer is itself CPU work (with gloo, threads copy the bytes through the kernel) and two ranks "
+              "computing on two cores leave it a core only now and then. ring_timeline.png draws "
               f"them at c = {', '.join(map(str, TIMELINES))}. Times are this machine's: another CPU, or a GPU with "
               "its far higher F against its link's B, moves c*."]
     titles = {r["c"]: f"c = {r['c']} (S = {2 * r['c']}, cp 2, zig-zag): one block pair's compute is "

@@ -125,7 +125,9 @@ def check_here(steps: int) -> tuple[list[str], list[tuple]]:
     return lines, points
 
 
-def published_rows(name: str, argv: list[str], layout: dict) -> tuple[str, list[dict], dict | None, int | None]:
+def published_rows(argv: list[str], layout: dict) -> tuple[str, list[dict], dict | None, int | None]:
+    """(device name, every row the planner made, the published layout's row or None, its rank among the
+    rows that fit or None)."""
     args = choose_layout.parse_args(argv)
     rows, dev = choose_layout.plan(args)
     fitting = [r for r in rows if r["fits"]]
@@ -150,14 +152,16 @@ def check_published() -> tuple[list[str], tuple]:
              "the layouts that fit | planner's first choice | plain DP per GPU |", "|---|---|---|---|---|---|---|"]
     plot_case = None
     for name, argv, layout, source in PUBLISHED:
-        device, rows, mine, rank = published_rows(name, argv, layout)
+        device, rows, mine, rank = published_rows(argv, layout)
         fitting = [r for r in rows if r["fits"]]
         best = fitting[0] if fitting else None
         plain = plain_dp_bytes(argv)
+        memory = f"{mine['memory_bytes']['total'] / 2**30:,.1f} GiB" if mine else "-"
+        first = f"{choose_layout.describe(best)}, {best['step_time_s']:.2f} s" if best else "-"
+        versus = f" vs {mine['step_time_s']:.2f} s" if best and mine else ""
         lines.append(f"| {name} ({device}) | {choose_layout.describe(mine) if mine else 'not enumerated'} | "
-                     f"{mine['memory_bytes']['total'] / 2**30:,.1f} GiB | {'yes' if mine and mine['fits'] else 'no'} | "
-                     f"{rank or '-'} of {len(fitting)} | {choose_layout.describe(best) if best else '-'}, "
-                     f"{best['step_time_s']:.2f} s vs {mine['step_time_s']:.2f} s | {plain / 2**30:,.0f} GiB |")
+                     f"{memory} | {'yes' if mine and mine['fits'] else 'no'} | "
+                     f"{rank or '-'} of {len(fitting)} | {first}{versus} | {plain / 2**30:,.0f} GiB |")
         plot_case = plot_case or (name, fitting, mine)
     lines += ["", "Sources:"] + [f"- {name}: {source}" for name, _, _, source in PUBLISHED]
     return lines, plot_case
@@ -168,7 +172,7 @@ def plot_memory(case, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     name, fitting, mine = case
-    shown = fitting[:8] + ([mine] if mine not in fitting[:8] else [])
+    shown = fitting[:8] + ([mine] if mine and mine not in fitting[:8] else [])
     parts = ("params", "grads", "optim_bytes", "peak_activation_bytes")
     fig, ax = plt.subplots(figsize=(10, 5))
     left = [0.0] * len(shown)

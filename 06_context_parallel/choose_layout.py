@@ -32,6 +32,7 @@ from common.cli import OUTPUT_FILE, POSITIVE_INT, Domain, Parser, Refused, real 
 from common.errors import ConfigError, fail, require, run_main  # noqa: E402
 from common.metrics import format_bytes  # noqa: E402
 from common.model import count_parameters  # noqa: E402
+from common.recompute import MODES  # noqa: E402
 
 layout_inputs = import_module("06_context_parallel.layout_inputs")    # this chapter: models and devices
 layout_costs = import_module("06_context_parallel.layout_costs")      # this chapter: one layout's numbers
@@ -39,7 +40,6 @@ tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")  # chapter
 # (name, virtual stages). GPipe is left out: it has 1F1B's bubble and time and keeps all m micro-batches in
 # flight instead of at most p, so it never ranks above 1F1B.
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
-MODES = ("none", "selective", "full")
 SCHEMA = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute", "sequence_parallel", "schedule", "microbatches",
           "memory_bytes", "comm_bytes", "bubble", "step_time_s", "fits")
 

@@ -27,8 +27,9 @@ from common.errors import require
 from common.model import apply_rope
 
 from .allgather_attention import allgather_attention
+from .attention_bookkeeping import WORK
 from .cp_split import SPLITS, SequenceSplit, check_split
-from .ring_attention import WORK, ring_attention
+from .ring_attention import ring_attention
 
 ATTENTIONS = {"ring": ring_attention, "allgather": allgather_attention}
 
@@ -87,12 +88,11 @@ def attention_over_cp(model, group, split: SequenceSplit, variant: str) -> None:
 
 def cp_step_metrics(group, cp: int, device) -> dict:
     """`attn_work_imbalance`: max over min, over the CP ranks, of the attention score entries each
-    computed this step (ring_attention.WORK; an all-gather of one number: bookkeeping, not counted)."""
+    computed this step (attention_bookkeeping.WORK; an all-gather of one number: bookkeeping, not counted)."""
     mine = torch.tensor([float(WORK.entries)], dtype=torch.float64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(cp)]
+    every = [mine]
     if cp > 1:
+        every = [torch.zeros_like(mine) for _ in range(cp)]
         dist.all_gather(every, mine, group=group)
-    else:
-        every = [mine]
     works = [t.item() for t in every]
     return {"attn_work_imbalance": max(works) / min(works) if min(works) > 0 else None}

@@ -5,7 +5,8 @@ whatever group it is given, and here that group is dp × cp (every rank holding 
 of which saw its own rows or its own positions). The loss is summed over this rank's S/cp positions
 and divided by the global token count (TPTrainer's `tokens_per_step`), so the dp × cp sum of the
 gradients is the single-device gradient. What this chapter adds is one step after TP: the CP core in
-every attention (context_parallel.attention_over_cp). train_cp.py measures the activation bytes
+every attention (context_parallel.attention_over_cp), and the name of the all-reduce's bytes in the
+metrics: `comm_bytes_dp_cp`, for the group it runs over. train_cp.py measures the activation bytes
 around it (common/activation_meter.MeasuredActivations), the number context parallelism divides by cp.
 """
 from importlib import import_module
@@ -22,3 +23,10 @@ class CPTrainer(tp_trainer.TPTrainer):
         super().__init__(model, tp_group, dp_cp_group, sequence_parallel=False, **kwargs)   # my TP slices
         if split.cp > 1:
             attention_over_cp(self.model, cp_group, split, variant)
+
+    def comm_bytes(self) -> dict:
+        """Chapter 02's bytes by group, the gradient all-reduce's named for the group it runs over: chapter
+        01's collective counts it as "dp", but here its ranks are dp × cp (`comm_bytes_dp_cp`)."""
+        counted = super().comm_bytes()
+        return {"comm_bytes": counted["comm_bytes"], "comm_bytes_tp": counted["comm_bytes_tp"],
+                "comm_bytes_dp_cp": counted["comm_bytes_dp"]}

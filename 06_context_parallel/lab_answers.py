@@ -9,10 +9,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common` and the chapters
 from common.exercises.museum import key_section  # noqa: E402
-from common.lab_key import Edit, Key, table  # noqa: E402
+from common.lab_key import Edit, Key, mesh_groups, mesh_row, table  # noqa: E402
 from common.model import PRESETS  # noqa: E402
 
-ring_attention = import_module("06_context_parallel.ring_attention")
+attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")
 
 CH = "06_context_parallel"
 TRAIN = "torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --steps 5 --seq-len 64 --global-batch 8"
@@ -31,10 +31,10 @@ C7 = ("torchrun --nproc_per_node=8 06_context_parallel/train_5d.py --steps 1 --s
 
 
 def cp_bytes_per_step(row: dict, B: int, S: int = 64) -> int:
-    """ring_attention.cp_bytes for one attention call, × the layers (one micro-batch per step)."""
+    """attention_bookkeeping.cp_bytes for one attention call, × the layers (one micro-batch per step)."""
     cfg = PRESETS["tiny"]
-    return cfg.n_layers * ring_attention.cp_bytes(row["cp_attention"], B, S, row["cp"], cfg.n_kv_heads // row["tp"],
-                                                  cfg.head_dim, 4)
+    return cfg.n_layers * attention_bookkeeping.cp_bytes(row["cp_attention"], B, S, row["cp"],
+                                                         cfg.kv_heads_per_rank(row["tp"]), cfg.head_dim, 4)
 
 
 def part_one(key: Key) -> None:
@@ -160,25 +160,19 @@ gathered K and V of all cp ranks for its backward: (cp−1) = 3 other ranks' K a
 {peak["s128_cp4_ag"] - peak["s128_cp4"]:,}.""")
 
 
-def rank_row(out: str, rank: int) -> list[str]:
-    """train_5d.py's mesh table, the row of `rank`: [rank, dp, dp_cp, edp_cp, edp, ep, pp, cp, tp, dp group,
-    pp group, tp group, ep group, edp group, cp group, experts, positions]."""
-    for line in out.splitlines():
-        cells = [c.strip() for c in re.split(r"[│|┃]", line) if c.strip()]
-        if len(cells) == 17 and cells[0] == str(rank):
-            return cells
-    raise ValueError(f"no mesh row for rank {rank} in:\n{out[-2000:]}")
-
-
 def part_four(key: Key) -> None:
     out = key.run(C7).out
-    r = rank_row(out, 5)
+    # train_5d.py's ranks table: rank, dp, dp_cp, edp_cp, edp, ep, pp, cp, tp, experts, positions; then its groups
+    r, g = mesh_row(out, 5, 11), mesh_groups(out, 5)
     context_row = next((line.strip(" │") for line in out.splitlines() if "│ context" in line), "")
     key.section("C7 — five coordinates per rank", f"""
-Rank 5's row:
+Rank 5's row of the ranks table:
 
-{table(["rank", "dp", "dp_cp", "edp_cp", "edp", "ep", "pp", "cp", "tp", "dp group", "pp group",
-                      "tp group", "ep group", "edp group", "cp group", "experts", "positions"], [r])}
+{table(["rank", "dp", "dp_cp", "edp_cp", "edp", "ep", "pp", "cp", "tp", "experts", "positions"], [r])}
+
+and its groups, from the groups table:
+
+{table(list(g), [list(g.values())])}
 
 The configuration's context row: `{re.sub(r"[│ ]+", " ", context_row).strip()}`
 

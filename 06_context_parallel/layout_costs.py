@@ -10,7 +10,7 @@ Every number comes from a formula a chapter proved on real runs, imported from t
                                     tp: chapter 02's tensor_parallel.tp_collectives, each at common.comm's volume
                                     pp: chapter 03's pipeline_executor.message_count × one activation
                                     ep: chapter 05's expert_parallel.expected_ep_bytes (balanced routing)
-                                    cp: this chapter's ring_attention.cp_bytes, per layer and micro-batch
+                                    cp: this chapter's attention_bookkeeping.cp_bytes, per layer and micro-batch
 
 The bytes are global rank 0's, the rank a run's metrics report (its comm_bytes_*); the memory is the
 fullest pipeline rank's, the one that decides whether a layout fits. The step time is a model, stated:
@@ -32,9 +32,9 @@ from importlib import import_module
 
 from common import activation_ledger
 from common.comm import collective_bytes
-from common.mfu import flops_per_token
+from common.mfu import attention_flops_per_token, flops_per_token
 
-from . import ring_attention
+from . import attention_bookkeeping
 
 zero_sharding = import_module("01_data_parallel.zero_sharding")             # chapter 01: ZeRO memory and bytes
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")       # chapter 02: TP collectives
@@ -75,7 +75,7 @@ def stage_params(cfg, spec, tp: int, ep: int) -> tuple[int, int]:
     """(dense, expert) parameters one rank holds of stage `spec`: matrices split over TP (a KV head
     replicated when K < tp), norms whole, experts E/ep each (whole over TP)."""
     D, hd, V = cfg.dim, cfg.head_dim, cfg.vocab_size
-    kv = cfg.n_kv_heads // tp if cfg.n_kv_heads >= tp else 1
+    kv = cfg.kv_heads_per_rank(tp)
     attn = 2 * D * (cfg.n_heads // tp) * hd + 2 * D * kv * hd + 2 * D             # wq, wo, wk, wv, two norms
     mlp = D * cfg.n_experts if cfg.n_experts else 3 * D * cfg.ffn_hidden // tp     # the router, or SwiGLU
     experts = cfg.n_experts // ep * 3 * D * cfg.expert_hidden if cfg.n_experts else 0
@@ -125,7 +125,8 @@ def activation_peak(cfg, mode: str, schedule: str, pp: int, m: int, v: int, rows
     return max(zip(ranks, peaks), key=lambda rank_peak: rank_peak[1])
 
 
-def held_bytes(run: Run, c: Candidate, peak_activation: int, dense: int, experts: int, layer_params: int) -> dict:
+def memory_by_component(run: Run, c: Candidate, peak_activation: int, dense: int, experts: int,
+                        layer_params: int) -> dict:
     """One rank's bytes by component: chapter 01's formula per group (dense over dp × cp, experts over
     the ranks holding the same experts), ZeRO-3's temporary gathered layers (this one and the next)."""
     out = {"params": 0.0, "grads": 0.0, "optim_bytes": 0.0}
@@ -147,7 +148,7 @@ def rank_memory(run: Run, c: Candidate, specs, pp_rank: int, peak_activation: in
         d, x = stage_params(run.cfg, s, c.tp, c.ep)
         dense, experts = dense + d, experts + x
     layer = sum(stage_params(run.cfg, pipeline_stages.StageSpec(0, (0,), False, False), c.tp, c.ep))
-    return held_bytes(run, c, peak_activation, dense, experts, layer)
+    return memory_by_component(run, c, peak_activation, dense, experts, layer)
 
 
 def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
@@ -180,8 +181,8 @@ def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
                                                              cfg.n_experts, c.ep, e))
         msgs["ep"] = layers * m * 6                          # dispatch, combine, forward and back; the counts
     if c.cp > 1:
-        kv = cfg.n_kv_heads // c.tp if cfg.n_kv_heads >= c.tp else 1
-        nbytes["cp"] = layers * m * ring_attention.cp_bytes("ring", rows, run.seq_len, c.cp, kv, cfg.head_dim, e)
+        kv = cfg.kv_heads_per_rank(c.tp)
+        nbytes["cp"] = layers * m * attention_bookkeeping.cp_bytes("ring", rows, run.seq_len, c.cp, kv, cfg.head_dim, e)
         msgs["cp"] = layers * m * 2 * (c.cp - 1)             # one exchange per hop, forward and backward
     return nbytes, msgs
 
@@ -212,7 +213,7 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     rate = workers * dev.peak * dev.efficiency / RECOMPUTE_FLOPS[c.recompute]
     tokens = run.global_batch * run.seq_len
     compute = flops_per_token(cfg, run.seq_len) * tokens / rate
-    attention = 6 * cfg.n_layers * run.seq_len * cfg.dim * tokens / rate
+    attention = attention_flops_per_token(cfg, run.seq_len) * tokens / rate
     idle = compute * bubble / (1 - bubble) if dev.cores is None or world <= dev.cores else 0.0
     seconds = {}
     for g in nbytes:

@@ -3,9 +3,9 @@
     torchrun --nproc_per_node=2 06_context_parallel/overlap_cp.py --out runs/overlap.json
     (bench_cp.py runs it and writes results/overlap.md and ring_timeline.png from the file)
 
-Two ranks, a ring of cp 2, one thread each: what a ring step does on a CPU core. For every block size c
-(the positions one rank holds, S/cp), with the model's heads (h query heads, kv K/V heads of hd each) and
-`rows` sequences:
+Two ranks, a ring of cp 2, each with an equal share of the machine's cores (cores ÷ 2 threads, at least one:
+common/distributed.py): what a ring step does on a CPU. For every block size c (the positions one rank
+holds, S/cp), with the model's heads (h query heads, kv K/V heads of hd each) and `rows` sequences:
 
     compute  one block pair's attention forward, c queries against c keys, unmasked: ring_attention's own
              attend_block. 4·rows·h·c²·hd FLOPs (q·kᵀ and P·v, 2 FLOPs per multiply-add)
@@ -15,8 +15,8 @@ Two ranks, a ring of cp 2, one thread each: what a ring step does on a CPU core.
 Compute grows as c², a hop as c (plus a fixed latency), so from some c on a step's compute covers the next
 hop: with F the FLOP rate and B the bandwidth, 4·rows·h·c²·hd/F ≥ 8·rows·kv·c·hd/B, that is c ≥ (2·kv/h)·F/B,
 the ring-attention paper's c ≥ F/B with this model's K/V size per query head. Then, at every c, a few real
-ring forwards (zig-zag, cp 2, S = 2c) record each ring step's posting, compute and wait (ring_attention.TRACE):
-the wait is the part of the hop that did not hide under the compute.
+ring forwards (zig-zag, cp 2, S = 2c) record each ring step's posting, compute and wait
+(attention_bookkeeping.TRACE): the wait is the part of the hop that did not hide under the compute.
 """
 import argparse
 import json
@@ -39,6 +39,7 @@ from common.timeline import Timeline
 
 cp_split = import_module("06_context_parallel.cp_split")              # this chapter: the zig-zag split
 ring_attention = import_module("06_context_parallel.ring_attention")  # this chapter: attend_block, the ring
+attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # this chapter: the ring's trace
 
 SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)    # block sizes c swept
 MIN_SECONDS = 0.1                            # time each measurement for about this long
@@ -108,12 +109,12 @@ def ring_timeline(c: int, rows: int, h: int, kv: int, hd: int, layers: int, time
     q, k, v = torch.randn(rows, h, c, hd), torch.randn(rows, kv, c, hd), torch.randn(rows, kv, c, hd)
     ring_attention.ring_attention(q, k, v, dist.group.WORLD, split)      # warm-up, untraced
     timeline.events.clear()
-    ring_attention.TRACE.timeline = timeline
+    attention_bookkeeping.TRACE.timeline = timeline
     for layer in range(layers):
         dist.barrier()              # each forward starts together: what one rank waits for is then the hop,
         timeline.begin_step(layer + 1)   # not the other rank still finishing the previous one
         ring_attention.ring_attention(q, k, v, dist.group.WORLD, split)
-    ring_attention.TRACE.timeline = None
+    attention_bookkeeping.TRACE.timeline = None
     return timeline.gather()
 
 

@@ -9,8 +9,17 @@ through chapter 04's seam. This chapter adds its dimension the same way, not by 
                       dp_cp    = (edp, ep, cp)   every rank holding the same dense weights: the dense
                                                  gradients are summed over it
                       edp_cp   = (edp, cp)       every rank holding the same experts: theirs over it
-    then          chapter 05's step (each MoE layer keeps its E/ep experts), then this chapter's
-                  (every attention's core becomes context-parallel: context_parallel.attention_over_cp)
+    then          chapter 05's step (each MoE layer keeps its E/ep experts), then this chapter's, all
+                  of CP's changes to the model in one place: every attention's core becomes
+                  context-parallel (context_parallel.attention_over_cp), and every router learns which
+                  ranks hold the rest of each sequence (its balance statistics are per sequence)
+
+What CP changes in chapter 05's step verbs (trainer_4d.Trainer4D, used as it is): nothing but the groups.
+forward_backward runs the same schedule on (rows, S/cp) micro-batches, with the ring's (or all-gather's)
+messages inside each attention and the per-sequence expert counts summed over cp inside each MoE layer;
+when a stage's gradients are final they are all-reduced over the groups `Layout5D.gradient_groups()`
+names, dp × cp and edp × cp; after that sum the CP ranks hold the same gradients, so the clipping norm
+is chapter 05's.
 
 Why this order, innermost first. TP talks inside every layer, twice per block, on the critical path:
 the fastest links (ranks on one node, NVLink). CP talks inside every attention, and the ring's
@@ -45,7 +54,18 @@ class Layout5D(parallel_4d.Layout4D):
                 f"× tp {self.tp}")
 
     def gradient_groups(self) -> dict:
-        return {"dense": ("dp × cp", self.dp * self.cp), "experts": ("edp × cp", self.dp // self.ep * self.cp)}
+        """The course's one rule for gradients, here whole: each kind is summed over the ranks that hold
+        the same tensor, each of which saw other tokens (its own rows, or its own positions of them).
+
+            dense tensors     over dp × cp ("dp_cp"): every rank with the same stage and TP shard
+            an expert's       over edp × cp ("edp_cp"): every rank holding that expert
+            TP-replicated     summed over tp after (chapter 02's sync_tp_gradients: norm gains under SP,
+                              shared KV heads), and counted once per TP group in the clipping norm
+            ZeRO (not with cp > 1 here) would shard each kind over these same groups
+
+        At cp = 1 these are chapter 05's dp and edp. The table of every run's groups is in this chapter's
+        README (section 7); trainer_4d.build_trainer takes the groups from here, by name."""
+        return {"dense": "dp_cp", "experts": "edp_cp"}
 
 
 JOINED = {"dp": ("edp", "ep"), "dp_cp": ("edp", "ep", "cp"), "edp_cp": ("edp", "cp")}
@@ -81,11 +101,17 @@ def decide_layout(args, world: int) -> tuple[Layout5D, object]:
 
 
 def then_experts_and_cp(args, layout: Layout5D):
-    """The steps chapter 04's build_local_model applies after TP: chapter 05's experts, then CP."""
+    """The steps chapter 04's build_local_model applies after TP: chapter 05's experts, then CP's."""
     def then(model, mesh):
         parallel_4d.experts_over_ep(model, mesh)
         if layout.cp > 1:
-            attention_over_cp(model, mesh.group("cp"), sequence_split(args, layout), args.cp_attention)
+            cp_group = mesh.group("cp")
+            attention_over_cp(model, cp_group, sequence_split(args, layout), args.cp_attention)
+            # a router's balance statistics are per sequence, and my sequences' other positions are on
+            # the cp group: common/moe_routing.route sums the per-sequence expert counts over it
+            for block in model.layers.values():
+                if hasattr(block.mlp, "stats"):                       # an MoE layer
+                    block.mlp.options.sequence_group = cp_group
     return then
 
 
@@ -96,3 +122,15 @@ def sequence_split(args, layout: Layout5D) -> SequenceSplit:
 def act_shape(args, cfg, layout: Layout5D) -> tuple[int, int, int]:
     """One pipeline message: a micro-batch's hidden states at this rank's S/cp positions."""
     return (args.global_batch // layout.dp // layout.microbatches, args.seq_len // layout.cp, cfg.dim)
+
+
+def console_rows(cfg, args, layout: Layout5D) -> tuple[dict, dict]:
+    """What CP adds to chapter 05's start tables: the "context" row, and the positions each rank holds
+    (from its cp coordinate: `0-31+96-127` is zig-zag's two chunks)."""
+    config, columns = parallel_4d.console_rows(cfg, args, layout)
+    split = sequence_split(args, layout)
+    config["context"] = (f"{args.seq_len // layout.cp} of {args.seq_len} positions per rank ({args.cp_split}), "
+                         f"{args.cp_attention} attention over cp {layout.cp}" if layout.cp > 1
+                         else "cp 1: every rank holds whole sequences, plain causal attention")
+    columns["positions"] = lambda row: "+".join(f"{a}-{b - 1}" for a, b in split.chunks(row["cp"]))
+    return config, columns

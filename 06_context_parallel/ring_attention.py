@@ -20,50 +20,16 @@ partial sums of their gradients, and each block's probabilities are recomputed f
 
 Bytes per attention call (forward + backward, counted by common/comm.py under "cp"), with
 blk = B·(S/cp)·kv·hd·element_size, one rank's K (or V) block: the forward sends K and V cp−1 times; the
-backward sends them cp−1 times again and the partial dK and dV cp−1 times (`cp_bytes` below).
+backward sends them cp−1 times again and the partial dK and dV cp−1 times (attention_bookkeeping.cp_bytes,
+with the work tally and the ring's timeline spans: the bookkeeping, kept apart from the math).
 """
-from contextlib import contextmanager
-
 import torch
 import torch.distributed as dist
 
 from common import comm
 
+from .attention_bookkeeping import WORK, ring_span
 from .cp_split import Pair, SequenceSplit
-
-
-class WorkTally:
-    """Score entries (one query against one key, one head, one sequence row) this rank has computed since
-    `reset()`: every chunk pair of the forward and of the backward's recomputation."""
-
-    def __init__(self):
-        self.entries = 0
-
-    def reset(self):
-        self.entries = 0
-
-
-WORK = WorkTally()
-
-
-class RingTrace:
-    """Off by default (`timeline` None). Given a common/timeline.Timeline, the forward records, per ring step t,
-    the time spent posting the next hop, computing on the held block, and waiting for the next block to
-    arrive: the wait is the transfer that did NOT hide under the compute. Timing only: no number changes.
-    bench_cp.py's overlap part turns it on (06_context_parallel/overlap_cp.py)."""
-
-    def __init__(self):
-        self.timeline = None
-
-    @contextmanager
-    def span(self, kind: str, t: int):
-        start = self.timeline.now() if self.timeline is not None else None
-        yield
-        if self.timeline is not None:
-            self.timeline.add(kind, start, self.timeline.now(), ring_step=t)
-
-
-TRACE = RingTrace()
 
 
 # --- the math of one chunk pair, shared by the ring and the all-gather variant --------------------------
@@ -88,7 +54,6 @@ def sum_heads(grad: torch.Tensor, kv: int) -> torch.Tensor:
 
 def scores(q, k, pair: Pair):
     """S = q·kᵀ/√hd, −∞ where the key comes after the query. q: (B, h, Lq, hd), k: (B, h, Lk, hd)."""
-    WORK.entries += q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
     s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5                       # (B, h, Lq, Lk)
     return s if pair.mask is None else s.masked_fill(pair.mask, float("-inf"))
 
@@ -112,6 +77,7 @@ def merge(out, lse, out_b, lse_b):
 def attend_block(q, kv, pairs: list[Pair], out, lse) -> None:
     """This rank's queries against one held K/V block, every chunk pair merged into (out, lse) in place.
     q: (B, h, S/cp, hd) in the compute dtype; kv: (2, B, kv, S/cp, hd), K and V stacked."""
+    WORK.count(q, pairs)                                                  # bookkeeping: the entries computed
     k, v = (expand_heads(t, q.shape[1]).to(q.dtype) for t in kv)           # (B, h, S/cp, hd) each
     for p in pairs:
         s = scores(q[:, :, p.q_rows], k[:, :, p.k_rows], p)                   # (B, h, Lq, Lk)
@@ -121,10 +87,11 @@ def attend_block(q, kv, pairs: list[Pair], out, lse) -> None:
 
 
 def block_grads(q, kv, pairs: list[Pair], do, lse, delta, dq, dkv) -> None:
-    """The backward of `attend_block`: adds this rank's queries' share to dq (in place) and to dkv, the
-    gradient of the held block (2, B, kv, S/cp, hd). The probabilities are recomputed, P = e^(S − lse) with
-    the forward's final lse, so P is already normalised over *all* keys, not only this block's.
-    do: dL/dout (B, h, S/cp, hd); delta: rowsum(dO∘O) (B, h, S/cp)."""
+    """The backward of `attend_block` (the ring backward's step 3): adds this rank's queries' share to dq
+    (in place) and to dkv, the gradient of the held block (2, B, kv, S/cp, hd). The probabilities are
+    recomputed, P = e^(S − lse) with the forward's final lse, so P is already normalised over *all* keys,
+    not only this block's. do: dL/dout (B, h, S/cp, hd); delta: rowsum(dO∘O) (B, h, S/cp)."""
+    WORK.count(q, pairs)                                                  # bookkeeping: the recomputed entries
     h, n_kv = q.shape[1], kv.shape[2]
     k, v = (expand_heads(t, h).to(q.dtype) for t in kv)                    # (B, h, S/cp, hd) each
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
@@ -138,6 +105,23 @@ def block_grads(q, kv, pairs: list[Pair], do, lse, delta, dq, dkv) -> None:
         dv[:, :, p.k_rows] += P.transpose(-1, -2) @ doi
     dkv[0] += sum_heads(dk, n_kv)
     dkv[1] += sum_heads(dv, n_kv)
+
+
+# --- what the ring's and the all-gather's autograd Functions both start with ----------------------------
+
+def forward_start(q):
+    """What both forwards start with (autocast off): q in the compute dtype, and the running (out, lse)
+    before any key: out = 0 (B, h, S/cp, hd) and lse = −∞ (B, h, S/cp), whose weight in `merge` is 0."""
+    qf = q.to(compute_dtype(q))                                               # (B, h, S/cp, hd)
+    return qf, torch.zeros_like(qf), torch.full(qf.shape[:-1], float("-inf"), dtype=qf.dtype, device=q.device)
+
+
+def backward_start(q, out, dout):
+    """The start of both backwards (the ring backward's step 1; autocast off), once for every block: q and
+    dO = dL/dout in the forward's compute dtype (the saved out's), D = rowsum(dO∘O) (B, h, S/cp) for the
+    softmax backward, and dq = 0, to which every block adds its share."""
+    qf, do = q.to(out.dtype), dout.to(out.dtype)
+    return qf, do, (do * out).sum(-1), torch.zeros_like(qf)
 
 
 def wait(works: list) -> None:
@@ -154,19 +138,17 @@ class RingAttention(torch.autograd.Function):
         ranks = dist.get_process_group_ranks(group)
         nxt, prv = ranks[(r + 1) % cp], ranks[(r - 1) % cp]                # global ranks of the neighbours
         with torch.autocast(q.device.type, enabled=False):                # the softmax math in fp32
-            qf = q.to(compute_dtype(q))                                       # (B, h, S/cp, hd)
-            out = torch.zeros_like(qf)                                        # running output
-            lse = torch.full(qf.shape[:-1], float("-inf"), dtype=qf.dtype, device=q.device)   # (B, h, S/cp)
+            qf, out, lse = forward_start(q)                                   # out, lse: the running result
             kv = torch.stack([k, v])                                          # (2, B, kv, S/cp, hd), travels
             for t in range(cp):
                 if t < cp - 1:          # post the next hop first: it travels while this block computes
                     kv_next = torch.empty_like(kv)
-                    with TRACE.span("post", t):
+                    with ring_span("post", t):
                         works = comm.exchange([(kv, kv_next)], nxt, prv, group, "cp")
-                with TRACE.span("compute", t):
+                with ring_span("compute", t):
                     attend_block(qf, kv, split.pairs(r, (r - t) % cp), out, lse)   # held: rank (r − t)'s block
                 if t < cp - 1:
-                    with TRACE.span("wait", t):
+                    with ring_span("wait", t):
                         wait(works)
                     kv = kv_next
         ctx.save_for_backward(q, k, v, out, lse)
@@ -181,16 +163,15 @@ class RingAttention(torch.autograd.Function):
         ranks = dist.get_process_group_ranks(group)
         nxt, prv = ranks[(r + 1) % cp], ranks[(r - 1) % cp]
         with torch.autocast(q.device.type, enabled=False):
-            qf, do = q.to(out.dtype), dout.to(out.dtype)
-            delta = (do * out).sum(-1)                                        # D = rowsum(dO∘O): (B, h, S/cp)
-            dq = torch.zeros_like(qf)
+            qf, do, delta, dq = backward_start(q, out, dout)                  # Step 1: dO, D = rowsum(dO∘O), dq
             kv = torch.stack([k, v])                                          # (2, B, kv, S/cp, hd)
             # The gradient of block j gathers a share from every rank. Its partial sum starts at rank j+1
             # (the first to hold block j after its owner), follows the block around the ring, and its last
-            # hop brings it home to rank j, which adds its own share, computed at step 0: cp−1 hops, like
-            # the block itself.
+            # hop brings it home to rank j, which adds its own share, computed at ring step 0: cp−1 hops, like
+            # the block itself. Steps 2 to 4 run at every ring step t, step 5 once after them.
             own = partial = None        # our own block's share; the partial sum of the block held last step
             for t in range(cp):
+                # Step 2: post the hop to rank r+1, the held K/V block and last step's partial sum.
                 hop = []                                                      # what goes to rank r+1 now
                 if t < cp - 1:
                     kv_next = torch.empty_like(kv)
@@ -199,8 +180,11 @@ class RingAttention(torch.autograd.Function):
                     partial_in = torch.empty_like(partial)
                     hop.append((partial, partial_in))
                 works = comm.exchange(hop, nxt, prv, group, "cp")
+                # Step 3: while they travel, this rank's share of the held block's gradient (`block_grads`).
                 dkv = torch.zeros(kv.shape, dtype=out.dtype, device=q.device)   # our share of block r−t
                 block_grads(qf, kv, split.pairs(r, (r - t) % cp), do, lse, delta, dq, dkv)
+                # Step 4: wait; the partial sum that arrived joins our share, which stays home if the block
+                # is our own (t = 0) and otherwise goes on to rank r+1 at the next ring step.
                 wait(works)
                 if partial is not None:
                     dkv += partial_in                                         # the shares of ranks r−t+1 .. r−1
@@ -210,7 +194,7 @@ class RingAttention(torch.autograd.Function):
                     partial = dkv
                 if t < cp - 1:
                     kv = kv_next
-            if partial is not None:     # the last hop: every partial sum is complete and goes home
+            if partial is not None:     # Step 5, the last hop: every partial sum is complete and goes home
                 home = torch.empty_like(partial)
                 wait(comm.exchange([(partial, home)], nxt, prv, group, "cp"))
                 own += home
@@ -224,22 +208,3 @@ def ring_attention(q, k, v, group, split: SequenceSplit) -> torch.Tensor:
     their global positions (`split.positions(rank)`). Returns (B, h, S/cp, hd), this rank's rows of
     softmax(QKᵀ/√hd + causal mask)·V. `group` is the CP group; with one rank this is plain attention."""
     return RingAttention.apply(q, k, v, group, split)
-
-
-def cp_bytes(variant: str, B: int, S: int, cp: int, kv: int, hd: int, element_size: int, forward_runs: int = 1) -> int:
-    """Bytes one rank sends + receives under "cp" for one attention call, forward and backward.
-
-    blk = B·(S/cp)·kv·hd·element_size is one rank's K (or V) block. The gradients travel in the compute
-    dtype (fp32, or fp64 for fp64 inputs): their block is gblk. A rank receives what it sends.
-      ring       forward: K and V, cp−1 hops;  backward: K and V, cp−1 hops, and dK and dV, cp−1 hops
-                 sent = 2(cp−1)·blk + 2(cp−1)·blk + 2(cp−1)·gblk
-      allgather  forward: one all-gather of K and V (n = cp·2·blk);  backward: one reduce-scatter of dK and
-                 dV (n = cp·2·gblk); each sends (cp−1)/cp·n:  sent = 2(cp−1)·blk + 2(cp−1)·gblk
-    The ring moves K and V twice (the backward sends them around again, where the all-gather kept the
-    gathered copy); that copy is the all-gather's memory cost: every rank holds the whole sequence's K/V.
-    `forward_runs` 2: --recompute full reruns each block's forward in backward, its K/V hops included."""
-    blk = B * (S // cp) * kv * hd * element_size
-    gblk = blk // element_size * max(element_size, 4)
-    kv_trips = {"ring": 1 + forward_runs, "allgather": forward_runs}[variant]
-    sent = kv_trips * 2 * (cp - 1) * blk + 2 * (cp - 1) * gblk
-    return 2 * sent

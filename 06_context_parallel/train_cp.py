@@ -36,7 +36,7 @@ tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")     # chap
 context_parallel = import_module("06_context_parallel.context_parallel")  # this chapter: CP's pieces
 cp_trainer = import_module("06_context_parallel.cp_trainer")              # this chapter: the step verbs
 cp_split = import_module("06_context_parallel.cp_split")                  # this chapter: who holds which positions
-ring_attention = import_module("06_context_parallel.ring_attention")      # this chapter: the bytes formula, the work
+attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # this chapter: bytes formula, work
 
 
 def parse_args(argv=None):
@@ -104,7 +104,7 @@ def main(argv=None) -> list[dict]:
     log.start(start + 1)
     for step in range(start + 1, args.steps + 1):
         comm.COUNTER.reset()
-        ring_attention.WORK.reset()
+        attention_bookkeeping.WORK.reset()
         lr = lr_at(step, args.lr, args.warmup, args.steps)
         trainer.set_lr(lr)
         with StepTimer(rt.device) as timer:
@@ -141,10 +141,11 @@ def layout_rows(args, cfg, mesh, rt, data, split, start: int) -> dict:
     """The configuration table printed at start: the grid, the positions each CP rank holds, the ring's bytes."""
     dp, cp, tp = mesh.size("dp"), mesh.size("cp"), mesh.size("tp")
     B, S, hd = args.global_batch // dp // args.microbatches, args.seq_len, cfg.head_dim
-    kv = max(1, cfg.n_kv_heads // tp)
+    kv = cfg.kv_heads_per_rank(tp)
     chunks = " ".join(f"r{r}:" + "+".join(f"[{a},{b})" for a, b in split.chunks(r)) for r in range(cp))
     element = 2 if args.dtype == "bf16" else 4                   # K/V in the run's dtype (gradients in fp32)
-    per_layer = ring_attention.cp_bytes(args.cp_attention, B, S, cp, kv, hd, element, 2 if args.recompute == "full" else 1)
+    per_layer = attention_bookkeeping.cp_bytes(args.cp_attention, B, S, cp, kv, hd, element,
+                                               2 if args.recompute == "full" else 1)
     return {
         "world size": f"{rt.world_size} = DP {dp} × CP {cp} × TP {tp}", "device / backend": f"{rt.device} / {rt.backend}",
         "data": data.describe(), "mesh (dp, cp, tp)": "\n" + mesh.describe(),

@@ -35,9 +35,11 @@ the RoPE tables (model buffers, counted once per micro-batch by the measurement)
 """
 from dataclasses import dataclass
 
+from common.recompute import MODES
+
 FP32, INT64 = 4, 8
 LOSS_SCALAR = 4       # the loss keeps one fp32 scalar (cross-entropy's total weight)
-EVERY, NOT_FULL, NONE_ONLY = ("none", "selective", "full"), ("none", "selective"), ("none",)
+EVERY, NOT_FULL, NONE_ONLY = MODES, ("none", "selective"), ("none",)
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ def attention_kernel_term(cfg, tp: int = 1, kv_copies: int = 1) -> Term:
     fp32 log-sum-exp (B, h, S). Chapter 06's ring attention keeps exactly these for its S/cp positions
     (it recomputes every block's probabilities from them); its all-gather variant keeps the K and V
     gathered from all cp ranks instead of its own: `kv_copies` = cp."""
-    h, k = cfg.n_heads // tp, max(1, cfg.n_kv_heads // tp)
+    h, k = cfg.n_heads // tp, cfg.kv_heads_per_rank(tp)
     return Term("attention kernel (SDPA, or CP's): q, k, v, out, log-sum-exp",
                 FP32 * (2 * h + 2 * k * kv_copies) * cfg.head_dim + 4 * h, NOT_FULL)
 

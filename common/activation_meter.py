@@ -4,7 +4,7 @@ Every tensor autograd saves for the backward passes through a `saved_tensors_hoo
 meter notes its storage (counted once, however many views of it are saved) unless it holds a
 parameter (saved too, but not an activation). Two users:
 
-  - `ActivationLedger`: bytes held per (micro-batch, stage) in flight and their peak sum, for a
+  - `ActivationMeter`: bytes held per (micro-batch, stage) in flight and their peak sum, for a
     pipeline (chapter 03's MeasuredExecutor feeds it action by action);
   - `MeasuredActivations`: a trainer (common/step_protocol.py) whose `forward_backward` runs one
     micro-batch at a time; the peak of a step is its largest micro-batch's saved bytes, reported by
@@ -24,7 +24,7 @@ def storages(tensors) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors}
 
 
-class ActivationLedger:
+class ActivationMeter:
     """Bytes autograd keeps for each (micro-batch, stage) in flight on this rank, and their peak sum."""
 
     def __init__(self, param_storages: set[int]):

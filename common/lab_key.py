@@ -17,6 +17,7 @@ import platform
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,11 @@ class Result:
 
     def line_with(self, text: str) -> str:
         return next((line.strip() for line in self.out.splitlines() if text in line), "")
+
+    def first_above(self) -> str:
+        """What compare_metrics says of its first file's first step above the tolerance ("step 7",
+        "none"), or "" if it printed no such line."""
+        return self.line_with("first step above").split(": ")[-1]
 
     def rank_exit_codes(self) -> str:
         """The ranks' exit codes as torchrun's failure report lists them ("2"), or "" for a plain run."""
@@ -82,6 +88,13 @@ class Key:
         if check and result.code != 0:
             raise RuntimeError(f"exit code {result.code}: {cmd}\n{result.out[-3000:]}")
         return result
+
+    def heredoc(self, opening: str) -> str:
+        """LAB.md's multi-line command that starts with `opening` (e.g. `python - <<'PY'`), through the
+        line that ends its here-document (`PY`), as printed."""
+        text = (ROOT / self.chapter / "LAB.md").read_text()
+        start, end = text.index(opening), opening.split("<<")[-1].strip("'\" ")
+        return text[start:text.index(f"\n{end}\n", start) + len(end) + 1]
 
     @staticmethod
     def fresh(*folders: str) -> None:
@@ -198,3 +211,48 @@ def table(header: list[str], rows: list[list]) -> str:
 
 def mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
+
+
+def table_rows(markdown: str) -> list[dict]:
+    """The rows of the (first) markdown table in `markdown`, as {column header: cell}."""
+    lines = [line.strip().strip("|") for line in markdown.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].split("|")]
+    return [dict(zip(header, (cell.strip() for cell in line.split("|")))) for line in lines[2:]]
+
+
+def results_text(text: str) -> str:
+    """A results/ file as a key shows it: its relative links rewritten to resolve from the chapter."""
+    return re.sub(r"\]\((?![a-z]+:|/|#)([^)]+)\)", r"](results/\1)", text)
+
+
+def mesh_row(out: str, rank: int, columns: int) -> list[str]:
+    """The cells of `rank`'s row in the ranks table a training script prints (a row of `columns` cells)."""
+    for line in out.splitlines():
+        cells = [c.strip() for c in re.split(r"[│|┃]", line) if c.strip()]
+        if len(cells) == columns and cells[0] == str(rank):
+            return cells
+    raise ValueError(f"no mesh row for rank {rank} in:\n{out[-2000:]}")
+
+
+def mesh_groups(out: str, rank: int) -> dict[str, str]:
+    """{dimension: the ranks of `rank`'s group, "4,5"} from the groups table a training script prints
+    (`dp = edp × ep │ (0,2,4,6) (1,3,5,7)`; a long row continues on lines whose first cell is empty)."""
+    rows: dict[str, str] = {}
+    name, lines = None, out.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("the groups")), len(lines))
+    for line in lines[start:]:
+        parts = [c.strip() for c in re.split(r"[│┃]", line)[1:-1]]
+        if len(parts) != 2 or "(" not in parts[1]:
+            continue
+        name = parts[0].split(" ")[0] if parts[0] else name
+        rows[name] = rows.get(name, "") + " " + parts[1]
+    found = {dim: next((g for g in re.findall(r"\(([\d,]+)\)", groups) if str(rank) in g.split(",")), "")
+             for dim, groups in rows.items()}
+    if not found:
+        raise ValueError(f"no groups table in:\n{out[-2000:]}")
+    return found
+
+
+def median_step_s(rows: list[dict]) -> float:
+    """A run's median step time, its first step (the warm-up) left out."""
+    return statistics.median(r["step_time_s"] for r in rows[1:])

@@ -1,9 +1,11 @@
 """Starting a project script on N ranks from Python: what the notebooks and benchmarks do.
 
 One rank is a plain `python script.py`; more go through `torchrun --standalone`, which finds a free
-port for the rendezvous, so two launches on one machine never collide on the default port. Every rank
-gets one thread (`OMP_NUM_THREADS=1`): the ranks share the machine's cores. A run that fails never
-fails silently: its error output (the rank's message, or torchrun's summary) is printed, then
+port for the rendezvous, so two launches on one machine never collide on the default port. On a CPU
+the ranks share the machine's cores: each sets its torch threads to its share, cores ÷ ranks on the
+machine and at least one (common/distributed.set_cpu_threads); the `OMP_NUM_THREADS=1` set here holds
+until then (and spares torchrun's warning that it sets it itself). A run that fails never fails
+silently: its error output (the rank's message, or torchrun's summary) is printed, then
 `LaunchError` is raised. A run never outlives the Python that launched it: interrupting a notebook's
 kernel (or Ctrl-C, or any error while waiting) stops the run and every process it started.
 """

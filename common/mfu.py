@@ -62,9 +62,14 @@ def matmul_params(cfg) -> int:
     return L * (attn + mlp) + D * V                             # + LM head; the embedding is a lookup
 
 
+def attention_flops_per_token(cfg, seq_len: int) -> float:
+    """Attention's QKᵀ and AV per token, forward and backward: 6·L·S·D (see the module docstring)."""
+    return 6 * cfg.n_layers * seq_len * cfg.dim
+
+
 def flops_per_token(cfg, seq_len: int) -> float:
     """Training FLOPs per token: 6·N_matmul + 6·L·S·D (see the module docstring)."""
-    return 6 * matmul_params(cfg) + 6 * cfg.n_layers * seq_len * cfg.dim
+    return 6 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
 
 
 def measure_peak_flops(device, dtype: torch.dtype, seconds: float = PROBE_SECONDS) -> float:

@@ -44,6 +44,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """KV heads one rank of a TP group of `tp` holds, as chapter 02's ParallelAttention shards them:
+        K/tp when K ≥ tp; else one, a copy shared by the tp/K ranks whose query heads read it."""
+        return max(1, self.n_kv_heads // tp)
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -30,7 +30,7 @@ from common.metrics import read_metrics  # noqa: E402
 from common.model import PRESETS  # noqa: E402
 
 cp_split = import_module("06_context_parallel.cp_split")
-ring_attention = import_module("06_context_parallel.ring_attention")
+attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")
 QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
 N = 2 if QUICK else 4
 STEPS = 3 if QUICK else 10
@@ -96,7 +96,7 @@ show(fig, "06_cp_attention_work")
 # One rank (plain `scaled_dot_product_attention`), then CP = N with the ring (zig-zag), and in the
 # full mode also the contiguous split, the all-gather variant and CP 2 × DP 2. The plot shows each
 # run's relative loss difference from the single device, per step: round-off (about 1e-7). Below it,
-# the ring's bytes per step against the formula (ring_attention.cp_bytes × 8 layers), and the work
+# the ring's bytes per step against the formula (attention_bookkeeping.cp_bytes × 8 layers), and the work
 # imbalance each run measured.
 
 # %%
@@ -108,7 +108,7 @@ if not QUICK:
 cfg = PRESETS["tiny"]
 for label, rows in runs.items():
     last = rows[-1]
-    formula = cfg.n_layers * ring_attention.cp_bytes(last["cp_attention"], BATCH // last["dp"], SEQ, last["cp"],
+    formula = cfg.n_layers * attention_bookkeeping.cp_bytes(last["cp_attention"], BATCH // last["dp"], SEQ, last["cp"],
                                                      cfg.n_kv_heads, cfg.head_dim, 4)
     print(f"{label:<20} losses {[round(r['loss'], 5) for r in rows[:4]]}...  cp bytes/step {last['comm_bytes_cp']:,} "
           f"(formula {formula:,})  work max/min {last['attn_work_imbalance']}")

@@ -16,7 +16,7 @@ from harness import ROOT
 choose_layout = import_module("06_context_parallel.choose_layout")
 layout_costs = import_module("06_context_parallel.layout_costs")
 layout_inputs = import_module("06_context_parallel.layout_inputs")
-ring_attention = import_module("06_context_parallel.ring_attention")
+attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")
 
 TINY = layout_costs.Run(PRESETS["tiny"], 16, 128, "fp32")
 H100 = layout_inputs.device_for("h100", "fp32", 8)
@@ -70,7 +70,7 @@ def test_bytes_equal_the_chapters_formulas():
     assert row(TINY, 4, 2, 1, sp=True)["comm_bytes"]["tp"] == 4 * (2 - 1) / 2 * 4 * (floats + (2 * L + 1) * D)
     assert row(TINY, 2, 1, 4, m=8)["comm_bytes"]["pp"] == 2 * 8 * (16 // 2 // 8) * S * D * 4
     cp = row(TINY, 2, 1, 1, cp=4, m=2)["comm_bytes"]["cp"]
-    assert cp == L * 2 * ring_attention.cp_bytes("ring", 4, S, 4, 4, 16, 4)
+    assert cp == L * 2 * attention_bookkeeping.cp_bytes("ring", 4, S, 4, 4, 16, 4)
     moe = layout_costs.Run(PRESETS["tiny-moe"], 16, 64, "fp32")
     T = 16 // 4 * 64                                                   # tokens per rank
     assert row(moe, 4, 1, 1, ep=4)["comm_bytes"]["ep"] == int(L * (8 * 3 / 4 * T * 2 * D * 4 + 16 * 3 * 8 // 4))

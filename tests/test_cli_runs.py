@@ -77,7 +77,7 @@ def test_the_3d_run_as_a_user_sees_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     for shown in ("3D parallel pretraining", "2 = dp 1 × pp 1 × tp 2", "common/corpus/stdlib_docstrings.txt: 700,943 tokens",
-                  "the mesh: grid = arange(world).view(dp, pp, tp)", "step 2: validation loss", "3/3", "summary",
+                  "the ranks: grid = arange(world).view(dp, pp, tp)", "the groups:", "step 2: validation loss", "3/3", "summary",
                   "loss first → last", "sample from the trained model (prompt 'The ')"):
         assert out.count(shown) == 1, (shown, out)                # once: the other rank stays quiet
     assert "error" not in proc.stderr.lower(), proc.stderr

@@ -5,7 +5,7 @@ Every layout runs 06_context_parallel/train_cp.py (dense tiny) or train_5d.py (t
 (which uses plain `scaled_dot_product_attention`): `loss` and `grad_norm` within the harness's round-off
 tolerances (assert_same_run), `aux_loss` and `z_loss` within 1e-5, the same expert loads. On the way:
 
-    comm_bytes_cp      exactly the bytes formula of ring_attention.cp_bytes, layer by layer
+    comm_bytes_cp      exactly the bytes formula of attention_bookkeeping.cp_bytes, layer by layer
     attn_work_imbalance   1 with the zig-zag split, cp with the contiguous one
     peak_activation_bytes flat (within 5 %) as S and cp double together at the same rows per rank
     a CP × TP run        (a loss counted once per TP group, not halved or doubled), under --recompute full
@@ -71,14 +71,15 @@ def groups(tmp_path_factory):
 
 
 def cp_bytes_per_step(history_row, recompute: str = "none") -> int:
-    """ring_attention.cp_bytes for one attention call, times the layers and micro-batches of a step
+    """attention_bookkeeping.cp_bytes for one attention call, times the layers and micro-batches of a step
     (--recompute full reruns each forward, its hops included)."""
-    ring_attention = import_module("06_context_parallel.ring_attention")
+    attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")
     from common.model import PRESETS
     cfg, r = PRESETS["tiny"], history_row
     rows = 8 // r["dp"]
-    return cfg.n_layers * ring_attention.cp_bytes(r["cp_attention"], rows, 32, r["cp"], cfg.n_kv_heads // r["tp"],
-                                                  cfg.head_dim, 4, 2 if recompute == "full" else 1)
+    kv = cfg.kv_heads_per_rank(r["tp"])
+    return cfg.n_layers * attention_bookkeeping.cp_bytes(r["cp_attention"], rows, 32, r["cp"], kv, cfg.head_dim, 4,
+                                                         2 if recompute == "full" else 1)
 
 
 @pytest.mark.parametrize("name", sorted(CP_RUNS))

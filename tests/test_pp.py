@@ -118,7 +118,7 @@ def test_world_4(reference, tmp_path):
     assert 0 < bubble_fraction(last) < 1
     history = ok(results[2])
     assert len(history[-1]["peak_activation_bytes"]) == 4 and history[-1]["comm_bytes_pp"] > 0
-    torch_row = ok(results[list(configs).index("torch zb-h1")])[-1]          # torch's runtime: no timeline, no activation ledger
+    torch_row = ok(results[list(configs).index("torch zb-h1")])[-1]          # torch's runtime: no timeline, no activation meter
     assert torch_row["bubble_fraction"] is None and torch_row["peak_activation_bytes"] is None, \
         "a quantity torch's runtime does not measure is null, never a number"
 

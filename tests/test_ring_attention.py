@@ -45,6 +45,7 @@ def check_attention() -> list[dict]:
     """Every case at cp 1, 2 and 4 on this rank: the errors of the output and of dq, dk, dv against the
     single-device reference (this rank's rows of it), the "cp" bytes and the score entries counted."""
     cp_split, ring_attention, allgather_attention = _chapter()
+    attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")   # bytes formula, work
     from common import comm
     world, me = dist.get_world_size(), dist.get_rank()
     results = []
@@ -67,7 +68,7 @@ def check_attention() -> list[dict]:
             attention = {"ring": ring_attention.ring_attention, "allgather": allgather_attention.allgather_attention}
             ql, kl, vl = (split.take(t.detach(), r, dim=2).requires_grad_() for t in (q, k, v))
             comm.COUNTER.reset()
-            ring_attention.WORK.reset()
+            attention_bookkeeping.WORK.reset()
             out = attention[variant](ql, kl, vl, group, split)
             out.backward(split.take(grad, r, dim=2))
             errors = {name: ((mine - split.take(want, r, dim=2)).norm() / split.take(want, r, dim=2).norm()).item()
@@ -75,8 +76,8 @@ def check_attention() -> list[dict]:
                                                ("dk", kl.grad, k.grad), ("dv", vl.grad, v.grad))}
             results.append(dict(cp=cp, variant=variant, split=split_name, dtype=dtype, gqa=gqa, shape=shape,
                                 rank=r, errors=errors, bytes=comm.COUNTER.by_group().get("cp", 0),
-                                formula=ring_attention.cp_bytes(variant, B, S, cp, kv, hd, q.element_size()),
-                                work=ring_attention.WORK.entries, work_per_head=split.work(r)))
+                                formula=attention_bookkeeping.cp_bytes(variant, B, S, cp, kv, hd, q.element_size()),
+                                work=attention_bookkeeping.WORK.entries, work_per_head=split.work(r)))
     return results
 
 
@@ -108,8 +109,8 @@ def test_bytes_equal_the_formula(measured):
 
 
 def test_work_counts_every_computed_pair(measured):
-    """WORK counts the forward's pairs and the backward's recomputation of the same pairs, all heads and rows;
-    zigzag gives every rank the same work, contiguous gives the last rank cp times the first's."""
+    """attention_bookkeeping.WORK counts the forward's pairs and the backward's recomputation of the same pairs,
+    all heads and rows; zigzag gives every rank the same work, contiguous gives the last rank cp times the first's."""
     for case in itertools.chain(*measured):
         B, h = case["shape"]["B"], case["shape"]["h"]
         assert case["work"] == 2 * case["work_per_head"] * B * h, _label(case)
@@ -192,8 +193,8 @@ def test_check_split_messages(S, cp, split_name, expected):
 
 def test_cp_bytes_formula():
     """The formula's own arithmetic at one point: B 2, S 64, cp 4, kv 2, hd 8, fp32: blk = 2·16·2·8·4 bytes."""
-    _, ring_attention, _ = _chapter()
+    attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")
     blk = 2 * 16 * 2 * 8 * 4
-    assert ring_attention.cp_bytes("ring", 2, 64, 4, 2, 8, 4) == 2 * 6 * 3 * blk
-    assert ring_attention.cp_bytes("allgather", 2, 64, 4, 2, 8, 4) == 2 * 4 * 3 * blk
-    assert ring_attention.cp_bytes("ring", 2, 64, 1, 2, 8, 4) == 0
+    assert attention_bookkeeping.cp_bytes("ring", 2, 64, 4, 2, 8, 4) == 2 * 6 * 3 * blk
+    assert attention_bookkeeping.cp_bytes("allgather", 2, 64, 4, 2, 8, 4) == 2 * 4 * 3 * blk
+    assert attention_bookkeeping.cp_bytes("ring", 2, 64, 1, 2, 8, 4) == 0

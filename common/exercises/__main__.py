@@ -6,6 +6,8 @@ from pathlib import Path
 
 from common.errors import ConfigError
 
+from . import commands, museum
+
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m common.exercises", description=__doc__)
@@ -30,9 +32,7 @@ def main(argv=None) -> int:
     args = parse(argv)
     try:
         if args.command == "bug" or (args.command == "grade" and args.bug):
-            from . import museum
             return museum.main(args)
-        from . import commands
         return commands.main(args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -18,7 +18,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-BEGIN, END = "# >>> exercise ", "# <<< exercise "
+from common.errors import ConfigError
+
+BEGIN = "# >>> exercise "
 MARKER = re.compile(r"^(\s*)# (>>>|<<<) exercise (\S+)\s*$")
 
 
@@ -153,7 +155,6 @@ CHAPTERS = sorted({e.chapter for e in EXERCISES})
 
 def for_chapter(chapter: str) -> list[Exercise]:
     """The exercises of chapter '02' (or of every chapter for 'all'); a ConfigError names the choices."""
-    from common.errors import ConfigError
     chapter = chapter.zfill(2) if chapter.isdigit() else chapter
     if chapter == "all":
         return list(EXERCISES)

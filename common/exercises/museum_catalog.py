@@ -1,18 +1,9 @@
-"""The exhibits of the museum of real bugs: one realistic bug each, planted by replacing one snippet.
+"""The museum of real bugs, as data: one row per realistic bug, planted by replacing one snippet; a row
+is an `Exhibit`, its fields in the order the class lists and explains them.
 
 Every exhibit is a class of bug that real training projects shipped (ring attention reusing stale
 K/V blocks, a loss not reduced over the context-parallel group, router gradients left out of the
 data-parallel sum, ...), written into this course's own code at the place where it would live here.
-An exhibit says:
-
-    id, chapter   "06.stale_kv", "06": the chapter whose LAB sets it
-    title         what a user would report (the symptom, never the cause)
-    bug_class     the class of real bug it belongs to
-    file, old, new  planting replaces `old` (which must occur exactly once in `file`) by `new`
-    catch         the course's own tests that fail on it (pytest node ids, cheapest first)
-    see           the commands that show the symptom, for the student (no hint of the cause)
-    key           how it is found with the course's tools, and why the fix is the fix (the answer key)
-
 `python -m common.exercises bug --check` plants each one in a copy and runs its `catch` tests:
 common/exercises/MUSEUM.md holds the table it writes.
 """
@@ -21,23 +12,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Exhibit:
-    id: str
-    chapter: str
-    title: str
-    bug_class: str
-    file: str
+    id: str             # "06.stale_kv": the chapter whose LAB sets it (`chapter`), then a name
+    title: str          # what a user would report (the symptom, never the cause)
+    bug_class: str      # the class of real bug it belongs to
+    file: str           # planting replaces `old` (which must occur exactly once in `file`) by `new`
     old: str
     new: str
-    catch: tuple
-    see: tuple
-    key: str
+    catch: tuple        # the course's own tests that fail on it (pytest node ids, cheapest first)
+    see: tuple          # the commands that show the symptom, for the student (no hint of the cause)
+    key: str            # how it is found with the course's tools, and why the fix is the fix (the answer key)
 
+    @property
+    def chapter(self) -> str:
+        return self.id.split(".")[0]
 
-CP_TEST = "tests/test_cp.py::test_every_cp_layout_matches_one_device"
 
 EXHIBITS = (
-    Exhibit(
-        "01.accumulation_divides_twice", "01",
+    Exhibit("01.accumulation_divides_twice",
         "with --microbatches 2 the loss is half the single-device loss; with one micro-batch all is well",
         "gradient accumulation that divides twice",
         "01_data_parallel/train_dp.py",
@@ -55,8 +46,7 @@ EXHIBITS = (
         "`build_trainer` now passes `global_batch · seq_len · microbatches`: the global token count already "
         "covers every micro-batch, so multiplying by their count divides the accumulated loss (and gradient) "
         "a second time. Fix: `tokens_per_step` is the step's token count, `global_batch · seq_len`."),
-    Exhibit(
-        "01.ddp_averages_twice", "01",
+    Exhibit("01.ddp_averages_twice",
         "--impl torch trains to the same losses as ours, but reports a gradient norm N times smaller",
         "gradient accumulation that divides twice (the all-reduce averages a loss already divided by the "
         "global token count)",
@@ -76,8 +66,7 @@ EXHIBITS = (
         "runs' gradients (norm 9 and 4.5 at step 1) to norm 1, and AdamW's m/√v ignores a constant factor "
         "anyway (but for `eps`). The gradient norm is the number to watch; with `--clip 0` and SGD the steps "
         "would be N times too small. Fix: the hook returns the sum."),
-    Exhibit(
-        "02.g_backward_all_reduces", "02",
+    Exhibit("02.g_backward_all_reduces",
         "TP runs report a gradient norm several times one device's from step 1 (TP 2: 6.6×), and the losses follow",
         "f and g swapped (the conjugate operators' backward)",
         "02_tensor_parallel/tp_operators.py",
@@ -100,8 +89,7 @@ EXHIBITS = (
         "with coefficient 1, so its gradient is the incoming gradient itself. An all-reduce there sums tp "
         "identical gradients, tp× too large, and the error compounds block after block down the residual "
         "stream. Fix: g's backward returns `grad` unchanged (f is the one that all-reduces in backward)."),
-    Exhibit(
-        "02.sp_norm_grads_partial", "02",
+    Exhibit("02.sp_norm_grads_partial",
         "--sequence-parallel reports another gradient norm than plain TP from step 2, and its losses slowly drift away",
         "gradients of replicated parameters left partial (sequence-parallel norm gains)",
         "02_tensor_parallel/tensor_parallel.py",
@@ -122,8 +110,7 @@ EXHIBITS = (
         "gradient of it sums over its own S/tp tokens only: a partial sum. `sync_sequence_parallel_grads` "
         "must all-reduce it over the TP group (D floats per norm); without it the replicas' norm gains "
         "drift apart. Fix: the all-reduce of the norm gradients."),
-    Exhibit(
-        "02.recompute_wrong_tp_group", "02",
+    Exhibit("02.recompute_wrong_tp_group",
         "TP 2 × DP 2 with --recompute full trains to other losses than --recompute none; TP 2 alone is fine",
         "a wrong TP group in recomputed code",
         "02_tensor_parallel/tp_layers.py",
@@ -143,8 +130,7 @@ EXHIBITS = (
         "rebuilt activations sum the other TP group's partial outputs too, and backward differentiates a "
         "forward that never happened. Fix: the recomputation uses the module's own `self.group`, like the "
         "forward (common/recompute.py: the same collectives on the same groups)."),
-    Exhibit(
-        "03.dp_sync_before_w", "03",
+    Exhibit("03.dp_sync_before_w",
         "zero-bubble (zb-h1) with data parallelism drifts from one device; 1F1B with DP, and zb-h1 alone, match",
         "gradients reduced before they are final (the all-reduce launched before zero bubble's W)",
         "03_pipeline_parallel/pipeline_executor.py",
@@ -163,8 +149,7 @@ EXHIBITS = (
         "counting only B, it fires while W actions of that stage still follow. The bucket copies `.grad` when "
         "it is launched and copies the sum back when waited for, so the weight gradients that the later W actions added are overwritten by a sum that never had them. "
         "Fix: a stage's gradients are final after its last B *or W* (`last_grad_action` counts both)."),
-    Exhibit(
-        "04.clip_norm_without_tp", "04",
+    Exhibit("04.clip_norm_without_tp",
         "with --tp 2 the 3D run's gradient norm differs from one device's from step 1 (dp × pp layouts match)",
         "gradient-norm clipping that forgets a model-parallel group",
         "04_3d_combined/trainer_3d.py",
@@ -182,8 +167,7 @@ EXHIBITS = (
         "Without the TP group each rank clips by the norm of its own shard, the ranks of a TP group scale by "
         "different factors, and the layers' shards stop being slices of one model. Fix: sum over TP too "
         "(`norm_groups = [tp_group, pp_group]`); DP replicas are the ones never summed."),
-    Exhibit(
-        "05.router_grads_unsummed", "05",
+    Exhibit("05.router_grads_unsummed",
         "expert parallelism trains to other losses than one device, a little more every step",
         "router gradients never summed across ranks",
         "05_moe_expert_parallel/moe_trainer.py",
@@ -201,8 +185,7 @@ EXHIBITS = (
         "be summed over all data-parallel ranks like every dense weight. Left out of both the dense and the "
         "expert all-reduce, each rank's router learns from its own rows only and the replicas part. Fix: the "
         "router is in `self.dense`."),
-    Exhibit(
-        "05.expert_grads_wrong_group", "05",
+    Exhibit("05.expert_grads_wrong_group",
         "expert-parallel runs (ep 4; or ep 2 at dp 4) part from one device from step 1's gradient norm",
         "expert gradients reduced over the wrong group",
         "05_moe_expert_parallel/moe_trainer.py",
@@ -218,8 +201,7 @@ EXHIBITS = (
         "group's ranks hold *different* experts, so summing over it adds unrelated experts' gradients into "
         "each other's slots and misses the other copy's rows. Read the grid that `train_moe.py` prints: the "
         "expert sum must run along edp. Fix: `mesh.group(\"edp\")`."),
-    Exhibit(
-        "05.bias_one_tp_rank", "05",
+    Exhibit("05.bias_one_tp_rank",
         "with TP and --router-bias-rate the 4D run slowly drifts from chapter 05's one-device run; the TP ranks "
         "of a stage route the same tokens differently",
         "the selection bias updated on one TP rank only",
@@ -239,8 +221,7 @@ EXHIBITS = (
         "which route the same tokens, would count them tp times), but after the all-reduce *every* rank "
         "holds the same totals and must update its copy of the bias. Fix: update on every rank; only the "
         "counting is restricted to tp rank 0."),
-    Exhibit(
-        "05.router_counts_twice_under_recompute", "05",
+    Exhibit("05.router_counts_twice_under_recompute",
         "with --recompute full the MoE run reports twice the expert loads and aux loss of --recompute none",
         "a side effect repeated by recomputation",
         "common/moe_routing.py",
@@ -258,8 +239,7 @@ EXHIBITS = (
         "backward, and the router's tally (`RoutingTally.add`) records every call: each token is counted "
         "twice. Fix: a forward with a side effect checks `is_recomputing()` and records once. The bias "
         "update hides it (its sign(mean − load) is unchanged by a factor of 2); the reported numbers do not."),
-    Exhibit(
-        "06.stale_kv", "06",
+    Exhibit("06.stale_kv",
         "context-parallel runs match one device at step 1 but not from step 2; the ring's bytes are as the "
         "formula says",
         "a ring-attention backward that reuses stale K/V",
@@ -277,14 +257,13 @@ EXHIBITS = (
         "(`kv = kv_next`), like the forward; without it every step reuses the rank's own block, so the "
         "gradients are those of attention to one block, repeated. The bytes still equal the formula: "
         "everything is sent, it is just never used. Fix: advance `kv` after each hop in backward too."),
-    Exhibit(
-        "06.loss_not_reduced_over_cp", "06",
+    Exhibit("06.loss_not_reduced_over_cp",
         "train_cp.py at cp 2 reports about half the loss of one device, yet it trains exactly as well",
         "a CP×TP loss not reduced over the context-parallel group",
         "06_context_parallel/train_cp.py",
         "loss_value = global_sum(local_loss, mesh.group(\"dp_cp\"))",
         "loss_value = global_sum(local_loss, mesh.group(\"dp\"))",
-        (CP_TEST,),
+        ("tests/test_cp.py::test_every_cp_layout_matches_one_device",),
         ("python 06_context_parallel/train_cp.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
          "torchrun --nproc_per_node=2 06_context_parallel/train_cp.py --cp 2 --steps 5 --quiet --metrics runs/bug/cp2.jsonl",
          "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/cp2.jsonl",
@@ -294,8 +273,7 @@ EXHIBITS = (
         "must sum the shares over every rank that holds other tokens: dp (other rows) *and* cp (other "
         "positions of the same rows). Summed over dp only, rank 0 reports the share of its own positions "
         "(with zig-zag, about half at cp 2). Fix: `global_sum` over `dp_cp`."),
-    Exhibit(
-        "06.aux_tokens_before_split", "06",
+    Exhibit("06.aux_tokens_before_split",
         "the 5D run with cp 2 reports twice chapter 05's aux loss, and its losses part from step 2",
         "tokens counted before the CP split (the balance statistics' denominator)",
         "common/moe_routing.py",

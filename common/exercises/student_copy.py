@@ -9,7 +9,7 @@ imports and compiles. The grader reads "not done" from that same raise (see `stu
 from pathlib import Path
 
 from .catalog import Exercise, regions
-from .repo_copy import copy_repo
+from .repo_copy import ROOT, copy_repo
 
 
 def stub_prefix(ex: Exercise) -> str:
@@ -55,7 +55,6 @@ def unsolved(repo: Path, ex: Exercise) -> bool:
 def restore(repo: Path, ex: Exercise, src: Path | None = None) -> None:
     """Put the reference body of `ex` (from `src`, this repository by default) back into `repo`: the
     instructor's solution, and how the tests solve one exercise of a student copy."""
-    from .repo_copy import ROOT
     ref_text = (Path(src or ROOT) / ex.file).read_text()
     ref_lines = ref_text.splitlines(keepends=True)
     bodies = [ref_lines[first:stop] for ex_id, first, stop in regions(ref_text) if ex_id == ex.id]
