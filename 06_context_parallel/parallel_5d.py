@@ -95,8 +95,6 @@ def decide_layout(args, world: int) -> tuple[Layout5D, object]:
         require(args.capacity_factor is None,
                 "--capacity-factor serves each sequence's tokens in position order, but --cp splits the positions "
                 "over ranks; leave --capacity-factor out (dropless) with --cp > 1")
-        require(args.zero_stage == 0, "--zero-stage 1 shards AdamW over the DP group, but with --cp the gradients "
-                                      "are summed over dp × cp; leave --zero-stage out with --cp > 1")
     return Layout5D(layout.dp, layout.tp, layout.pp, layout.microbatches, JOINED, layout.ep, cp), cfg
 
 

@@ -135,6 +135,7 @@ def test_bad_4d_layouts_fail_on_every_rank_with_one_message(groups, kind):
 @pytest.mark.parametrize("argv, world, expected", [
     (["--model", "tiny-moe", "--tp", "2", "--pp", "1", "--sequence-parallel"], 4, "leave --sequence-parallel out"),
     (["--model", "tiny-moe", "--tp", "1", "--pp", "1", "--zero-stage", "1"], 4, "leave --zero-stage out"),
+    (["--model", "tiny", "--tp", "1", "--pp", "1", "--zero-stage", "1"], 4, "leave --zero-stage out here"),
     (["--model", "tiny-moe", "--dp", "2", "--tp", "2", "--pp", "2", "--ep", "8"], 8, "--ep 8 does not divide --dp 2"),
 ])
 def test_what_experts_cannot_share_is_refused_before_any_communication(argv, world, expected):
