@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common` and the chapters
 
-from common.cli import OUTPUT_FILE, POSITIVE_INT, Domain, Parser, Refused, real  # noqa: E402
+from common.cli import OUTPUT_FILE, POSITIVE_INT, Domain, Parser, Refused, real, whole  # noqa: E402
 from common.errors import ConfigError, fail, require, run_main  # noqa: E402
 from common.metrics import format_bytes  # noqa: E402
 from common.model import count_parameters  # noqa: E402
@@ -160,7 +160,9 @@ def parser() -> Parser:
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=MODEL, default="tiny",
                    help=f"a course preset or a published shape: {', '.join(layout_inputs.MODELS)}")
-    p.add_argument("--world", type=POSITIVE_INT, default=8, help="ranks (GPUs) in all")
+    # at most 2^20 ranks (today's largest runs use tens of thousands): the planner tries every divisor of the
+    # world, and a number like 10^9 would keep it busy for minutes before its first row
+    p.add_argument("--world", type=whole(1, 1 << 20), default=8, help="ranks (GPUs) in all")
     p.add_argument("--gpus-per-node", type=POSITIVE_INT, default=8, help="ranks that share a node's fast links")
     p.add_argument("--device", default="cpu", choices=list(layout_inputs.DEVICES),
                    help="cpu: this machine, measured; h100, a100: datasheet numbers")

@@ -125,7 +125,7 @@ def test_every_flag_declares_a_domain_and_help_shows_it(capsys):
     with pytest.raises(SystemExit) as stop:
         choose_layout.parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert stop.value.code == 0 and "ranks (GPUs) in all (a whole number ≥ 1; default: 8)" in help_text
+    assert stop.value.code == 0 and "ranks (GPUs) in all (a whole number ≥ 1 and ≤ 1048576; default: 8)" in help_text
 
 
 def planner(*argv):
@@ -134,7 +134,8 @@ def planner(*argv):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--world", "0"], "error: --world must be a whole number ≥ 1, got 0; e.g. --world 8 (the default)"),
+    (["--world", "0"], "error: --world must be a whole number ≥ 1 and ≤ 1048576, got 0; e.g. --world 8 (the default)"),
+    (["--world", "1000000000"], "error: --world must be a whole number ≥ 1 and ≤ 1048576, got 1000000000"),
     (["--global-batch", "-3"], "error: --global-batch must be a whole number ≥ 1, got -3; e.g. --global-batch 16"),
     (["--seq-len", "x"], "error: --seq-len must be a whole number ≥ 1, got x; e.g. --seq-len 128"),
     (["--json", "/proc/x.json"], "error: --json /proc/x.json: cannot be created: '/proc' refuses new files"),
