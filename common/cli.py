@@ -93,25 +93,29 @@ TIMEOUT_S = real(10, strict=False, high=86_400)
 
 # --- paths --------------------------------------------------------------------------------------------
 
-def _text_file(domain: Domain, text: str) -> str:
-    fix = f"pass {domain.flag} PATH to a UTF-8 text file, or leave {domain.flag} out (the bundled corpus)"
-    path = Path(text)
+def read_utf8(path: Path, fix: str, what: str = "a text file") -> str:
+    """The text of a file, or Refused(why, fix): missing, a directory, unreadable, binary (NUL bytes), not
+    UTF-8. Every file the course reads from a user goes through it (--data, the metrics files compared)."""
     if not path.exists():
         raise Refused("does not exist", fix)
     if path.is_dir():
-        raise Refused("is a directory, not a text file", fix)
+        raise Refused(f"is a directory, not {what}", fix)
     try:
         raw = path.read_bytes()
     except OSError as err:
         raise Refused(f"cannot be read ({err.strerror})", fix) from None
-    if not raw:
-        raise Refused("the file is empty", fix)
     if b"\0" in raw:
         raise Refused(f"holds NUL bytes (the first at byte {raw.index(0)}): a binary file, not text", fix)
     try:
-        raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise Refused(f"is not UTF-8 text (invalid byte at offset {err.start})", fix) from None
+
+
+def _text_file(domain: Domain, text: str) -> str:
+    fix = f"pass {domain.flag} PATH to a UTF-8 text file, or leave {domain.flag} out (the bundled corpus)"
+    if not read_utf8(Path(text), fix):
+        raise Refused("the file is empty", fix)
     return text
 
 

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from common import mfu
+from common.cli import Refused, read_utf8
 from common.errors import ConfigError
 
 EXAMPLE_ROW = '{"step": 1, "loss": 5.5}'   # what a metrics file's line looks like, for messages
@@ -136,19 +137,11 @@ def read_rows(path) -> dict[int, tuple[int, dict]]:
     """{step: (line number, row)} of a metrics file, the last row of each step; anything that is not a
     metrics file is refused with one line naming the file (and the line)."""
     what = f"a metrics file holds one JSON object per line, one per optimizer step, e.g. {EXAMPLE_ROW}"
-    file = Path(path)
-    if not file.exists():
-        raise ConfigError(f"{path} does not exist; give the path of a metrics file (JSON Lines)")
-    if file.is_dir():
-        raise ConfigError(f"{path} is a directory, not a metrics file; give the .jsonl file a run wrote")
     try:
-        raw = file.read_bytes()
-    except OSError as err:
-        raise ConfigError(f"{path} cannot be read ({err.strerror})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{path} is not UTF-8 text (invalid byte at offset {err.start}); {what}") from None
+        text = read_utf8(Path(path), what, "a metrics file")
+    except Refused as refused:
+        why, fix = refused.args
+        raise ConfigError(f"{path} {why}; {fix}") from None
     rows = {}
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():

@@ -72,7 +72,8 @@ def refused(capsys, *argv) -> str:
 
 @pytest.mark.parametrize("content, says", [
     (b'{"step": 1, "loss": 5.0}\nnot json\n', "bad.jsonl, line 2: not JSON"),
-    (b"\xff\xfe\x00{", "bad.jsonl is not UTF-8 text (invalid byte at offset 0)"),
+    (b"\xff\xfe{", "bad.jsonl is not UTF-8 text (invalid byte at offset 0)"),
+    (b'{"step": 1}\x00\n', "bad.jsonl holds NUL bytes (the first at byte 11): a binary file, not text"),
     (b'{"step": 1, "loss": 5.0}\n[1, 2]\n', "bad.jsonl, line 2: a JSON array, not an object"),
     (b"\n3\n", "bad.jsonl, line 2: a JSON number, not an object"),
     (b'{"loss": 5.0}\n', "bad.jsonl, line 1: the object has no `step`"),
@@ -80,7 +81,7 @@ def refused(capsys, *argv) -> str:
     (b'{"step": 1.5, "loss": 5.0}\n', "bad.jsonl, line 1: `step` must be a whole number ≥ 1"),
     (b"", "bad.jsonl is empty (no rows); a metrics file holds one JSON object per line"),
     (b"\n  \n", "bad.jsonl is empty (no rows)"),
-], ids=["not-json", "not-utf8", "array-row", "number-row", "no-step", "step-0", "step-1.5", "empty", "blank"])
+], ids=["not-json", "not-utf8", "nul-bytes", "array-row", "number-row", "no-step", "step-0", "step-1.5", "empty", "blank"])
 def test_a_file_that_is_not_a_metrics_file_is_refused_in_one_line(tmp_path, capsys, content, says):
     good = write(tmp_path / "good.jsonl", [5.0])
     bad = tmp_path / "bad.jsonl"

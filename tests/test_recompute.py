@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.recompute import MODES
-from harness import every_rank, ok, run_group
+from harness import every_rank, run_group
 
 BASE = ["--steps", "2", "--seq-len", "32", "--global-batch", "8", "--quiet"]
 DP, TP, PP, MOE = ("01_data_parallel.train_dp:main", "02_tensor_parallel.train_tp:main",

@@ -1,5 +1,4 @@
 """list, make and grade (the museum's `bug` and `grade --bug` live in museum.py)."""
-import sys
 from pathlib import Path
 
 from common.errors import ConfigError
