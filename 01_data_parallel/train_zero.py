@@ -49,7 +49,8 @@ def parse_args(argv=None):
     # recomputation reruns the forward in backward, where the unit holds none (FSDP2 regathers them).
     require(not (args.impl == "ours" and args.zero_stage == 3 and args.recompute != "none"),
             f"--recompute {args.recompute} needs the weights again in backward, which --zero-stage 3 (ours) "
-            "gathers only for the saved tensors; use --recompute none, --zero-stage 1 or 2, or --impl torch")
+            "gathers only for the saved tensors; use --recompute none, --zero-stage 1 or 2, --impl torch (FSDP2 "
+            "gathers them again), or 04_3d_combined/train_3d.py --zero-stage 3, which keeps them for the step")
     return args
 
 

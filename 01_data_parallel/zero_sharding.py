@@ -16,6 +16,18 @@ each rank 1/N of that work and of that state:
                        Bytes per step: (N-1)/N·M (reduce-scatter) + (N-1)/N·M (all-gather) = plain DP.
   stage 3  (P_os+g+p)  see zero_stage3.py: the parameters are sharded at rest too.
 
+When a step accumulates micro-batches (a pipeline, chapter 04), stage 2 has two forms. Reduce-scatter
+each micro-batch's gradient as soon as it exists (`per_microbatch=True`, what train_zero.py runs): the
+full gradient is freed every micro-batch, but the bytes are paid m times. Or let the full gradients
+accumulate over the step in flat buffers and reduce-scatter them once, after the last backward, then
+free the buffers (`per_microbatch=False`, the pipeline form, as Megatron's distributed optimizer does):
+the bytes of plain DP once per step, the full gradient alive during the step, 1/N of it at rest.
+In that form this class also runs stage 3 the way FSDP runs under a pipeline: the parameters are
+gathered once per step (`begin_step`), kept for every micro-batch's forward and backward, and freed
+with the full gradients after the reduce-scatter. Between steps a rank holds (2+α)M/N; during a step,
+M of parameters and M of gradients, as stage 1 does: what it saves is the rest of the time, and the
+bytes are plain DP's (an all-gather per step instead of stage 1's all-reduce-then-gather).
+
 How a shard is cut. The parameters are grouped into *units* (the embedding, each transformer block,
 the final norm with the head). A unit's tensors are laid end to end in one flat buffer, padded with
 zeros to a multiple of N, and rank i owns the i-th contiguous chunk (flat_buffers.FlatLayout). One
@@ -28,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from common import comm
-from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr
+from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr, sum_of_squares
 from common.step_protocol import counted_here, mark_replicated, replicas
 
 from .dp_trainer import ForwardBackward
@@ -38,8 +50,14 @@ from .flat_buffers import FlatLayout, groups_by_size
 def zero_memory_bytes(stage: int, M: float, N: int, alpha: float = 2.0) -> float:
     """Per-rank bytes of parameters + gradients + optimizer state (stage 0 = plain DP), M the
     parameters' bytes: the formulas above (and zero_stage3.py's for stage 3)."""
-    return {0: M * (2 + alpha), 1: 2 * M + alpha * M / N, 2: M + (1 + alpha) * M / N,
-            3: (2 + alpha) * M / N}[stage]
+    return sum(zero_memory_components(stage, M, N, alpha).values())
+
+
+def zero_memory_components(stage: int, M: float, N: int, alpha: float = 2.0) -> dict:
+    """The same, by component, held between steps: stage s shards the optimizer state (s ≥ 1), the
+    gradients (s ≥ 2) and the parameters (s = 3) over N ranks."""
+    return {"param_bytes": M / N if stage >= 3 else M, "grad_bytes": M / N if stage >= 2 else M,
+            "optim_bytes": alpha * M / N if stage >= 1 else alpha * M}
 
 
 def zero_sent_share(stage: int, N: int) -> float:
@@ -108,13 +126,15 @@ class ZeroOptimizer:
     """
 
     def __init__(self, named_params, group, lr: float, weight_decay: float, stage: int = 1,
-                 units=None, name: str = "dp"):
-        assert stage in (1, 2)
+                 units=None, name: str = "dp", per_microbatch: bool = True):
+        assert stage in (1, 2) or (stage == 3 and not per_microbatch), "stage 3 per unit: zero_stage3.py"
         self.group, self.stage, self.comm_name = group, stage, name
+        self.hooked = stage == 2 and per_microbatch        # reduce-scatter inside backward, per micro-batch
         world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
         if units is None:       # no natural layers (a pipeline stage's TP shards): units of ~25 MB
             units = [(f"unit{i}", g) for i, g in enumerate(groups_by_size(named_params, 25.0))]
         self.units, self.params, self.flat_params, self.flat_grads, self.shard_grads = [], [], [], [], []
+        self.shards = []                   # this rank's (padded/N,) slice of each unit's parameters
         self.pieces = []                   # (name, nn.Parameter viewing a slice of my shard), for AdamW
         for _, named in units:
             params = [p for _, p in named]
@@ -122,19 +142,21 @@ class ZeroOptimizer:
             flat = unit.flatten([p.detach() for p in params])             # (padded,)
             for p, view in zip(params, unit.split(flat)):
                 p.data = view                                              # the model now reads `flat`
-            if stage == 1:
-                # Stage 1 keeps the full gradient: make every .grad a view of one flat buffer, so
-                # one in-place all-reduce per unit reduces them all and the shard is a slice of it.
+            if not self.hooked:
+                # The full gradient accumulates in one flat buffer per unit (every .grad a view of it), so
+                # one collective per unit reduces them all; stage 1's shard is a slice of it.
                 flat_grad = torch.zeros_like(flat)
                 for p, view in zip(params, unit.split(flat_grad)):
                     p.grad = view
-                shard_grad = flat_grad[unit.lo:unit.hi]                    # (padded/N,) view
             else:
                 flat_grad = None
-                shard_grad = torch.zeros(unit.chunk, dtype=flat.dtype, device=flat.device)  # (padded/N,)
                 for p in params:
                     p.register_post_accumulate_grad_hook(self._on_grad_ready)
-            pieces = shard_pieces(unit, flat[unit.lo:unit.hi], shard_grad)
+            shard_grad = flat_grad[unit.lo:unit.hi] if stage == 1 else \
+                torch.zeros(unit.chunk, dtype=flat.dtype, device=flat.device)            # (padded/N,)
+            # stage 3's shard lives apart from the flat buffer, which is freed between steps
+            shard = flat[unit.lo:unit.hi] if stage < 3 else flat[unit.lo:unit.hi].clone()  # (padded/N,)
+            pieces = shard_pieces(unit, shard, shard_grad)
             for name, piece in pieces:                    # a piece is replicated where its tensor is (TP)
                 for dim, copies in replicas(dict(named)[name]).items():
                     mark_replicated(piece, dim, copies)
@@ -144,7 +166,10 @@ class ZeroOptimizer:
             self.flat_params.append(flat)
             self.flat_grads.append(flat_grad)
             self.shard_grads.append(shard_grad)
+            self.shards.append(shard)
         self.optimizer = build_adamw(self.pieces, lr, weight_decay)
+        self.gathered = True                   # stage 3: are the full parameters in the flat buffers now?
+        self.release()                         # the pipeline forms: nothing full between steps
         self.unit_of = {p: i for i, ps in enumerate(self.params) for p in ps}
         self._ready = [0] * len(self.units)
         self.reduce_scatter = GradientReduceScatter(self.units, self.shard_grads, group, name)   # stage 2
@@ -165,14 +190,55 @@ class ZeroOptimizer:
         # <<< exercise 01.zero2_reduce_scatter
 
     def sync_gradients(self) -> None:
-        """Stage 1: all-reduce every unit's full gradient (2(N-1)/N·M). Stage 2: finish the reduce-scatters."""
-        if self.stage == 2:
+        """Stage 1: all-reduce every unit's full gradient (2(N-1)/N·M). Stage 2 per micro-batch: finish the
+        reduce-scatters. Stages 2 and 3 in the pipeline form: reduce-scatter every unit's accumulated
+        gradient into my shard ((N-1)/N·M), then free the full gradients (and stage 3's parameters)."""
+        if self.hooked:
             self.reduce_scatter.wait()
             return
-        works = [comm.all_reduce(g, group=self.group, name=self.comm_name, async_op=True) for g in self.flat_grads]
+        if self.stage == 1:
+            works = [comm.all_reduce(g, group=self.group, name=self.comm_name, async_op=True) for g in self.flat_grads]
+        else:
+            works = [comm.reduce_scatter_into(mine, full, group=self.group, name=self.comm_name, async_op=True)
+                     for mine, full in zip(self.shard_grads, self.flat_grads)]
         for w in works:
             if w is not None:
                 w.wait()
+        self.release()
+
+    # --- the pipeline forms: what is full only during a step ----------------------------------------
+    def begin_step(self) -> None:
+        """Before the step's first forward: stages 2 and 3 (pipeline form) get their full gradient buffers
+        back, zeroed; stage 3 gathers its parameters, kept for every micro-batch of the step."""
+        if self.stage == 1 or self.hooked:
+            return
+        for g in self.flat_grads:
+            _allocate(g).zero_()
+        self.gather()
+
+    def gather(self) -> None:
+        """Stage 3: the full parameters, all-gathered from the shards ((N-1)/N·M); a no-op if they are
+        here (also for validation and checkpoints between steps; `release` frees them again)."""
+        if self.stage < 3 or self.gathered:
+            return
+        works = [comm.all_gather_into(_allocate(flat), shard, group=self.group, name=self.comm_name, async_op=True)
+                 for flat, shard in zip(self.flat_params, self.shards)]
+        for w in works:
+            if w is not None:
+                w.wait()
+        self.gathered = True
+
+    def release(self) -> None:
+        """Free what the pipeline forms hold only during a step: the full gradients (stages 2 and 3), the
+        full parameters (stage 3). The tensors stay, their storage is emptied (FSDP's way)."""
+        if self.stage == 1 or self.hooked:
+            return
+        for g in self.flat_grads:
+            g.untyped_storage().resize_(0)
+        if self.stage == 3:
+            for flat in self.flat_params:
+                flat.untyped_storage().resize_(0)
+            self.gathered = False
 
     def clip_grad_norm(self, max_norm: float, groups=(), coords=None) -> float:
         """Clip by the global norm. Each element lives in exactly one rank's shard (the padding is
@@ -183,13 +249,21 @@ class ZeroOptimizer:
         return clip_by_global_norm(owned, max_norm, groups=(self.group, *groups),
                                    all_grads=[p.grad for _, p in self.pieces])
 
+    def grad_squares(self, coords: dict) -> torch.Tensor:
+        """Σ g² of the whole gradient this group's ranks hold together: my shard's squares (a piece
+        replicated over TP counted by one holder), summed over the group. The same on its every rank."""
+        return sum_of_squares([p.grad for _, p in self.pieces if counted_here(replicas(p), coords)], [self.group])
+
     # --- the update ----------------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
 
     def step(self) -> None:
-        """AdamW on my shard only, then all-gather the updated shards: (N-1)/N·M per rank."""
+        """AdamW on my shard only, then all-gather the updated shards: (N-1)/N·M per rank (stage 3: the
+        next step's `begin_step` gathers them)."""
         self.optimizer.step()
+        if self.stage == 3:
+            return
         works = []
         for unit, flat in zip(self.units, self.flat_params):
             mine = flat[unit.lo:unit.hi].clone()   # the gather's input must not alias its output
@@ -200,18 +274,21 @@ class ZeroOptimizer:
 
     def zero_grad(self) -> None:
         for g in self.flat_grads if self.stage == 1 else self.shard_grads:
-            g.zero_()
+            g.zero_()             # (the pipeline forms' full buffers are zeroed when begin_step allocates them)
 
     # --- accounting and checkpoints --------------------------------------------------------------
     def memory(self) -> dict:
-        """Bytes held at rest by this rank (padding included)."""
+        """Bytes held at rest by this rank (padding included), and the most held during a step."""
         padded = sum(f.numel() * f.element_size() for f in self.flat_params)     # (padded,) per unit
         chunk = sum(g.numel() * g.element_size() for g in self.shard_grads)      # (padded/N,) per unit
-        return {"param_bytes": padded, "grad_bytes": padded if self.stage == 1 else chunk,
-                "optim_bytes": optim_bytes(self.optimizer), "peak_param_bytes": padded}
+        return {"param_bytes": chunk if self.stage == 3 else padded,
+                "grad_bytes": padded if self.stage == 1 else chunk,
+                "optim_bytes": optim_bytes(self.optimizer), "peak_param_bytes": padded,
+                "peak_grad_bytes": chunk if self.hooked else padded}
 
     def full_state(self):
         """(model state, AdamW state by name): the single-device checkpoint, on every rank."""
+        self.gather()
         model = {n: t.detach().cpu().clone() for u, flat in zip(self.units, self.flat_params)
                  for n, t in zip(u.names, u.split(flat))}
         return model, gather_optim_state(self.units, self.pieces, self.optimizer, self.group, self.comm_name)
@@ -234,6 +311,12 @@ class ZeroDataParallel(ZeroOptimizer, ForwardBackward):
 
     def forward(self, x):
         return self.model(x)                                             # (B, S) -> (B, S, V)
+
+
+def _allocate(t: torch.Tensor) -> torch.Tensor:
+    """Give back a released tensor its storage (its contents undefined until written)."""
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+    return t
 
 
 def gather_optim_state(units, pieces, optimizer, group, name="dp") -> dict:

@@ -117,7 +117,9 @@ def tp_loss_sum(local_logits, targets, tp_group):
 
 def sync_sequence_parallel_grads(model, tp_group) -> None:
     """With SP each rank's norm saw only its S/tp tokens, so its weight gradient is a partial sum:
-    all-reduce them (D floats per norm: tiny)."""
+    all-reduce them (D floats per norm: tiny). The same holds for every other tensor whole on each TP
+    rank: in a mixture of experts (chapter 05) each TP rank routes its own S/tp tokens through the router
+    and its experts, whose gradients are partial sums too (an expert's: 3·F·D floats, not tiny)."""
     if getattr(model, "sequence_parallel", False):
         for name, p in model.named_parameters():
             if p.grad is not None and p.tp_split_dim is None and replicas(p)["tp"] == model.tp_size:
@@ -146,7 +148,8 @@ def sync_tp_gradients(model, tp_group) -> None:
 
 
 def tp_collectives(cfg, rows: int, seq_len: int, tp: int, sequence_parallel: bool, n_layers: int,
-                   first: bool = True, last: bool = True, element_size: int = 4) -> list[tuple[str, int]]:
+                   first: bool = True, last: bool = True, element_size: int = 4,
+                   route_counts: bool = True) -> list[tuple[str, int]]:
     """(kind, bytes) of every "tp" collective of one micro-batch of `rows` sequences, forward and
     backward, through a stage of `n_layers` blocks (with the embedding if `first`, the head and the loss
     if `last`): the volumes the counter adds up (common.comm.collective_bytes of each).
@@ -156,22 +159,33 @@ def tp_collectives(cfg, rows: int, seq_len: int, tp: int, sequence_parallel: boo
     forward and a reduce-scatter backward, g the reverse (the same bytes). The embedding's g moves
     the activation forward (and back under SP), the head's f its input gradient backward (and the
     input forward under SP); the vocab-parallel loss, three all-reduces of rows·S fp32 numbers. A
-    mixture of experts stays whole on every TP rank: its blocks talk in the attention only."""
+    mixture of experts stays whole on every TP rank: its blocks talk in the attention only; under SP
+    each TP rank routes its own S/tp positions through it (no all-gather there either), and each router
+    sums its per-sequence expert counts over tp, one all-reduce of (rows, E) int64 per block
+    (`route_counts`: False where chapter 06 sums them over cp × tp and counts them as "cp")."""
     act = rows * seq_len * cfg.dim * element_size                   # one (rows, S, D) activation
     region = [("all_gather", act), ("reduce_scatter", act)] if sequence_parallel else [("all_reduce", act)]
     f_and_g = 2 * region                                            # f backward, g forward (each a pair under SP)
     split_regions = 1 if cfg.n_experts else 2                       # attention, and the MLP if dense
     out = (region if first else []) + n_layers * split_regions * f_and_g
+    if sequence_parallel and cfg.n_experts and route_counts:
+        out += n_layers * [("all_reduce", rows * cfg.n_experts * 8)]
     if last:
         out += region + 3 * [("all_reduce", rows * seq_len * 4)]
     return out
 
 
-def tp_gradient_collectives(cfg, tp: int, sequence_parallel: bool, n_layers: int, last: bool = True) -> list:
+def tp_gradient_collectives(cfg, tp: int, sequence_parallel: bool, n_layers: int, last: bool = True,
+                            ep: int = 1) -> list:
     """(kind, bytes) of `sync_tp_gradients`' all-reduces, once per step: under SP every norm gain
-    (2 per block, the final norm on the last stage), and with K < tp every block's wk and wv as one
-    (K, hd, D) buffer each. Parameters and their gradients are fp32."""
+    (2 per block, the final norm on the last stage) and, in a mixture of experts, each block's router
+    (E, D) and the 3 weights of each of its E/ep experts (chapter 05 spreads them over `ep` ranks);
+    with K < tp every block's wk and wv as one (K, hd, D) buffer each. Parameters and their gradients
+    are fp32."""
     norms = (2 * n_layers + last) * [("all_reduce", cfg.dim * 4)] if sequence_parallel else []
+    if sequence_parallel and cfg.n_experts:
+        router, expert = ("all_reduce", cfg.n_experts * cfg.dim * 4), ("all_reduce", cfg.expert_hidden * cfg.dim * 4)
+        norms += n_layers * ([router] + 3 * cfg.n_experts // ep * [expert])
     kv = 2 * n_layers * [("all_reduce", cfg.n_kv_heads * cfg.head_dim * cfg.dim * 4)] if cfg.n_kv_heads < tp else []
     return norms + kv
 

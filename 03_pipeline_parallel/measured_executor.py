@@ -35,14 +35,14 @@ class MeasuredExecutor(pipeline_executor.PipelineExecutor):
     def __init__(self, *args, timeline, meter_activations: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.timeline, self.meter_activations = timeline, meter_activations
-        # noted once, here: ZeRO (chapter 04) moves the parameters into flat buffers before this
-        self.param_storages = parameter_storages(self.model)
         self.peak_activation_bytes = None
 
     def run(self, schedule, tokens: list, targets: list, on_stage_grads_ready=None) -> torch.Tensor:
         if not self.meter_activations:
             return super().run(schedule, tokens, targets, on_stage_grads_ready)
-        self.meter = ActivationMeter(self.param_storages | storages(tokens + targets))
+        # where the parameters live now: ZeRO (chapter 04) moves them into flat buffers, and its stage 3
+        # gives those their storage back at every step
+        self.meter = ActivationMeter(parameter_storages(self.model) | storages(tokens + targets))
         loss = super().run(schedule, tokens, targets, on_stage_grads_ready)
         self.peak_activation_bytes = self.meter.peak
         return loss

@@ -101,13 +101,15 @@ def stage_memory(model, optimizer, peak_activation_bytes: int | None, predicted=
             "activation_bytes_predicted": predicted}
 
 
-def predicted_peaks(cfg, args, plan, specs, mb_rows: int, tp: int = 1, sequence_parallel: bool = False):
+def predicted_peaks(cfg, args, plan, specs, mb_rows: int, tp: int = 1, sequence_parallel: bool = False,
+                    cp: int = 1, gathered_kv: bool = False):
     """Each stage's predicted activation peak under `--recompute`, from the schedule's actions
-    (common/activation_ledger.py); None where the ledger does not apply (bf16, MoE)."""
+    (common/activation_ledger.py); None where the ledger does not apply (bf16, MoE). `cp`: the ranks
+    that split each sequence (chapter 06), `gathered_kv`: whether its attention all-gathers K/V."""
     if not activation_ledger.ledger_applies(cfg, args.dtype):
         return None
-    return activation_ledger.pipeline_peaks(cfg, args.recompute, plan, specs, mb_rows, args.seq_len, tp,
-                                            sequence_parallel)
+    return activation_ledger.pipeline_peaks(cfg, args.recompute, plan, specs, mb_rows, args.seq_len // cp, tp,
+                                            sequence_parallel, cp, gathered_kv)
 
 
 def _tensor_bytes(tensors) -> int:

@@ -1,5 +1,5 @@
 """What train_3d.py prints around its loop: the configuration, the grid's ranks and groups, the
-timeline file, the summary's bubble, the sample.
+timeline file, the summary's bubble, each rank's memory beside the formulas, the sample.
 
 Kept apart from the loop so that the first screenful of `main()` is the training itself; run_tail.py
 calls these. A later chapter's run (chapter 05's train_4d.py) prints the same tables with its own rows
@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from common.generate import sample
+from common.metrics import format_bytes
 from common.model import describe_size
 from common.timeline import write_chrome_trace
 
@@ -27,11 +28,20 @@ def config_rows(args, cfg, layout, rt, data, start: int) -> dict:
         "world size": f"{rt.world_size} = {layout.describe()}" + (" (+ sequence parallel)" if args.sequence_parallel else ""),
         "device / backend": f"{rt.device} / {rt.backend}", "data": data.describe(),
         "model": f"{args.model}: {describe_size(cfg)}, {cfg.n_layers} layers",
-        "optimizer": "ZeRO-1 over the DP group (chapter 01)" if args.zero_stage else "AdamW on each rank's piece",
+        "optimizer": describe_optimizer(args, layout),
         "pipeline": f"{args.schedule}, {m} micro-batch(es) of {mb_rows} seq, {args.virtual_stages} virtual stage(s), "
                     f"theory bubble {theory:.3f} (measured: `bubble_fraction` of every step)",
         "global batch": f"{args.global_batch} seq × {args.seq_len} tokens, warmup {args.warmup} + cosine, clip {args.clip}",
         "resumed from step": start or "-"}
+
+
+def describe_optimizer(args, layout) -> str:
+    """AdamW, or what ZeRO shards over which group (each kind of state over the group that sums it)."""
+    if not args.zero_stage:
+        return "AdamW on each rank's piece"
+    what = {1: "AdamW's state", 2: "AdamW's state and gradients", 3: "AdamW's state, gradients and weights"}
+    over = ", ".join(f"{kind} over {group.replace('_', ' × ')}" for kind, group in layout.gradient_groups().items())
+    return f"ZeRO-{args.zero_stage}: {what[args.zero_stage]} sharded ({over}; chapter 01's, zero_3d.py)"
 
 
 def rank_table(mesh, columns: dict | None = None) -> Group:
@@ -82,6 +92,41 @@ def write_timeline(path, timeline, rt, log, args, layout) -> None:
             "theory_bubble": pipeline_schedules.theory_bubble(args.schedule, layout.pp, m, args.virtual_stages),
             **timeline.clock_metadata()})
         log.note(f"timeline written: {path} (plot: python 03_pipeline_parallel/plot_timeline.py)")
+
+
+def memory_of(trainer, mesh) -> dict:
+    """This rank's memory after the last step, by component, and what the formulas say: the trainer's
+    (chapter 01's ZeRO formulas for its piece and groups) and the activation ledger's prediction for its
+    pipeline rank (None where the ledger does not apply: bf16, experts)."""
+    mem, predicted = trainer.memory(), trainer.predicted
+    return {"held": {k: mem[k] for k in ("param_bytes", "grad_bytes", "optim_bytes")},
+            "peak": {"param_bytes": mem.get("peak_param_bytes", mem["param_bytes"]),
+                     "grad_bytes": mem.get("peak_grad_bytes", mem["grad_bytes"])},
+            "activations": mem["peak_activation_bytes"],
+            "formula": trainer.memory_formula(),
+            "activations_predicted": predicted[mesh.coord("pp")] if predicted else None}
+
+
+def memory_table(per_rank: list[dict]) -> Group:
+    """Every rank's memory by component beside the formulas, ranks with the same numbers on one line:
+    what it holds between steps, the most it held during the step (ZeRO 2 and 3 gather), the formula."""
+    table = Table()
+    for title in ("ranks", "", "params", "grads", "AdamW", "activations"):
+        table.add_column(title, justify="right" if title not in ("ranks", "") else "left")
+    same = {}
+    for rank, m in enumerate(per_rank):
+        same.setdefault(repr(m), (m, []))[1].append(rank)
+    fmt = lambda n: "-" if n is None else format_bytes(n)               # noqa: E731
+    for m, ranks in same.values():
+        held, peak, formula = m["held"], m["peak"], m["formula"]
+        table.add_row(",".join(map(str, ranks)), "held", fmt(held["param_bytes"]), fmt(held["grad_bytes"]),
+                      fmt(held["optim_bytes"]), fmt(m["activations"]))
+        if peak != {k: held[k] for k in peak}:
+            table.add_row("", "in a step", fmt(peak["param_bytes"]), fmt(peak["grad_bytes"]), "", "")
+        table.add_row("", "formula", fmt(formula["param_bytes"]), fmt(formula["grad_bytes"]),
+                      fmt(formula["optim_bytes"]), fmt(m["activations_predicted"]), end_section=True)
+    return Group(Text("memory per rank after the last step (held: between steps, activations: the step's peak; "
+                      "formula: chapter 01's ZeRO formulas, the activation ledger)", style="italic"), table)
 
 
 def print_sample(log, rt, full_model, cfg, args) -> None:

@@ -68,8 +68,9 @@ def add_layout_args(p) -> None:
     p.add_argument("--schedule", default="1f1b", choices=pipeline_schedules.SCHEDULES, help="pipeline schedule")
     p.add_argument("--virtual-stages", type=POSITIVE_INT, default=1, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--sequence-parallel", action="store_true", help="TP with sequence parallelism")
-    p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1],
-                   help="1: shard AdamW's state over the DP group (chapter 01's ZeRO-1)")
+    p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="chapter 01's ZeRO over the ranks holding the same piece (zero_3d.py): 1 shards AdamW's "
+                        "state, 2 the gradients too, 3 the weights between steps too")
     p.add_argument("--val-every", type=NON_NEGATIVE_INT, default=25, help="validation loss every N steps (0: only at the end)")
     p.add_argument("--val-batches", type=POSITIVE_INT, default=2, help="global batches in one validation")
     p.add_argument("--sample-tokens", type=NON_NEGATIVE_INT, default=200, help="bytes of text to generate at the end (0: none)")

@@ -10,8 +10,8 @@ same for every dimension, so it lives here:
                        by group, memory, the measured bubble, a later chapter's own numbers); the
                        validation loss every --val-every steps and at the last; the consolidated
                        checkpoint every --checkpoint-every steps
-    finish()           the timeline file, the summary table, a text sample from the trained model; the
-                       process groups closed
+    finish()           the timeline file, the summary table, every rank's memory beside the formulas, a
+                       text sample from the trained model; the process groups closed
 
 A later chapter passes what it adds by name (its groups, its numbers, its cut of the validation rows,
 its replicas), never a copy of this file.
@@ -67,18 +67,21 @@ class RunTail:
         # the step's bytes by group (before validation adds its sends), memory, the bubble (chapter 03)
         row = trainer_3d.step_metrics(self.trainer.memory(), self.timeline, self.mesh, self.layout, self.rt.device,
                                       self.groups, self.counted_as)
+        row["memory_formula"] = self.trainer.memory_formula()     # beside param, grad and optim bytes
         for more in self.chapter_metrics:
             row.update(more())
         if (args.val_every and step % args.val_every == 0) or step == args.steps:
-            row["val_loss"] = trainer_3d.validation_loss(self.trainer, self.my_specs, self.data, step, args,
-                                                         self.layout, self.mesh, self.loss_fn, self.act_shape,
-                                                         self.rt.device, take=self.take)
+            with self.trainer.full_weights():               # (ZeRO-3: gathered for this forward, then freed)
+                row["val_loss"] = trainer_3d.validation_loss(self.trainer, self.my_specs, self.data, step, args,
+                                                             self.layout, self.mesh, self.loss_fn, self.act_shape,
+                                                             self.rt.device, take=self.take)
             self.log.note(f"step {step}: validation loss {row['val_loss']:.4f}")
         self.log.log_step(step, loss, lr, tokens, seconds, grad_norm=grad_norm, **row)
         if should_save(args, step) or (step == args.steps and args.sample_tokens):
             # a collective: every TP group gathers its shards; one replica of each stage sends its tensors
-            self.full_model, full_optim = parallel_3d.consolidated_state(self.trainer, self.mesh, self.layout, self.cfg,
-                                                                         self.replica_dims)
+            with self.trainer.full_weights():
+                self.full_model, full_optim = parallel_3d.consolidated_state(self.trainer, self.mesh, self.layout,
+                                                                             self.cfg, self.replica_dims)
             if self.rt.is_main and should_save(args, step):
                 path = checkpoint.save(args.checkpoint_dir, step, self.full_model, full_optim, run_identity(args))
                 self.log.note(f"checkpoint saved: {path}")
@@ -90,6 +93,9 @@ class RunTail:
         if self.args.timeline:
             console_3d.write_timeline(self.args.timeline, self.timeline, self.rt, self.log, self.args, self.layout)
         self.log.finish(console_3d.bubble_row(self.log.history, self.args, self.layout))
+        per_rank = [None] * self.rt.world_size                 # a collective: every rank's memory, on every rank
+        dist.all_gather_object(per_rank, console_3d.memory_of(self.trainer, self.mesh))
+        self.log.print(console_3d.memory_table(per_rank))
         console_3d.print_sample(self.log, self.rt, self.full_model, self.cfg, self.args)
         shutdown(self.rt)
         return self.log.history

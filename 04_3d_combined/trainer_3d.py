@@ -14,12 +14,14 @@ Each verb of train_3d.py's loop is one call away from a chapter's collective:
                             summed at all
     step, zero_grad, set_lr, memory   AdamW on this rank's piece
 
-With --zero-stage 1, `Zero1Trainer3D`: the same verbs, with chapter 01's ZeRO-1 over the DP group as
-the optimizer. `build_trainer` chooses, once, before the loop, and hands the trainer the group its
+With --zero-stage 1, 2 or 3, `ZeroTrainer3D`: the same verbs, with chapter 01's ZeRO over the group that
+sums each kind of gradient as the optimizer (zero_3d.py; the gradients reduced once, after the
+schedule). `build_trainer` chooses, once, before the loop, and hands the trainer the group its
 gradients are summed over, `dense_group`, by name from the layout (`Layout.gradient_groups()`: dp). A
 later chapter extends `Trainer3D` with its dimension (chapter 05: some gradients sum over a group of
-their own) and builds it from the same `build_executor` and `build_adamw_for`.
+their own) and builds it from the same `build_executor` and `build_optimizer`.
 """
+from contextlib import contextmanager, nullcontext
 from importlib import import_module
 
 import torch
@@ -30,11 +32,12 @@ from common.optim import build_adamw, clip_by_global_norm
 from common.step_protocol import counted_here, replicas
 from common.training import global_sum, load_optim_state_by_name, optim_state_by_name
 
-zero_sharding = import_module("01_data_parallel.zero_sharding")           # chapter 01: ZeRO-1
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")     # chapter 02: TP gradients, loss
 pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")  # chapter 03: forward-only pass
 measured_executor = import_module("03_pipeline_parallel.measured_executor")  # chapter 03: runs a schedule, measured
 pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")    # chapter 03: the pipeline's verbs
+zero_sharding = import_module("01_data_parallel.zero_sharding")           # chapter 01: ZeRO's formulas
+zero_3d = import_module("04_3d_combined.zero_3d")                            # this chapter: ZeRO on the grid
 
 
 class Trainer3D(pipeline_trainer.PipelineTrainer):
@@ -71,22 +74,38 @@ class Trainer3D(pipeline_trainer.PipelineTrainer):
         """AdamW's moments by reference name, of this rank's (TP-local) tensors: for the checkpoint."""
         return optim_state_by_name(self.optimizer, self.named)
 
+    def full_weights(self):
+        """A context in which the model's weights are whole on this rank (they always are here)."""
+        return nullcontext()
 
-class Zero1Trainer3D(Trainer3D):
-    """--zero-stage 1: each DP replica keeps the AdamW moments of 1/dp of its piece (chapter 01's
-    ZeroOptimizer). Nothing starts during the schedule: the gradients are all-reduced after it."""
+    def memory_formula(self) -> dict:
+        """Bytes this rank should hold between steps, by component: M, M, αM for AdamW on its piece."""
+        M = sum(p.numel() * p.element_size() for _, p in self.named)
+        return zero_sharding.zero_memory_components(0, M, 1)
+
+
+class ZeroTrainer3D(Trainer3D):
+    """--zero-stage 1, 2 or 3: chapter 01's ZeRO on each kind of state, over the ranks holding it
+    (zero_3d.ShardedOptimizers: AdamW's moments, from stage 2 the gradients, at 3 the parameters between
+    steps). Nothing starts during the schedule: the gradients are reduced once, after it."""
 
     def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, dense_group, predicted=None):
         super().__init__(executor, schedule, named, optimizer, mesh, microbatches, dense_group, predicted)
         self.on_stage_grads_ready = None
 
+    def forward_backward(self, x, y, sync: bool = True) -> torch.Tensor:
+        self.optimizer.begin_step()             # stages 2 and 3: the full gradient buffers; 3: the weights
+        return super().forward_backward(x, y, sync)
+
     def sync_gradients(self) -> None:
-        self.optimizer.sync_gradients()                                # DP: all-reduce every flat unit
+        # TP first, on the full gradients (sums commute), then ZeRO: all-reduce (stage 1) or reduce-scatter
+        # into my shard and free the full buffers (2, 3), over each kind's group
         tensor_parallel.sync_tp_gradients(self.model, self.tp_group)
+        self.optimizer.sync_gradients()
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        # squares of my DP shard, summed over the DP group (inside), then over TP and PP
-        return self.optimizer.clip_grad_norm(max_norm, groups=self.norm_groups, coords=self.mesh.coords)
+        # squares of my shards, summed over each kind's group (inside), then over TP and PP
+        return self.optimizer.clip_grad_norm(max_norm, self.norm_groups)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
@@ -99,9 +118,20 @@ class Zero1Trainer3D(Trainer3D):
                 "activation_bytes_predicted": self.predicted}
 
     def optim_state(self) -> dict:
-        """The full (TP-local) moments: each unit's shards all-gathered over DP (a collective)."""
-        opt = self.optimizer
-        return zero_sharding.gather_optim_state(opt.units, opt.pieces, opt.optimizer, opt.group)
+        """The full (TP-local) moments: each kind's shards all-gathered over its group (a collective)."""
+        return self.optimizer.optim_state()
+
+    def memory_formula(self) -> dict:
+        return self.optimizer.formula()
+
+    @contextmanager
+    def full_weights(self):
+        """Stage 3: the weights gathered for a forward outside the step (validation, a checkpoint)."""
+        self.optimizer.gather()
+        try:
+            yield
+        finally:
+            self.optimizer.release()
 
 
 def local_optim_state(full_optim, mesh, layout, cfg):
@@ -122,6 +152,21 @@ def build_adamw_for(named, args, local_optim=None):
     return optimizer
 
 
+def build_optimizer(named, mesh, layout, args, cfg, full_optim=None, kind_of=lambda name: "dense"):
+    """This rank's optimizer, chosen once: AdamW on its piece, or ZeRO (--zero-stage 1-3) on each kind of
+    state (`kind_of(name)`: chapter 05 tells the experts apart) over the group the layout names for that
+    kind. `full_optim`: a checkpoint's single-device AdamW state, cut here to this rank's TP shards."""
+    local = local_optim_state(full_optim, mesh, layout, cfg)
+    if not args.zero_stage:
+        return build_adamw_for(named, args, local)
+    groups = layout.gradient_groups()                               # {"dense": "dp", ...}: the mesh's names
+    by_kind = {kind: ([(n, p) for n, p in named if kind_of(n) == kind], group) for kind, group in groups.items()}
+    optimizer = zero_3d.ShardedOptimizers(by_kind, mesh, args.zero_stage, args.lr, args.weight_decay)
+    if local is not None:
+        optimizer.load_optim_state(local)
+    return optimizer
+
+
 def build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timeline):
     """Chapter 03's executor for this rank's stages. Build it after the optimizer: ZeRO moves the
     parameters into flat buffers, and the executor notes where the parameters live (to leave them
@@ -137,16 +182,9 @@ def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shap
     """This rank's trainer, its optimizer chosen once: AdamW on its piece, or ZeRO-1 over the DP group.
     `full_optim`: a checkpoint's single-device AdamW state, cut here to this rank's TP shards."""
     named = list(model.named_parameters())
-    local = local_optim_state(full_optim, mesh, layout, cfg)
     dense_group = mesh.group(layout.gradient_groups()["dense"])     # dp: the ranks holding the same piece
-    if args.zero_stage == 1:
-        optimizer = zero_sharding.ZeroOptimizer(named, dense_group, args.lr, args.weight_decay, stage=1)
-        if local is not None:
-            zero_sharding.load_optim_pieces(optimizer.units, optimizer.pieces, optimizer.optimizer, local)
-        trainer_class = Zero1Trainer3D
-    else:
-        optimizer = build_adamw_for(named, args, local)
-        trainer_class = Trainer3D
+    optimizer = build_optimizer(named, mesh, layout, args, cfg, full_optim)
+    trainer_class = ZeroTrainer3D if args.zero_stage else Trainer3D
     executor = build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timeline)
     predicted = pipeline_trainer.predicted_peaks(cfg, args, plan, specs, act_shape[0], layout.tp,
                                                  args.sequence_parallel)                 # each stage's peak
@@ -160,7 +198,8 @@ def step_metrics(memory: dict, timeline, mesh, layout, device, groups: tuple, co
     counted_as = counted_as or {}
     return {"comm_bytes": comm.COUNTER.total(),
             **{f"comm_bytes_{g}": comm.COUNTER.total(counted_as.get(g, g)) for g in groups},
-            "optim_bytes": memory["optim_bytes"], "activation_bytes_predicted": memory["activation_bytes_predicted"],
+            **{k: memory[k] for k in ("param_bytes", "grad_bytes", "optim_bytes")},
+            "activation_bytes_predicted": memory["activation_bytes_predicted"],
             **pipeline_trainer.step_stats(timeline, memory["peak_activation_bytes"], mesh.group("pp"), layout.pp, device)}
 
 

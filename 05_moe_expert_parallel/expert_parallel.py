@@ -70,10 +70,10 @@ class ExpertParallelMoE(nn.Module):
         self.register_buffer("selection_bias", moe.selection_bias)
         self.options, self.stats = moe.options, moe.stats
 
-    def forward(self, x):                                     # (B, S, D): this rank's rows
+    def forward(self, x):                                     # (B, S, D): this rank's rows (S/tp positions under SP)
         B, S, D = x.shape
         routing = route(x, self.router, self.selection_bias, self.top_k, self.options.capacity_factor,
-                        self.options.sequence_group)
+                        self.options.sequence_group, self.options.sequence_name)
         self.stats.add(routing)
 
         # 1. permute: this rank's kept slots grouped by expert, hence by destination rank

@@ -16,12 +16,17 @@ Why EP inside DP. An EP group must route *different* tokens to each other's expe
 data-parallel ranks (each with its own rows) of the same stage and TP coordinate. After attention's
 all-reduce every TP rank of a stage holds the same (mb, S, D) rows, so the TP ranks route the same
 tokens through the same experts: the experts are replicated over TP, not split, and need no TP sum.
+Under sequence parallelism (`--sequence-parallel`) attention's reduce-scatter leaves each TP rank
+(mb, S/tp, D): each routes its own positions through its (whole) experts, as Megatron-LM does, so the
+experts' gradients are partial over TP and summed like the norm gains', and the routers' per-sequence
+statistics are summed over the TP group (`experts_over_ep`).
 """
 import math
 from dataclasses import dataclass
 from importlib import import_module
 
 from common.errors import require
+from common.model import moe_layers
 from common.moe_args import add_moe_args, check_moe_args, moe_model_config
 
 from .expert_parallel import local_experts, parallelize_experts
@@ -80,19 +85,25 @@ def decide_layout(args, world: int) -> tuple[Layout4D, object]:
         require(layout.dp % ep == 0, f"--ep {ep} does not divide --dp {layout.dp}: the EP group is drawn from the "
                                      f"data-parallel ranks of a stage; use an --ep that divides {layout.dp} (and "
                                      f"the model's {cfg.n_experts} experts), or a larger --dp")
-        require(not args.sequence_parallel, "--sequence-parallel splits each sequence over the TP ranks, but the "
-                                            "mixture of experts routes whole sequences (its balance statistics and "
-                                            "capacity are per sequence); leave --sequence-parallel out with experts")
-    # This run's trainer (trainer_4d.py) takes plain AdamW on each rank's piece: ZeRO would shard the dense state
-    # over dp but the experts' over edp, two optimizers this chapter does not build. Refused, never ignored.
-    require(args.zero_stage == 0, "--zero-stage 1 is chapter 04's (train_3d.py); this run keeps AdamW whole on "
-                                  "each rank's piece, dense model or experts; leave --zero-stage out here")
+        # Under sequence parallelism each TP rank routes its own S/tp positions (experts_over_ep): the balance
+        # statistics are summed over tp, but the capacity's queue is each sequence's tokens in order
+        require(not (args.sequence_parallel and layout.tp > 1 and args.capacity_factor is not None),
+                "--capacity-factor serves each sequence's tokens in position order, but --sequence-parallel splits "
+                "the positions over the TP ranks; leave --capacity-factor out (dropless, as DeepSeek-V3 trains) with "
+                "--sequence-parallel")
     return Layout4D(layout.dp, layout.tp, layout.pp, layout.microbatches, {"dp": ("edp", "ep")}, ep), cfg
 
 
 def experts_over_ep(model, mesh) -> None:
-    """The step inserted after TP: each MoE layer keeps this rank's E/ep experts (none if dense)."""
+    """The step inserted after TP: each MoE layer keeps this rank's E/ep experts (none if dense). Under
+    sequence parallelism each TP rank routes its own S/tp positions of every sequence through its experts
+    (no gather: the residual stays split), so a router's per-sequence balance statistics are summed over
+    the TP group (common/moe_routing.route); the experts' and routers' gradients, partial over TP like the
+    norm gains', are summed by chapter 02's sync_tp_gradients (parallelize_model marked them replicated)."""
     parallelize_experts(model, mesh.group("ep"))
+    if getattr(model, "sequence_parallel", False):               # set by chapter 02's parallelize_model
+        for layer in moe_layers(model):
+            layer.options.sequence_group, layer.options.sequence_name = mesh.group("tp"), "tp"
 
 
 def experts_held(n_experts: int, ep_rank: int, ep: int) -> str:

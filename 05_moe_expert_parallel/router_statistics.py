@@ -12,7 +12,8 @@ the biases of the layers it holds, from the same numbers, so the replicas stay e
                    over PP  each layer lives on one stage: the other stages hold zeros in its row
                    over TP  the TP ranks of a stage route the same tokens (after attention's all-reduce):
                             only tp rank 0 fills its rows (`counted`: common.step_protocol.counted_here
-                            of statistics replicated over TP), or they would count tp times
+                            of statistics replicated over TP), or they would count tp times; under
+                            sequence parallelism each TP rank routes its own positions: all count
                    over DP  as here: each DP rank (EP ranks included) routed its own rows
 """
 import torch

@@ -16,6 +16,10 @@ What the experts change in chapter 04's verbs, and nothing else:
                             tensor, the same on every ep rank, counted once (parallelize_experts marks it)
     step()                  the router statistics summed over every rank (router_statistics.py: loads,
                             aux and z terms, the bias update), then AdamW
+
+With --zero-stage 1-3, `ZeroTrainer4D`: the same verbs over chapter 04's ZeRO (zero_3d.py), two sharded
+optimizers, the dense state over the dense group and the experts' over the expert group: DeepSeek-V3's
+"ZeRO-1 with EP" in miniature. Their gradients are reduced once, after the schedule.
 """
 from importlib import import_module
 
@@ -28,6 +32,7 @@ from .expert_parallel import is_expert_param
 from .router_statistics import RouterStatistics
 
 data_parallel = import_module("01_data_parallel.data_parallel")      # chapter 01: async all-reduce
+pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")    # chapter 03: the ledger's peaks
 trainer_3d = import_module("04_3d_combined.trainer_3d")              # chapter 04: the 3D verbs
 
 
@@ -36,8 +41,8 @@ class Trainer4D(trainer_3d.Trainer3D):
     over `dense_group`, an expert's over `expert_group` (the ranks holding the same experts)."""
 
     def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, dense_group, expert_group,
-                 router: RouterStatistics):
-        super().__init__(executor, schedule, named, optimizer, mesh, microbatches, dense_group)
+                 router: RouterStatistics, predicted=None):
+        super().__init__(executor, schedule, named, optimizer, mesh, microbatches, dense_group, predicted)
         self.experts = {id(p) for n, p in named if is_expert_param(n)}     # (none if dense)
         self.expert_sync = data_parallel.AsyncGradAllReduce(expert_group)
         self.norm_groups.append(mesh.group("ep"))       # ep ranks hold different experts: their squares add up
@@ -70,22 +75,39 @@ class Trainer4D(trainer_3d.Trainer3D):
         return self.router.metrics()
 
 
+class ZeroTrainer4D(Trainer4D, trainer_3d.ZeroTrainer3D):
+    """--zero-stage 1-3: Trainer4D's verbs (the router's statistics, the experts' norm over ep) with chapter
+    04's ZeRO verbs (trainer_3d.ZeroTrainer3D) underneath: two sharded optimizers, the dense state over
+    dp, the experts' over edp (zero_3d.py), each kind's gradients reduced once after the schedule."""
+
+
 def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shape, device, timeline,
                   full_optim=None) -> Trainer4D:
     """Chapter 04's pieces (AdamW on this rank's piece, the executor), plus this rank's router statistics,
     and the groups its gradients are summed over, named by the layout."""
     named = list(model.named_parameters())
-    optimizer = trainer_3d.build_adamw_for(named, args, trainer_3d.local_optim_state(full_optim, mesh, layout, cfg))
+    # AdamW, or ZeRO on each kind of state over its own group: dense over dp, experts over edp (chapter 04)
+    optimizer = trainer_3d.build_optimizer(named, mesh, layout, args, cfg, full_optim,
+                                           kind_of=lambda name: "experts" if is_expert_param(name) else "dense")
     executor = trainer_3d.build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timeline)
     # this rank's MoE layers under their global index (chapter 03's stages keep it): every stage fills the
-    # rows of its own layers; the TP ranks of a stage route the same tokens, so tp rank 0 counts them
+    # rows of its own layers; the TP ranks of a stage route the same tokens, so tp rank 0 counts them (under
+    # sequence parallelism each TP rank routes its own positions of them, and every rank counts)
     layers = {int(i): block.mlp for i, block in model.layers.items() if hasattr(block.mlp, "stats")}
     # the flags' routing options, which every MoE layer of this rank shares from here on; which ranks hold
-    # the rest of each sequence is the composition's to say (None here), kept from the layers as it left them
+    # the rest of each sequence is the composition's to say (here None, or tp under SP: experts_over_ep), kept
+    # from the layers as it left them
     options = routing_options(args, args.global_batch, args.seq_len)
-    options.sequence_group = next((layer.options.sequence_group for layer in layers.values()), None)
+    composed = next((layer.options for layer in layers.values()), options)
+    options.sequence_group, options.sequence_name = composed.sequence_group, composed.sequence_name
     router = RouterStatistics(layers, cfg.n_layers, cfg.n_experts, options, args.router_bias_rate, device,
-                              counted=counted_here({"tp": layout.tp}, mesh.coords))
+                              counted=args.sequence_parallel or counted_here({"tp": layout.tp}, mesh.coords))
     groups = layout.gradient_groups()                  # {"dense": "dp", "experts": "edp"}: the mesh's names
-    return Trainer4D(executor, plan, named, optimizer, mesh, layout.microbatches, mesh.group(groups["dense"]),
-                     mesh.group(groups["experts"]), router)
+    # a dense model's activations, predicted by the ledger (None with experts: routed rows); chapter 06's
+    # layout splits each sequence over cp ranks
+    cp = getattr(layout, "cp", 1)
+    predicted = pipeline_trainer.predicted_peaks(cfg, args, plan, specs, act_shape[0], layout.tp, args.sequence_parallel,
+                                                 cp, cp > 1 and args.cp_attention == "allgather")
+    trainer_class = ZeroTrainer4D if args.zero_stage else Trainer4D
+    return trainer_class(executor, plan, named, optimizer, mesh, layout.microbatches, mesh.group(groups["dense"]),
+                         mesh.group(groups["experts"]), router, predicted)

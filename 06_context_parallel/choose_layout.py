@@ -84,7 +84,7 @@ def candidates(cfg, world: int, global_batch: int, seq_len: int, gpus_per_node: 
                         for m in microbatch_counts(global_batch // dp, pp, schedule):
                             for zero in (0, 1, 2, 3) if pp == 1 else (0, 1, 2):   # ZeRO-3 re-gathers per micro-batch
                                 for mode in MODES:
-                                    for sp in (False, True) if tp > 1 and seq_len % tp == 0 else (False,):
+                                    for sp in (False, True) if tp > 1 and seq_len // cp % tp == 0 else (False,):
                                         yield layout_costs.Candidate(dp, tp, pp, cp, ep, zero, mode, sp, schedule,
                                                                      m, v)
 

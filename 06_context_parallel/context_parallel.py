@@ -19,6 +19,8 @@ all-reduce per tensor. The loss is summed over this rank's tokens and divided by
 count, so that sum is exactly the single-device gradient of the mean loss.
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -28,7 +30,7 @@ from common.model import apply_rope
 
 from .allgather_attention import allgather_attention
 from .attention_bookkeeping import WORK
-from .cp_split import SPLITS, SequenceSplit, check_split
+from .cp_split import SPLITS, SequenceSplit, check_split, n_chunks
 from .ring_attention import ring_attention
 
 ATTENTIONS = {"ring": ring_attention, "allgather": allgather_attention}
@@ -45,12 +47,18 @@ def add_cp_args(p, cp_help: str) -> None:
                         "all-gathered before local attention, dK/dV reduce-scattered")
 
 
-def check_cp(args, cp: int) -> None:
-    """The CP checks that need no communication (the caller checks cp against the world size)."""
+def check_cp(args, cp: int, tp: int = 1) -> None:
+    """The CP checks that need no communication (the caller checks cp against the world size). Under
+    sequence parallelism (train_5d.py) the residual stream of this rank's S/cp positions is split again
+    over the tp ranks, (B, S/cp/tp, D), and chapter 02's f gathers it back before each attention, so the
+    CP core sees its S/cp positions as without SP: only the lengths must split."""
     check_split(args.seq_len, cp, args.cp_split)
-    require(cp == 1 or not getattr(args, "sequence_parallel", False),
-            "--sequence-parallel splits each sequence over the TP ranks, and --cp already splits it over the CP "
-            "ranks; use one of the two (context parallelism here, or --cp 1 with --sequence-parallel)")
+    if getattr(args, "sequence_parallel", False) and tp > 1:
+        multiple = math.lcm(n_chunks(cp, args.cp_split), cp * tp)
+        require(args.seq_len // cp % tp == 0,
+                f"--sequence-parallel splits each CP rank's {args.seq_len // cp} positions (--seq-len {args.seq_len} "
+                f"over --cp {cp}) over --tp {tp} ranks, and {args.seq_len // cp} is not a multiple of {tp}; use a "
+                f"--seq-len that is a multiple of {multiple}")
 
 
 class ContextParallelAttention:

@@ -191,14 +191,17 @@ backward: they tolerate the slowest links, outermost.""")
     failures = key.failures(["torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --seq-len 36",
                              "torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --cp 3",
                              "torchrun --nproc_per_node=4 06_context_parallel/train_5d.py --cp 2 --capacity-factor 1.0",
-                             "torchrun --nproc_per_node=4 06_context_parallel/train_5d.py --model tiny --cp 2 --zero-stage 1"],
+                             "torchrun --nproc_per_node=4 06_context_parallel/train_5d.py --model tiny --cp 2 --dp 2 --tp 2 --pp 1"],
                             "06_context_parallel/")
     key.section("C8 — bad input", failures + """
 
 A capacity serves each sequence's tokens in position order until an expert is full; with CP a rank
 holds only some positions of each sequence (zig-zag: not even in order), so which token is dropped
-would depend on the layout. ZeRO-1 here shards AdamW and reduce-scatters gradients over the DP group,
-but with CP the gradients must be summed over dp × cp: the sharding would have to follow that group.""")
+would depend on the layout. ZeRO with CP shards over dp × cp, not over the DP group alone: after the
+gradients are summed over dp × cp, every rank of that group holds the same dense gradient, so each
+can keep 1/(dp·cp) of the state; the DP group alone would leave the CP ranks' shards duplicated
+(`torchrun --nproc_per_node=4 06_context_parallel/train_5d.py --model tiny --cp 2 --zero-stage 1` runs,
+the same losses as one device).""")
 
 
 def main() -> None:

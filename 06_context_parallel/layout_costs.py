@@ -168,8 +168,9 @@ def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
                 msgs["dp"] += 1 if c.zero_stage == 0 else (len(s.layers) + 2) * (2 + (c.zero_stage == 3))
         if c.tp > 1:
             micro = tensor_parallel.tp_collectives(cfg, rows, positions, c.tp, c.sequence_parallel, len(s.layers),
-                                                   s.first, s.last, e)
-            grads = tensor_parallel.tp_gradient_collectives(cfg, c.tp, c.sequence_parallel, len(s.layers), s.last)
+                                                   s.first, s.last, e, route_counts=c.cp == 1)
+            grads = tensor_parallel.tp_gradient_collectives(cfg, c.tp, c.sequence_parallel, len(s.layers), s.last,
+                                                            c.ep)
             nbytes["tp"] += m * sum(collective_bytes(k, n, c.tp) for k, n in micro) + \
                 sum(collective_bytes(k, n, c.tp) for k, n in grads)
             msgs["tp"] += m * len(micro) + len(grads)

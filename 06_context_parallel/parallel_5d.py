@@ -61,7 +61,7 @@ class Layout5D(parallel_4d.Layout4D):
             an expert's       over edp × cp ("edp_cp"): every rank holding that expert
             TP-replicated     summed over tp after (chapter 02's sync_tp_gradients: norm gains under SP,
                               shared KV heads), and counted once per TP group in the clipping norm
-            ZeRO (not with cp > 1 here) would shard each kind over these same groups
+            ZeRO (--zero-stage 1-3)  shards each kind over these same groups (04_3d_combined/zero_3d.py)
 
         At cp = 1 these are chapter 05's dp and edp. The table of every run's groups is in this chapter's
         README (section 7); trainer_4d.build_trainer takes the groups from here, by name."""
@@ -69,6 +69,9 @@ class Layout5D(parallel_4d.Layout4D):
 
 
 JOINED = {"dp": ("edp", "ep"), "dp_cp": ("edp", "ep", "cp"), "edp_cp": ("edp", "cp")}
+# Under sequence parallelism a sequence's positions are spread over cp × tp ranks: a router's per-sequence
+# balance statistics are summed over this group (then_experts_and_cp), made only where a run needs it
+SEQUENCE_JOINED = {"cp_tp": ("cp", "tp")}
 
 
 def add_5d_args(p) -> None:
@@ -90,26 +93,30 @@ def decide_layout(args, world: int) -> tuple[Layout5D, object]:
                                   f"equal the world size {world}; change the degrees or launch with "
                                   f"--nproc_per_node={product}")
     layout, cfg = parallel_4d.decide_layout(args, world // cp)         # the 4D checks on the ranks CP leaves
-    check_cp(args, cp)
+    check_cp(args, cp, layout.tp)                                      # under SP: S/cp splits over tp
     if cp > 1:
         require(args.capacity_factor is None,
                 "--capacity-factor serves each sequence's tokens in position order, but --cp splits the positions "
-                "over ranks; leave --capacity-factor out (dropless) with --cp > 1")
-    return Layout5D(layout.dp, layout.tp, layout.pp, layout.microbatches, JOINED, layout.ep, cp), cfg
+                "over ranks; leave --capacity-factor out (dropless, as DeepSeek-V3 trains) with --cp > 1")
+    sequence_over_cp_tp = args.sequence_parallel and layout.tp > 1 and cp > 1 and cfg.n_experts
+    joined = {**JOINED, **SEQUENCE_JOINED} if sequence_over_cp_tp else JOINED
+    return Layout5D(layout.dp, layout.tp, layout.pp, layout.microbatches, joined, layout.ep, cp), cfg
 
 
 def then_experts_and_cp(args, layout: Layout5D):
     """The steps chapter 04's build_local_model applies after TP: chapter 05's experts, then CP's."""
     def then(model, mesh):
-        parallel_4d.experts_over_ep(model, mesh)
+        parallel_4d.experts_over_ep(model, mesh)                      # under SP: the routers' group is tp
         if layout.cp > 1:
             cp_group = mesh.group("cp")
             attention_over_cp(model, cp_group, sequence_split(args, layout), args.cp_attention)
             # a router's balance statistics are per sequence, and my sequences' other positions are on
-            # the cp group: common/moe_routing.route sums the per-sequence expert counts over it
+            # the cp group (under SP, on its tp ranks too: cp × tp): common/moe_routing.route sums the
+            # per-sequence expert counts over it
+            group = mesh.group("cp_tp") if "cp_tp" in layout.joined else cp_group
             for block in model.layers.values():
                 if hasattr(block.mlp, "stats"):                       # an MoE layer
-                    block.mlp.options.sequence_group = cp_group
+                    block.mlp.options.sequence_group, block.mlp.options.sequence_name = group, "cp"
     return then
 
 
@@ -118,8 +125,11 @@ def sequence_split(args, layout: Layout5D) -> SequenceSplit:
 
 
 def act_shape(args, cfg, layout: Layout5D) -> tuple[int, int, int]:
-    """One pipeline message: a micro-batch's hidden states at this rank's S/cp positions."""
-    return (args.global_batch // layout.dp // layout.microbatches, args.seq_len // layout.cp, cfg.dim)
+    """One pipeline message: a micro-batch's hidden states at this rank's S/cp positions, split again over
+    tp under sequence parallelism."""
+    positions = args.seq_len // layout.cp
+    seq = positions // layout.tp if args.sequence_parallel else positions
+    return (args.global_batch // layout.dp // layout.microbatches, seq, cfg.dim)      # (mb, S/cp or S/cp/tp, D)
 
 
 def console_rows(cfg, args, layout: Layout5D) -> tuple[dict, dict]:

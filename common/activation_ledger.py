@@ -171,11 +171,12 @@ def schedule_peak(actions, held: dict, deferred: dict) -> int:
 
 
 def pipeline_peaks(cfg, mode: str, plan, specs, rows: int, positions: int, tp: int = 1,
-                   sequence_parallel: bool = False) -> list[int]:
+                   sequence_parallel: bool = False, cp: int = 1, gathered_kv: bool = False) -> list[int]:
     """Each pipeline rank's predicted peak: `plan` holds every rank's actions, `specs` every stage
-    (.layers, .first, .last); a micro-batch has `rows` sequences."""
+    (.layers, .first, .last); a micro-batch has `rows` sequences of `positions` on this rank (S/cp
+    under context parallelism: microbatch_bytes)."""
     held = {s.index: microbatch_bytes(cfg, mode, rows, positions, len(s.layers), s.first, s.last, tp,
-                                      sequence_parallel) for s in specs}
+                                      sequence_parallel, cp, gathered_kv) for s in specs}
     residual = positions // tp if sequence_parallel else positions
     per_layer = terms_bytes(deferred_terms(cfg, tp), mode, rows, positions, residual)
     head = FP32 * rows * positions * (cfg.dim + cfg.vocab_size) if tp == 1 else 0    # lm_head's x, dy

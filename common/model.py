@@ -206,7 +206,7 @@ class MoEFeedForward(nn.Module):
     def forward(self, x):                                    # (B, S, D) -> (B, S, D)
         B, S, D = x.shape
         routing = route(x, self.router, self.selection_bias, self.top_k, self.options.capacity_factor,
-                        self.options.sequence_group)
+                        self.options.sequence_group, self.options.sequence_name)
         self.stats.add(routing)
         order, counts = group_by_expert(routing, self.n_experts)                 # (N,), (E,)
         xs = x.reshape(B * S, D)[order // self.top_k]                            # (N, D) grouped by expert

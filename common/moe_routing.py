@@ -15,8 +15,9 @@ sequence-wise balance loss): fᵢ, Pᵢ and the capacity of each expert are comp
 one sequence. Every layout of the course splits the global batch by whole sequences (data-parallel
 rows, micro-batches, expert-parallel ranks routing their own rows), so each statistic is computed on
 one rank from the same numbers whatever the layout, and nothing needs communicating to get it, with
-one exception: chapter 06's context parallelism splits each sequence's positions, and `route` then sums
-the per-sequence counts over the CP group (`sequence_group`).
+two exceptions that split each sequence's positions: chapter 06's context parallelism, and chapter 02's
+sequence parallelism when chapter 05's run uses it; `route` then sums the per-sequence counts over the
+ranks holding the sequence's other positions (`sequence_group`: cp, tp, or both).
 """
 import math
 from dataclasses import dataclass
@@ -48,13 +49,17 @@ class RoutingOptions:
     capacity_factor: float | None = None   # None: dropless; else capacity ⌈CF·S·k/E⌉ per expert per sequence
     aux_weight: float = 0.0   # × aux_sum: α / (sequences in the step), so the layer adds α·(mean over sequences)
     z_weight: float = 0.0     # × z_sum:   β / (tokens in the step)
-    sequence_group: object = None   # chapter 06: the ranks holding the other positions of my sequences
+    sequence_group: object = None   # the ranks holding the other positions of my sequences (chapter 06's
+                                    # cp group; chapter 05's tp group under sequence parallelism)
+    sequence_name: str = "cp"       # the name its all-reduce's bytes are counted under (common/comm.py)
 
 
-def route(x, router: torch.nn.Linear, selection_bias, top_k: int, capacity_factor=None, sequence_group=None) -> Routing:
+def route(x, router: torch.nn.Linear, selection_bias, top_k: int, capacity_factor=None, sequence_group=None,
+          sequence_name: str = "cp") -> Routing:
     """Softmax router with top-k selection, on x: (B, S, D). Rows are whole sequences, or, with
-    `sequence_group` (chapter 06's context parallelism), this rank's S positions of each sequence, the
-    group's ranks holding the rest: the balance statistics are then made whole across it (see below)."""
+    `sequence_group` (chapter 06's context parallelism, chapter 02's sequence parallelism in chapter 05's
+    run), this rank's S positions of each sequence, the group's ranks holding the rest: the balance
+    statistics are then made whole across it (see below), its bytes counted under `sequence_name`."""
     B, S, _ = x.shape
     E = router.out_features
     logits = router(x).float()                                   # (B, S, E), fp32 even under autocast
@@ -73,14 +78,15 @@ def route(x, router: torch.nn.Linear, selection_bias, top_k: int, capacity_facto
     # no gradient), Pᵢ = mean probability of expert i over its S tokens (differentiable). Uniform routing
     # gives fᵢ = Pᵢ = 1/E and E·Σᵢ fᵢPᵢ = 1, so α times it is exactly α.
     per_sequence = F.one_hot(chosen, E).sum(dim=(1, 2))                          # (B, E) slots per expert
-    # Under context parallelism each of the group's `parts` ranks holds S of the sequence's parts·S tokens.
-    # fᵢ (a count, no gradient) is summed over the group; Pᵢ's mean over the sequence is the sum of each
-    # rank's mean over its S tokens divided by parts. E·Σᵢ fᵢPᵢ is linear in P: the ranks' terms add up to
-    # the sequence's, and so do their gradients (summed over dp × cp like every other).
+    # Under context (or sequence) parallelism each of the group's `parts` ranks holds S of the sequence's
+    # parts·S tokens. fᵢ (a count, no gradient) is summed over the group; Pᵢ's mean over the sequence is the
+    # sum of each rank's mean over its S tokens divided by parts. E·Σᵢ fᵢPᵢ is linear in P: the ranks' terms
+    # add up to the sequence's, and so do their gradients (summed over dp × cp like every other, and over
+    # tp under sequence parallelism).
     whole, parts = per_sequence, 1
     if sequence_group is not None and dist.get_world_size(sequence_group) > 1:
         whole, parts = per_sequence.clone(), dist.get_world_size(sequence_group)
-        comm.all_reduce(whole, sequence_group, name="cp")                        # (B, E) the whole sequence's
+        comm.all_reduce(whole, sequence_group, name=sequence_name)               # (B, E) the whole sequence's
     f = whole.float() / (S * parts * top_k)                                      # (B, E)
     P = probs.mean(dim=1) / parts                                                # (B, E) my tokens' share
     aux_sum = (E * (f * P).sum(dim=-1)).sum()

@@ -60,20 +60,31 @@ def clip_by_global_norm(owned_grads, max_norm: float, groups=(), all_grads=None)
     Returns the global norm before clipping (the same value on every rank).
     """
     owned_grads = [g for g in owned_grads if g is not None]
-    device = owned_grads[0].device if owned_grads else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float64, device=device)
-    for g in owned_grads:
+    norm = sum_of_squares(owned_grads, groups).sqrt().item()
+    clip_to(norm, max_norm, all_grads if all_grads is not None else owned_grads)
+    return norm
+
+
+def sum_of_squares(grads, groups=()) -> torch.Tensor:
+    """Σ g² over `grads` (in float64), then summed over each process group in turn: clip_by_global_norm's
+    first half, for a caller that adds several such sums (chapter 04's ZeRO, one per kind of state)."""
+    grads = [g for g in grads if g is not None]
+    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else torch.device("cpu"))
+    for g in grads:
         sq += g.detach().double().pow(2).sum()
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(sq, group=group)
-    norm = sq.sqrt().item()
+    return sq
+
+
+def clip_to(norm: float, max_norm: float, grads) -> None:
+    """The second half: scale every gradient by max_norm / norm when the global norm is larger."""
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for g in (all_grads if all_grads is not None else owned_grads):
+        for g in grads:
             if g is not None:
                 g.mul_(scale)
-    return norm
 
 
 def optim_bytes(optimizer: torch.optim.Optimizer) -> int:

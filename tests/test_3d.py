@@ -14,9 +14,9 @@ import pytest
 
 from harness import LOSS_RTOL, ROOT, assert_same_run, every_rank, free_port, max_rel_diff, ok, run_group
 
-STEPS = 6          # enough for every layout bug we have seen to show; the resumes start from step 3
+STEPS = 4          # enough for every layout bug we have seen to show; the resumes start from step 2
 BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet", "--sample-tokens", "0",
-        "--val-every", "3"]
+        "--val-every", "2"]
 MAIN = "04_3d_combined.train_3d:main"
 
 
@@ -58,20 +58,20 @@ def test_four_rank_layouts_and_resume_in_another_layout(reference, tmp_path):
     ref_hist, _ = reference
     ckpt = tmp_path / "ckpt"
     jobs = [(MAIN, layout(dp, tp, pp, *extra)) for (dp, tp, pp), extra in LAYOUTS_4]
-    # save in dp1×tp2×pp2 at steps 3 and 6 (with a timeline); then pretend the run stopped after step 3 ...
+    # save in dp1×tp2×pp2 at steps 2 and 4 (with a timeline); then pretend the run stopped after step 2 ...
     trace = tmp_path / "trace.json"
-    jobs.append((MAIN, layout(1, 2, 2, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--timeline", str(trace))))
-    jobs.append(("test_3d:point_latest_at", str(ckpt), "step_000003.pt"))
+    jobs.append((MAIN, layout(1, 2, 2, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--timeline", str(trace))))
+    jobs.append(("test_3d:point_latest_at", str(ckpt), "step_000002.pt"))
     # ... and resume it as dp2×tp1×pp2 and as dp1×tp4×pp1
     jobs.append((MAIN, layout(2, 1, 2, "--checkpoint-dir", str(ckpt), "--resume")))
-    jobs.append(("test_3d:point_latest_at", str(ckpt), "step_000003.pt"))
+    jobs.append(("test_3d:point_latest_at", str(ckpt), "step_000002.pt"))
     jobs.append((MAIN, layout(1, 4, 1, "--checkpoint-dir", str(ckpt), "--resume")))
     # ZeRO-1: save as dp2×tp2×pp1, resume as dp1×tp2×pp2 without ZeRO and as dp2×tp1×pp2 with it
     zero_ckpt = tmp_path / "zero"
-    jobs.append((MAIN, layout(2, 2, 1, "--zero-stage", "1", "--checkpoint-dir", str(zero_ckpt), "--checkpoint-every", "3")))
-    jobs.append(("test_3d:point_latest_at", str(zero_ckpt), "step_000003.pt"))
+    jobs.append((MAIN, layout(2, 2, 1, "--zero-stage", "1", "--checkpoint-dir", str(zero_ckpt), "--checkpoint-every", "2")))
+    jobs.append(("test_3d:point_latest_at", str(zero_ckpt), "step_000002.pt"))
     jobs.append((MAIN, layout(1, 2, 2, "--checkpoint-dir", str(zero_ckpt), "--resume")))
-    jobs.append(("test_3d:point_latest_at", str(zero_ckpt), "step_000003.pt"))
+    jobs.append(("test_3d:point_latest_at", str(zero_ckpt), "step_000002.pt"))
     jobs.append((MAIN, layout(2, 1, 2, "--zero-stage", "1", "--checkpoint-dir", str(zero_ckpt), "--resume")))
     results = run_group(4, jobs)
     for ((dp, tp, pp), extra), res in zip(LAYOUTS_4, results):
@@ -88,7 +88,7 @@ def test_four_rank_layouts_and_resume_in_another_layout(reference, tmp_path):
     assert LAYOUTS_4[1][0] == (2, 2, 1)
     assert abs(zero[-1]["optim_bytes"] - plain / 2) <= 0.01 * plain, (plain, zero[-1]["optim_bytes"])
     for i in (2, 4, 7, 9):
-        assert_same_run(results[n + i], ref_hist[3:], f"resumed (job {n + i})")
+        assert_same_run(results[n + i], ref_hist[2:], f"resumed (job {n + i})")
 
 
 # --- two verbs alone, each against one device, in one group of 2 ranks ---------------------------------
@@ -148,7 +148,7 @@ def point_latest_at(directory, name):
       "--global-batch", "6"], 2, "multiple of --pp"),
     (["--dp", "2", "--tp", "1", "--pp", "1", "--global-batch", "6", "--microbatches", "2"], 2, "does not split"),
     (["--pp", "2", "--tp", "1", "--virtual-stages", "2"], 2, "virtual"),
-    (["--zero-stage", "2"], 4, "invalid choice: 2"),
+    (["--zero-stage", "4"], 4, "invalid choice: 4"),
     (["--val-every", "-1"], 4, "--val-every must be a whole number ≥ 0, got -1"),
 ])
 def test_bad_layouts_are_refused_before_any_communication(monkeypatch, argv, world, expected):
