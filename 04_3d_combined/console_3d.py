@@ -119,7 +119,7 @@ def memory_table(per_rank: list[dict]) -> Group:
     fmt = lambda n: "-" if n is None else format_bytes(n)               # noqa: E731
     for m, ranks in same.values():
         held, peak, formula = m["held"], m["peak"], m["formula"]
-        table.add_row(",".join(map(str, ranks)), "held", fmt(held["param_bytes"]), fmt(held["grad_bytes"]),
+        table.add_row(rank_ranges(ranks), "held", fmt(held["param_bytes"]), fmt(held["grad_bytes"]),
                       fmt(held["optim_bytes"]), fmt(m["activations"]))
         if peak != {k: held[k] for k in peak}:
             table.add_row("", "in a step", fmt(peak["param_bytes"]), fmt(peak["grad_bytes"]), "", "")
@@ -127,6 +127,17 @@ def memory_table(per_rank: list[dict]) -> Group:
                       fmt(formula["optim_bytes"]), fmt(m["activations_predicted"]), end_section=True)
     return Group(Text("memory per rank after the last step (held: between steps, activations: the step's peak; "
                       "formula: chapter 01's ZeRO formulas, the activation ledger)", style="italic"), table)
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 3, 8, 9, 10, 11] -> "0-3,8-11": runs of consecutive ranks as ranges."""
+    runs = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def print_sample(log, rt, full_model, cfg, args) -> None:

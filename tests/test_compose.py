@@ -199,3 +199,21 @@ def test_readme_commands():
     for name, (chapter, launch, flags) in MINIATURES.items():
         text = (ROOT / chapter / "README.md").read_text()
         assert f"{launch} {' '.join(flags)}" in text, (name, chapter)
+
+
+def test_memory_table_groups_ranks_and_reads_at_80_columns():
+    """The run's last table: ranks with the same numbers on one line (as ranges), the step's peaks only where
+    they differ from what is held between steps, the formulas beneath; 80 columns wide at 16 ranks."""
+    from rich.console import Console
+    console_3d = import_module("04_3d_combined.console_3d")
+    held = {"param_bytes": 1642496, "grad_bytes": 410624, "optim_bytes": 821248}
+    zero2 = {"held": held, "peak": {"param_bytes": 1642496, "grad_bytes": 1642496}, "activations": 6 * 2**20,
+             "formula": held, "activations_predicted": 6 * 2**20}
+    last = {**zero2, "activations": 3 * 2**20, "activations_predicted": 3 * 2**20}
+    plain = {**zero2, "peak": {"param_bytes": 1642496, "grad_bytes": 410624}}
+    console = Console(width=80, record=True)
+    console.print(console_3d.memory_table([zero2] * 4 + [last] * 4 + [zero2] * 4 + [last] * 3 + [plain]))
+    text = console.export_text()
+    assert max(map(len, text.splitlines())) <= 80, text
+    assert "0-3,8-11" in text and "4-7,12-14" in text and "│ 15 " in text, text
+    assert text.count("in a step") == 2 and text.count("formula ") == 3, text
