@@ -111,9 +111,11 @@ class GradientReduceScatter:
 
 
 class ZeroOptimizer:
-    """ZeRO stage 1 or 2 for any list of (name, parameter) on a data-parallel group.
+    """ZeRO stage 1 or 2 (or 3, in the pipeline form) for any list of (name, parameter) on a data-parallel
+    group.
 
         opt = ZeroOptimizer(named_params, dp_group, lr, weight_decay, stage=1)
+        opt.begin_step()                # the pipeline forms (per_microbatch=False): full buffers back
         loss.backward()                 # stage 2: gradients are reduce-scattered during backward
         opt.sync_gradients()            # stage 1: all-reduce; stage 2: wait for the reduce-scatters
         norm = opt.clip_grad_norm(1.0)  # global norm from the shards (+ groups=[tp, pp] if sharded there)
