@@ -20,8 +20,8 @@ the routed all-to-all's excepted (it depends on the routing). One spawned group 
              saving at step 2, resumed as dp 2 = edp 1 × ep 2 × tp 2 × pp 2 with ZeRO-3 under GPipe (FSDP ×
              TP × PP × EP); ZeRO-2 × TP × PP under ZB-H1 (the deferred weight gradients); ZeRO-3 × TP × CP
              on a dense model; ZeRO-2 × EP × CP × PP, interleaved (with the Llama miniature's 1F1B: every
-             schedule under ZeRO); SP × experts (its tp bytes equal chapter 02's formulas), SP × CP × PP,
-             SP × CP × experts; the refusals that remain, one message on every rank
+             schedule under ZeRO); SP × experts (its tp bytes equal chapter 02's formulas), SP × CP ×
+             experts (SP × CP × PP: the Llama miniature); the refusals that remain, one message on every rank
 """
 import os
 import subprocess
@@ -65,8 +65,6 @@ RUNS = {16: {"Llama 3 miniature": (FIVE, LLAMA3, "dense"),
                                                                      "interleaved", "--virtual-stages", "2"], "moe"),
             "4d dp4·ep2 × tp2 +SP": (FOUR, MOE + SP + ["--dp", "4", "--ep", "2", "--tp", "2", "--pp", "1",
                                                       "--microbatches", "2"], "moe"),
-            "5d dense tp2 +SP × cp2 × pp2": (FIVE, SP + ["--model", "tiny", "--dp", "1", "--tp", "2", "--pp", "2",
-                                                        "--cp", "2"], "dense"),
             "5d dp2·ep2 × tp2 +SP × cp2": (FIVE, MOE + SP + ["--dp", "2", "--ep", "2", "--tp", "2", "--pp", "1",
                                                             "--cp", "2"], "moe"),
             "DeepSeek-V3 resumed as ZeRO-3 × tp2 × pp2 × ep2, gpipe": (FOUR, MOE + ["--dp", "2", "--ep", "2", "--tp",
