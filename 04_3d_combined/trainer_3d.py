@@ -179,8 +179,9 @@ def build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timelin
 
 def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shape, device, timeline,
                   full_optim=None) -> Trainer3D:
-    """This rank's trainer, its optimizer chosen once: AdamW on its piece, or ZeRO-1 over the DP group.
-    `full_optim`: a checkpoint's single-device AdamW state, cut here to this rank's TP shards."""
+    """This rank's trainer, its optimizer chosen once (build_optimizer): AdamW on its piece, or ZeRO
+    (--zero-stage 1-3) over the group its layout names. `full_optim`: a checkpoint's single-device AdamW
+    state, cut here to this rank's TP shards."""
     named = list(model.named_parameters())
     dense_group = mesh.group(layout.gradient_groups()["dense"])     # dp: the ranks holding the same piece
     optimizer = build_optimizer(named, mesh, layout, args, cfg, full_optim)
