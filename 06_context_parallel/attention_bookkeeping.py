@@ -7,8 +7,8 @@ None of it changes a number of the attention (ring_attention.py, allgather_atten
                 reset it every step; context_parallel.cp_step_metrics turns it into attn_work_imbalance.
     ring_span   a timeline span around one part of a ring step (post, compute, wait), recorded only when
                 TRACE has a timeline (overlap_cp.py gives it one).
-    cp_bytes    the bytes one attention call sends and receives under "cp", for the ring and the
-                all-gather variant: what common/comm.py must count, to the byte.
+    cp_bytes    the bytes one attention call sends and receives under "cp", for each of the four variants
+                (ring, allgather, alltoall, alltoall+ring): what common/comm.py must count, to the byte.
 """
 from contextlib import contextmanager
 
@@ -32,6 +32,10 @@ class WorkTally:
         B, h = q.shape[0], q.shape[1]
         self.entries += sum(B * h * (p.q_rows.stop - p.q_rows.start) * (p.k_rows.stop - p.k_rows.start)
                             for p in pairs)
+
+    def add(self, entries: int) -> None:
+        """Entries computed outside the chunk pairs: the all-to-all variant's local attention."""
+        self.entries += entries
 
 
 WORK = WorkTally()
@@ -62,7 +66,8 @@ def ring_span(kind: str, t: int):
     return TRACE.span(kind, t)
 
 
-def cp_bytes(variant: str, B: int, S: int, cp: int, kv: int, hd: int, element_size: int, forward_runs: int = 1) -> int:
+def cp_bytes(variant: str, B: int, S: int, cp: int, kv: int, hd: int, element_size: int, forward_runs: int = 1,
+             h: int = 0, K: int = 1) -> int:
     """Bytes one rank sends + receives under "cp" for one attention call, forward and backward.
 
     blk = B·(S/cp)·kv·hd·element_size is one rank's K (or V) block. The gradients travel in the compute
@@ -71,9 +76,23 @@ def cp_bytes(variant: str, B: int, S: int, cp: int, kv: int, hd: int, element_si
                  sent = 2(cp−1)·blk + 2(cp−1)·blk + 2(cp−1)·gblk
       allgather  forward: one all-gather of K and V (n = cp·2·blk);  backward: one reduce-scatter of dK and
                  dV (n = cp·2·gblk); each sends (cp−1)/cp·n:  sent = 2(cp−1)·blk + 2(cp−1)·gblk
+      alltoall   (h: this rank's query heads) forward: all-to-alls of q, k, v (qkv = B·(S/cp)·(h+2kv)·hd·e)
+                 and of the output (o = B·(S/cp)·h·hd·e); backward: the same of dout and dq, dk, dv, in the
+                 tensors' own dtype. Each sends (cp−1)/cp of its tensor:  sent = 2·(cp−1)/cp·(qkv + o)
+      alltoall+ring  the all-to-alls over K ranks ((K−1)/K instead of (cp−1)/cp), plus the ring over the cp/K
+                 groups on h/K, kv/K heads and S·K/cp positions: the ring's blk is the same, its hops cp/K − 1
     The ring moves K and V twice (the backward sends them around again, where the all-gather kept the
     gathered copy); that copy is the all-gather's memory cost: every rank holds the whole sequence's K/V.
-    `forward_runs` 2: --recompute full reruns each block's forward in backward, its K/V hops included."""
+    The all-to-all's tensors are ∝ S/cp and it sends nearly all of them: its bytes per rank fall as 1/cp,
+    where the ring's (cp−1)·blk stay nearly constant.
+    `forward_runs` 2: --recompute full reruns each block's forward in backward, its hops included."""
+    if variant in ("alltoall", "alltoall+ring"):
+        n = cp if variant == "alltoall" else K
+        qkv, o = (B * (S // cp) * heads * hd * element_size for heads in (h + 2 * kv, h))
+        sent = (forward_runs + 1) * (n - 1) * (qkv + o) // n
+        if variant == "alltoall+ring":
+            sent += cp_bytes("ring", B, S, cp // K, kv // K, hd, element_size, forward_runs) // 2
+        return 2 * sent
     blk = B * (S // cp) * kv * hd * element_size
     gblk = blk // element_size * max(element_size, 4)
     kv_trips = {"ring": 1 + forward_runs, "allgather": forward_runs}[variant]

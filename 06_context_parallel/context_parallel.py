@@ -11,6 +11,8 @@ Attention and of chapter 02's ParallelAttention), and nothing else changes in th
         rotate q and k by the angles of their global positions      (cos, sin: the model's whole tables)
         ring_attention(q, k, v)      K/V blocks travel the ring (ring_attention.py), or
         allgather_attention(...)     K/V all-gathered, dK/dV reduce-scattered (allgather_attention.py)
+        alltoall_attention(...)      heads re-partitioned: all S positions, h/cp heads (alltoall_attention.py)
+        hybrid_attention(...)        the all-to-all over K ranks, the ring over cp/K groups (the same file)
         -> (B, S/cp, h·hd)
 
 Gradients. Every weight is replicated over the CP ranks, and each CP rank's gradient comes from its
@@ -29,11 +31,13 @@ from common.errors import require
 from common.model import apply_rope
 
 from .allgather_attention import allgather_attention
+from .alltoall_attention import HybridGroups, alltoall_attention, hybrid_attention
 from .attention_bookkeeping import WORK
 from .cp_split import SPLITS, SequenceSplit, check_split, n_chunks
 from .ring_attention import ring_attention
 
-ATTENTIONS = {"ring": ring_attention, "allgather": allgather_attention}
+ATTENTIONS = {"ring": ring_attention, "allgather": allgather_attention, "alltoall": alltoall_attention,
+              "alltoall+ring": hybrid_attention}
 
 
 def add_cp_args(p, cp_help: str) -> None:
@@ -44,15 +48,49 @@ def add_cp_args(p, cp_help: str) -> None:
                         "equal causal work) or contiguous (rank r holds the r-th S/cp)")
     g.add_argument("--cp-attention", default="ring", choices=tuple(ATTENTIONS),
                    help="ring: K/V blocks passed around the CP ring, overlapping compute; allgather: K/V "
-                        "all-gathered before local attention, dK/dV reduce-scattered")
+                        "all-gathered before local attention, dK/dV reduce-scattered; alltoall (Ulysses): one "
+                        "all-to-all to (all S positions, h/cp heads), local attention, one back; alltoall+ring: "
+                        "the all-to-all over groups of --cp-alltoall ranks, the ring across the groups")
+    g.add_argument("--cp-alltoall", type=POSITIVE_INT, default=None, metavar="K",
+                   help="with --cp-attention alltoall+ring: the all-to-all's degree, K consecutive CP ranks "
+                        "(K divides --cp; the ring runs over the cp/K groups)")
 
 
-def check_cp(args, cp: int, tp: int = 1) -> None:
+def sequence_split(args, cp: int) -> SequenceSplit:
+    """Who holds which positions, for this run's flags (the hybrid cuts each group's chunks over its K ranks)."""
+    inner = args.cp_alltoall if args.cp_attention == "alltoall+ring" and cp > 1 else 1
+    return SequenceSplit(args.seq_len, cp, args.cp_split, inner)
+
+
+def check_alltoall(args, cp: int, cfg, tp: int = 1) -> None:
+    """The all-to-all variants split this rank's heads (n_heads/tp, and KV heads kv_heads_per_rank(tp)) over
+    their degree: cp for alltoall, K for alltoall+ring. DeepSpeed-Ulysses requires the degree to divide the
+    heads; some implementations replicate KV heads when it does not divide them. The course refuses."""
+    variant, K = args.cp_attention, args.cp_alltoall
+    require(K is None or variant == "alltoall+ring",
+            f"--cp-alltoall {K} sets the all-to-all degree of --cp-attention alltoall+ring only; leave it out "
+            f"with --cp-attention {variant}")
+    if cp == 1 or variant not in ("alltoall", "alltoall+ring"):
+        return
+    require(variant == "alltoall" or K is not None,
+            f"--cp-attention alltoall+ring needs --cp-alltoall K, the ranks of one all-to-all (a divisor of --cp {cp})")
+    degree = cp if variant == "alltoall" else K
+    require(cp % degree == 0, f"--cp-alltoall {K} must divide --cp {cp}; use a divisor of {cp}")
+    h, kv = cfg.n_heads // tp, cfg.kv_heads_per_rank(tp)
+    require(kv % degree == 0,
+            f"--cp-attention {variant} splits this rank's {h} heads and {kv} KV heads (--tp {tp}) over {degree} "
+            f"ranks, and {degree} does not divide {kv}: the course does not replicate KV heads; use "
+            f"--cp-attention ring or allgather, or an all-to-all degree that divides {kv}")
+
+
+def check_cp(args, cp: int, tp: int = 1, cfg=None) -> None:
     """The CP checks that need no communication (the caller checks cp against the world size). Under
     sequence parallelism (train_5d.py) the residual stream of this rank's S/cp positions is split again
     over the tp ranks, (B, S/cp/tp, D), and chapter 02's f gathers it back before each attention, so the
     CP core sees its S/cp positions as without SP: only the lengths must split."""
     check_split(args.seq_len, cp, args.cp_split)
+    if cfg is not None:
+        check_alltoall(args, cp, cfg, tp)
     if getattr(args, "sequence_parallel", False) and tp > 1:
         multiple = math.lcm(n_chunks(cp, args.cp_split), cp * tp)
         require(args.seq_len // cp % tp == 0,
@@ -67,6 +105,8 @@ class ContextParallelAttention:
     def __init__(self, group, split: SequenceSplit, variant: str):
         self.group, self.split, self.attention = group, split, ATTENTIONS[variant]
         self.positions = split.positions(dist.get_rank(group))          # (S/cp,): my global positions
+        if variant == "alltoall+ring":             # its two sub-groups, made on every rank in the same order
+            self.group = HybridGroups(group, split.inner)
         self.tables = None                                              # my rows of the RoPE tables
 
     def rope_rows(self, cos, sin):

@@ -17,6 +17,10 @@ attention work each rank does, because attention is causal: a query attends to t
 A rank keeps its chunks in "local order" (chunk r first, then chunk 2cp−1−r): its local tensors are the
 concatenation of its chunks, and `positions(rank)` says which global position each local row is, which is
 what RoPE and the causal mask need.
+
+The hybrid attention (alltoall_attention.py, all-to-all over groups of K ranks, ring across them) splits at
+the group level (`inner` = K): the cp/K groups hold the chunks of a split over cp/K (`outer()`), and the K
+ranks of group g cut each of g's chunks into K equal pieces, rank g·K + i taking piece i of each.
 """
 from dataclasses import dataclass
 
@@ -60,12 +64,24 @@ class SequenceSplit:
     seq_len: int
     cp: int
     split: str
+    inner: int = 1      # the hybrid's all-to-all degree K: the cp/K groups split, their K ranks cut further
 
     def __post_init__(self):
         check_split(self.seq_len, self.cp, self.split)
+        require(self.cp % self.inner == 0, f"--cp-alltoall {self.inner} must divide --cp {self.cp}; use a "
+                f"divisor of {self.cp}")
+
+    def outer(self) -> "SequenceSplit":
+        """The split over the cp/K groups of the hybrid (alltoall_attention.py): group g holds what rank g
+        of this split would, and its ring runs over this split."""
+        return SequenceSplit(self.seq_len, self.cp // self.inner, self.split)
 
     def chunks(self, rank: int) -> list[tuple[int, int]]:
-        """The [start, stop) chunks cp rank `rank` holds, in local order."""
+        """The [start, stop) chunks cp rank `rank` holds, in local order. With `inner` K > 1, rank r holds
+        piece r mod K of each chunk of its group r // K (a chunk cut into K equal pieces)."""
+        if self.inner > 1:
+            i, K = rank % self.inner, self.inner
+            return [(a + i * (b - a) // K, a + (i + 1) * (b - a) // K) for a, b in self.outer().chunks(rank // K)]
         c = self.seq_len // n_chunks(self.cp, self.split)
         if self.split == "contiguous":
             return [(rank * c, (rank + 1) * c)]

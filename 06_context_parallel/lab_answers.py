@@ -204,6 +204,60 @@ can keep 1/(dp·cp) of the state; the DP group alone would leave the CP ranks' s
 the same losses as one device).""")
 
 
+def part_six(key: Key) -> None:
+    """C10: the all-to-all's bytes against the formula, and a heads/sequence transposition that still runs."""
+    cfg, B, S = PRESETS["tiny"], 8, 64
+    runs = {"a2a": ("alltoall", 1), "hybrid": ("alltoall+ring", 2)}
+    key.run(f"{TRAIN} --cp-attention alltoall --metrics /tmp/c10_a2a.jsonl --quiet")
+    key.run(f"{TRAIN} --cp-attention alltoall+ring --cp-alltoall 2 --metrics /tmp/c10_hybrid.jsonl --quiet")
+    same = key.run("python -m common.compare_metrics /tmp/c3_1.jsonl /tmp/c10_a2a.jsonl /tmp/c10_hybrid.jsonl", check=False)
+    rows = []
+    for name, (variant, K) in runs.items():
+        formula = cfg.n_layers * attention_bookkeeping.cp_bytes(variant, B, S, 4, cfg.n_kv_heads, cfg.head_dim, 4,
+                                                                h=cfg.n_heads, K=K)
+        measured = sorted({r["comm_bytes_cp"] for r in key.rows(f"/tmp/c10_{name}.jsonl")})
+        rows.append([f"`--cp-attention {variant}`" + (f" `--cp-alltoall {K}`" if K > 1 else ""), f"{formula:,}",
+                     ", ".join(f"{m:,}" for m in measured)])
+    edit = Edit(f"{CH}/alltoall_attention.py", "t.permute(1, 2, 0, 3, 4).reshape(B, a // self.n, self.n * L, hd)",
+                "t.permute(1, 0, 2, 3, 4).reshape(B, a // self.n, self.n * L, hd)")
+    with key.broken(edit) as root:
+        key.run(f"{TRAIN} --cp-attention alltoall --metrics /tmp/c10_broken.jsonl --quiet", root=root)
+    b, ref = key.rows("/tmp/c10_broken.jsonl"), key.rows("/tmp/c3_1.jsonl")
+    key.section("C10 — the all-to-all: predict its bytes, then break it", table(
+        ["run (cp 4, B 8, S 64)", "formula (bytes / step)", "measured, every step"], rows) + f"""
+
+(a) One layer's q, k, v and output on a rank: B·(S/cp)·(h + 2kv + h)·hd·4 = 8·16·24·16·4 = 196,608 bytes;
+the four all-to-alls of forward and backward send 3/4 of it twice each way: 4 · 3/4 · 196,608 = 589,824
+per layer, × 8 = 4,718,592, half the ring's 9,437,184. The hybrid: the all-to-all over 2 ranks, 4 · 1/2 ·
+196,608, plus a ring of 2 groups on 2 KV heads of 32 positions, 12 · 1 · 32,768: 786,432 per layer. Both
+train as one device: `compare_metrics` exit {same.code}, {same.line_with("c10_a2a.jsonl: max")};
+{same.line_with("c10_hybrid.jsonl: max")}.
+
+The all-to-all over the ring is (2h + 2kv)/(3·cp·kv): for tiny (h/kv = 2) 2/cp, equal at cp 2; for MHA
+4/(3cp), below 1 from cp 2 on; for h/kv = 8, 6/cp (equal at cp 6). At fixed S the ring's bytes per rank
+stay about 12·S·kv·hd·4 while the all-to-all's fall as 1/cp. `--cp 8` refuses it for tiny, on every rank
+before any communication: 8 ranks cannot share 4 KV heads (`check_alltoall`; DeepSpeed-Ulysses refuses the
+same, some implementations replicate KV heads instead).
+
+(b) The broken run, step by step:
+
+| step | loss, 1 rank | loss, broken | grad_norm, 1 rank | grad_norm, broken |
+|---|---|---|---|---|
+""" + "\n".join(f"| {x['step']} | {x['loss']:.7f} | {y['loss']:.7f} | {x['grad_norm']:.5f} | {y['grad_norm']:.5f} |"
+                for x, y in zip(ref, b)) + f"""
+
+Bytes {b[0]["comm_bytes_cp"]:,} (the formula's: the same tensors are sent) and work imbalance
+{b[0]["attn_work_imbalance"]}: nothing the bookkeeping sees changes. The received pieces are (rank, head,
+position); read as (head, rank·position), each "head" of the attention is a mixture of heads and of other
+ranks' positions, and the causal order is lost. The step-1 loss is off by only
+{abs(b[0]["loss"] / ref[0]["loss"] - 1):.1e} relative (at initialisation attention is close to uniform, so
+scrambling what it averages changes little), far above round-off's 1e-6, and the runs drift apart from there.
+It still runs because the element count is the same. `tests/test_ring_attention.py::test_matches_single_device_attention`
+fails on it (the all-to-all and hybrid cases: output and gradients off by tens of percent), and so does
+`tests/test_cp.py` at step 1; the ring's and all-gather's cases pass, as they never call `Repartition`. Undo
+the change.""")
+
+
 def main() -> None:
     key = Key(CH, "Chapter 06 lab — context parallelism")
     key.names(f"{CH}/cp_split.py", "def work", "def chunks")
@@ -212,6 +266,7 @@ def main() -> None:
     part_three(key)
     part_four(key)
     import_module("06_context_parallel.lab_layout").layout_section(key)   # C9: the layout planner
+    part_six(key)                        # C10: the all-to-all
     key.section(*key_section("06"))      # the museum's bugs of this chapter: how each is found
     key.write()
 

@@ -36,6 +36,7 @@ from importlib import import_module
 from common.errors import require
 
 from .context_parallel import add_cp_args, attention_over_cp, check_cp
+from .context_parallel import sequence_split as cp_sequence_split
 from .cp_split import SequenceSplit
 
 parallel_4d = import_module("05_moe_expert_parallel.parallel_4d")      # chapter 05: the 4D composition
@@ -93,7 +94,7 @@ def decide_layout(args, world: int) -> tuple[Layout5D, object]:
                                   f"equal the world size {world}; change the degrees or launch with "
                                   f"--nproc_per_node={product}")
     layout, cfg = parallel_4d.decide_layout(args, world // cp)         # the 4D checks on the ranks CP leaves
-    check_cp(args, cp, layout.tp)                                      # under SP: S/cp splits over tp
+    check_cp(args, cp, layout.tp, cfg)                                 # under SP: S/cp splits over tp; heads
     if cp > 1:
         require(args.capacity_factor is None,
                 "--capacity-factor serves each sequence's tokens in position order, but --cp splits the positions "
@@ -121,7 +122,7 @@ def then_experts_and_cp(args, layout: Layout5D):
 
 
 def sequence_split(args, layout: Layout5D) -> SequenceSplit:
-    return SequenceSplit(args.seq_len, layout.cp, args.cp_split)
+    return cp_sequence_split(args, layout.cp)
 
 
 def act_shape(args, cfg, layout: Layout5D) -> tuple[int, int, int]:

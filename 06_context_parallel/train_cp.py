@@ -5,6 +5,8 @@
     torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --cp 2        # CP=2 × DP=2
     torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --cp-split contiguous
     torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --cp-attention allgather
+    torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --cp-attention alltoall      # Ulysses
+    torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --cp-attention alltoall+ring --cp-alltoall 2
     torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --cp 2 --tp 2  # CP=2 × TP=2
 
 The CP degree defaults to what --dp and --tp leave of the world size (both default to 1); with --cp
@@ -35,7 +37,6 @@ from common.training import (StepTimer, global_sum, resume_state, run_identity, 
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")     # chapter 02: the TP checks
 context_parallel = import_module("06_context_parallel.context_parallel")  # this chapter: CP's pieces
 cp_trainer = import_module("06_context_parallel.cp_trainer")              # this chapter: the step verbs
-cp_split = import_module("06_context_parallel.cp_split")                  # this chapter: who holds which positions
 attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # this chapter: bytes formula, work
 
 
@@ -58,8 +59,8 @@ def decide_degrees(args, world: int) -> tuple[int, int, int]:
             f"--dp {dp} × --cp {cp} × --tp {tp} = {dp * cp * tp} must equal the world size {world}; change the "
             f"degrees (--cp must divide {world // max(1, dp * tp) or world}) or launch with --nproc_per_node={dp * cp * tp}")
     check_common(args, dp=dp)                # the batch splits over dp only: every CP rank has the same rows
-    context_parallel.check_cp(args, cp)
     tensor_parallel.check_tp_config(PRESETS[args.model], tp, args.seq_len, False)
+    context_parallel.check_cp(args, cp, tp, PRESETS[args.model])       # and the all-to-all's heads
     return dp, cp, tp
 
 
@@ -71,7 +72,7 @@ def main(argv=None) -> list[dict]:
     # TP innermost (it talks inside every layer), then CP (every attention), then DP (once per step)
     mesh = Mesh(rt.rank, rt.world_size, joined={"dp_cp": ("dp", "cp")}, dp=dp, cp=cp, tp=tp)
     dp_rank, cp_rank, cp_group = mesh.coord("dp"), mesh.coord("cp"), mesh.group("cp")
-    split = cp_split.SequenceSplit(args.seq_len, cp, args.cp_split)
+    split = context_parallel.sequence_split(args, cp)          # (the hybrid cuts each group's chunks over K)
     data = TextData(args.data, args.seq_len, args.seed)
     resume = resume_state(args)
 
@@ -126,7 +127,8 @@ def main(argv=None) -> list[dict]:
         log.log_step(step, loss_value, lr, tokens_per_step, timer.seconds, grad_norm=grad_norm,
                      **trainer.comm_bytes(), comm_bytes_cp=bytes_cp, **trainer.memory(),
                      **context_parallel.cp_step_metrics(cp_group, cp, rt.device),
-                     dp=dp, cp=cp, tp=tp, cp_split=args.cp_split, cp_attention=args.cp_attention)
+                     dp=dp, cp=cp, tp=tp, cp_split=args.cp_split, cp_attention=args.cp_attention,
+                     cp_alltoall=args.cp_alltoall)
         if should_save(args, step):      # a collective inside each TP group, written by global rank 0
             full_model, full_optim = trainer.full_state()
             if rt.is_main:
@@ -145,7 +147,8 @@ def layout_rows(args, cfg, mesh, rt, data, split, start: int) -> dict:
     chunks = " ".join(f"r{r}:" + "+".join(f"[{a},{b})" for a, b in split.chunks(r)) for r in range(cp))
     element = 2 if args.dtype == "bf16" else 4                   # K/V in the run's dtype (gradients in fp32)
     per_layer = attention_bookkeeping.cp_bytes(args.cp_attention, B, S, cp, kv, hd, element,
-                                               2 if args.recompute == "full" else 1)
+                                               2 if args.recompute == "full" else 1, h=cfg.n_heads // tp,
+                                               K=args.cp_alltoall or 1)
     return {
         "world size": f"{rt.world_size} = DP {dp} × CP {cp} × TP {tp}", "device / backend": f"{rt.device} / {rt.backend}",
         "data": data.describe(), "mesh (dp, cp, tp)": "\n" + mesh.describe(),

@@ -9,7 +9,7 @@ a group of N ranks:
     reduce-scatter  sends (N-1)/N·n, receives (N-1)/N·n        (n = the full input)
     broadcast       the root sends n, every other rank receives n
     send / recv     exactly the tensor's bytes (also each message of a ring's `exchange`)
-    all-to-all      exactly the bytes that leave (and arrive at) this rank
+    all-to-all      exactly the bytes that leave (and arrive at) this rank: (N-1)/N·n in equal pieces
 
 These are the volumes the textbook formulas talk about; the backend may move bytes differently
 (NCCL picks trees or rings, gloo has its own algorithms), so this counts the algorithmic volume, not
@@ -54,7 +54,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 # What one rank sends (and receives) in one ring collective on n bytes over N ranks: the table above.
 RING_SHARE = {"all_reduce": lambda N: 2 * (N - 1) / N, "all_gather": lambda N: (N - 1) / N,
-              "reduce_scatter": lambda N: (N - 1) / N}
+              "reduce_scatter": lambda N: (N - 1) / N,
+              "all_to_all": lambda N: (N - 1) / N}      # equal pieces: all but my own leave (all_to_all_single)
 
 
 def collective_bytes(kind: str, n: int, N: int) -> int:

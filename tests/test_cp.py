@@ -9,6 +9,9 @@ tolerances (assert_same_run), `aux_loss` and `z_loss` within 1e-5, the same expe
     attn_work_imbalance   1 with the zig-zag split, cp with the contiguous one
     peak_activation_bytes flat (within 5 %) as S and cp double together at the same rows per rank
     a CP × TP run        (a loss counted once per TP group, not halved or doubled), under --recompute full
+    the all-to-all       (Ulysses) at cp 4 (GQA: 1 KV head per rank) and cp 2 × dp 2; the hybrid at cp 4 = 2 × 2,
+                        at cp 2 × tp 2 under --recompute full, and inside the 5D run; attn_work_imbalance 1 for
+                        the all-to-all whatever the split; the heads it cannot split refused in one line
     the ledger           peak_activation_bytes within 2 % of common/activation_ledger's prediction for S/cp
     a resume            cp 4's checkpoint of step 2 continued as cp 2 × dp 2 with the all-gather attention
                         and the contiguous split
@@ -34,8 +37,19 @@ MOE = ["--model", "tiny-moe", "--aux-loss-coef", "0.1", "--z-loss-coef", "0.01",
 CP_RUNS = {"cp4 ring zigzag": ["--cp", "4"],
            "cp2 × dp2 ring contiguous, selective recompute": ["--cp", "2", "--cp-split", "contiguous",
                                                               "--recompute", "selective"],
-           "cp2 × tp2 ring zigzag, full recompute": ["--cp", "2", "--tp", "2", "--recompute", "full"]}
-FIVE_RUNS = {4: {"dp2·ep2 × cp2": ["--dp", "2", "--ep", "2", "--tp", "1", "--pp", "1", "--cp", "2"]}}
+           "cp2 × tp2 ring zigzag, full recompute": ["--cp", "2", "--tp", "2", "--recompute", "full"],
+           # the all-to-all (Ulysses): cp 4 leaves 2 heads and 1 KV head per rank (GQA), cp 2 with dp 2
+           "cp4 alltoall zigzag": ["--cp", "4", "--cp-attention", "alltoall"],
+           "cp2 × dp2 alltoall contiguous, selective recompute": ["--cp", "2", "--cp-attention", "alltoall",
+                                                                  "--cp-split", "contiguous", "--recompute", "selective"],
+           # the hybrid: all-to-all over 2 ranks × ring over 2 groups; at cp 2 (× tp 2) K 2 leaves a ring of one
+           "cp4 alltoall+ring 2 × 2": ["--cp", "4", "--cp-attention", "alltoall+ring", "--cp-alltoall", "2"],
+           "cp2 × tp2 alltoall+ring K 2, full recompute": ["--cp", "2", "--tp", "2", "--cp-attention", "alltoall+ring",
+                                                          "--cp-alltoall", "2", "--recompute", "full"]}
+# inside the 5D run: the hybrid's all-to-all, sub-groups and ring (the pure all-to-all's code is its inner half)
+FIVE_RUNS = {4: {"dp2·ep2 × cp2": ["--dp", "2", "--ep", "2", "--tp", "1", "--pp", "1", "--cp", "2"],
+                 "5d cp4 alltoall+ring 2 × 2": ["--dp", "1", "--ep", "1", "--tp", "1", "--pp", "1", "--cp", "4",
+                                             "--cp-attention", "alltoall+ring", "--cp-alltoall", "2"]}}
 # S and cp double together at 8 rows per rank: the same tokens per rank, so the same activation bytes
 FLAT = {"S 64, cp 2 × dp 2": ["--seq-len", "64", "--cp", "2", "--global-batch", "16"],
         "S 128, cp 4": ["--seq-len", "128", "--cp", "4"]}
@@ -43,7 +57,19 @@ BAD = {"zig-zag chunks": (CP, ["--seq-len", "36", "--cp", "4"], "--seq-len 36"),
        "cp not the world": (CP, ["--cp", "3"], "must equal the world size 4"),
        "longer than the model": (CP, ["--seq-len", "512"], "exceeds the tiny preset's max_seq_len 256"),
        "5d cp does not divide": (FIVE, ["--cp", "3"], "--cp 3 does not divide the world size 4"),
-       "5d capacity": (FIVE, ["--cp", "2", "--capacity-factor", "1.0"], "leave --capacity-factor out")}
+       "5d capacity": (FIVE, ["--cp", "2", "--capacity-factor", "1.0"], "leave --capacity-factor out"),
+       "hybrid K does not divide cp": (CP, ["--cp", "4", "--cp-attention", "alltoall+ring", "--cp-alltoall", "3"],
+                                       "--cp-alltoall 3 must divide --cp 4; use a divisor of 4"),
+       "hybrid without K": (FIVE, ["--cp", "2", "--cp-attention", "alltoall+ring"],
+                            "--cp-attention alltoall+ring needs --cp-alltoall K"),
+       "K without the hybrid": (CP, ["--cp-alltoall", "2"], "--cp-alltoall 2 sets the all-to-all degree of "
+                                                            "--cp-attention alltoall+ring only")}
+# the all-to-all's degree must divide this rank's KV heads (tiny: 8 heads, 4 KV heads; / tp): checked in one process
+HEADS = {"alltoall cp 8": ("alltoall", None, 8, 1, "splits this rank's 8 heads and 4 KV heads (--tp 1) over 8 ranks, "
+                                                   "and 8 does not divide 4"),
+         "alltoall cp 4 × tp 2": ("alltoall", None, 4, 2, "splits this rank's 4 heads and 2 KV heads (--tp 2) over 4 "
+                                                          "ranks, and 4 does not divide 2"),
+         "hybrid K 8 of cp 16": ("alltoall+ring", 8, 16, 1, "over 8 ranks, and 8 does not divide 4")}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +102,8 @@ def cp_bytes_per_step(history_row, recompute: str = "none") -> int:
     rows = 8 // r["dp"]
     kv = cfg.kv_heads_per_rank(r["tp"])
     return cfg.n_layers * attention_bookkeeping.cp_bytes(r["cp_attention"], rows, 32, r["cp"], kv, cfg.head_dim, 4,
-                                                         2 if recompute == "full" else 1)
+                                                         2 if recompute == "full" else 1, h=cfg.n_heads // r["tp"],
+                                                         K=r.get("cp_alltoall") or 1)
 
 
 @pytest.mark.parametrize("name", sorted(CP_RUNS))
@@ -86,7 +113,8 @@ def test_every_cp_layout_matches_one_device(groups, reference, name):
         flags = CP_RUNS[name]
         recompute = flags[flags.index("--recompute") + 1] if "--recompute" in flags else "none"
         assert row["comm_bytes_cp"] == cp_bytes_per_step(row, recompute), (name, row["step"])
-        want = 1.0 if row["cp_split"] == "zigzag" else float(row["cp"])
+        ring_ranks = {"alltoall": 1, "alltoall+ring": row["cp"] // (row.get("cp_alltoall") or 1)}
+        want = 1.0 if row["cp_split"] == "zigzag" else float(ring_ranks.get(row["cp_attention"], row["cp"]))
         assert row["attn_work_imbalance"] == pytest.approx(want), name
     for rank, rows in enumerate(every_rank(groups[4][name])):      # the ledger for S/cp positions (common/)
         for row in rows:
@@ -125,3 +153,18 @@ def test_activation_bytes_stay_flat_as_seq_len_and_cp_double_together(groups, re
 @pytest.mark.parametrize("kind", sorted(BAD))
 def test_bad_cp_input_fails_on_every_rank_with_one_message(groups, kind):
     assert_one_config_error(groups[4][f"bad {kind}"], BAD[kind][2])
+
+
+@pytest.mark.parametrize("kind", sorted(HEADS))
+def test_alltoall_refuses_heads_it_cannot_split(kind):
+    """One line, before any communication (check_cp runs in decide_degrees / decide_layout on every rank)."""
+    import argparse
+    from common.errors import ConfigError
+    from common.model import PRESETS
+    context_parallel = import_module("06_context_parallel.context_parallel")
+    variant, K, cp, tp, message = HEADS[kind]
+    args = argparse.Namespace(cp_attention=variant, cp_alltoall=K)
+    with pytest.raises(ConfigError, match="") as err:
+        context_parallel.check_alltoall(args, cp, PRESETS["tiny"], tp)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    context_parallel.check_alltoall(argparse.Namespace(cp_attention=variant, cp_alltoall=K and 2), 2, PRESETS["tiny"], tp)

@@ -1,5 +1,6 @@
-"""Chapter 06's attention alone: ring attention and all-gather-KV attention against single-device
-scaled_dot_product_attention, and the split of the sequence that decides each rank's positions and work.
+"""Chapter 06's attention alone: ring, all-gather-KV, all-to-all (Ulysses) and hybrid (all-to-all over K = 2
+ranks, ring across) attention against single-device scaled_dot_product_attention, and the split of the
+sequence that decides each rank's positions and work.
 
 One spawned group of 4 ranks runs `check_attention` (below) at cp 1 (four groups of one), cp 2 (two groups
 of two) and cp 4: every variant, split, dtype, MHA and GQA, on random shapes. Each rank returns what it
@@ -24,6 +25,10 @@ from common.errors import ConfigError                              # noqa: E402
 RTOL = {torch.float32: 1e-6, torch.float64: 1e-12}       # norm of the difference / norm of the reference
 CASES = list(itertools.product(("ring", "allgather"), ("zigzag", "contiguous"), (torch.float32, torch.float64),
                                (False, True)))       # variant, split, dtype, GQA
+# the all-to-all variants after the others (the others' random shapes stay as they were): their heads and KV
+# heads are multiples of the all-to-all's degree (cp, or K = 2 for the hybrid)
+CASES += list(itertools.product(("alltoall", "alltoall+ring"), ("zigzag", "contiguous"), (torch.float32, torch.float64),
+                                (False, True)))
 
 
 def _chapter():
@@ -31,12 +36,17 @@ def _chapter():
             import_module("06_context_parallel.allgather_attention"))
 
 
-def _shape(rng: random.Random, gqa: bool) -> dict:
+def _degree(variant: str, cp: int) -> int:
+    """The ranks one all-to-all spans: cp for alltoall, K = min(2, cp) for the hybrid, 1 (none) otherwise."""
+    return {"alltoall": cp, "alltoall+ring": min(2, cp)}.get(variant, 1)
+
+
+def _shape(rng: random.Random, gqa: bool, degree: int = 1) -> dict:
     """Random sizes; S a multiple of 8 splits at every cp here (zigzag cp 4, S 8: chunks of one position).
     Not shorter than 8 nor hd below 8: there, a gradient's few rows carry the softmax backward's cancellation
     (dS = P∘(dP − D)) and fp32 scaled_dot_product_attention itself is up to 2e-6 (relative) off the fp64
     result, so two fp32 computations cannot agree within 1e-6."""
-    kv = rng.choice((1, 2))
+    kv = rng.choice((1, 2)) * degree
     return dict(B=rng.choice((1, 2)), h=kv * (rng.choice((2, 4)) if gqa else 1), kv=kv,
                 S=rng.choice((8, 16, 24)), hd=rng.choice((8, 16)))
 
@@ -45,6 +55,7 @@ def check_attention() -> list[dict]:
     """Every case at cp 1, 2 and 4 on this rank: the errors of the output and of dq, dk, dv against the
     single-device reference (this rank's rows of it), the "cp" bytes and the score entries counted."""
     cp_split, ring_attention, allgather_attention = _chapter()
+    alltoall_attention = import_module("06_context_parallel.alltoall_attention")
     attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")   # bytes formula, work
     from common import comm
     world, me = dist.get_world_size(), dist.get_rank()
@@ -53,9 +64,11 @@ def check_attention() -> list[dict]:
         groups = [dist.new_group(list(range(s, s + cp))) for s in range(0, world, cp)]   # every rank creates all
         group = groups[me // cp]
         r = dist.get_rank(group)
+        hybrid = alltoall_attention.HybridGroups(group, min(2, cp))   # every rank, the same order
         rng = random.Random(cp)                                   # the same shapes on every rank
         for variant, split_name, dtype, gqa in CASES:
-            shape = _shape(rng, gqa)
+            K = _degree(variant, cp)
+            shape = _shape(rng, gqa, K)
             B, h, kv, S, hd = (shape[n] for n in ("B", "h", "kv", "S", "hd"))
             gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
             q, k, v = (torch.randn(B, n, S, hd, generator=gen, dtype=dtype, requires_grad=True)
@@ -64,21 +77,34 @@ def check_attention() -> list[dict]:
             ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
             ref.backward(grad)
 
-            split = cp_split.SequenceSplit(S, cp, split_name)
-            attention = {"ring": ring_attention.ring_attention, "allgather": allgather_attention.allgather_attention}
+            split = cp_split.SequenceSplit(S, cp, split_name, K if variant == "alltoall+ring" else 1)
+            attention = {"ring": ring_attention.ring_attention, "allgather": allgather_attention.allgather_attention,
+                         "alltoall": alltoall_attention.alltoall_attention,
+                         "alltoall+ring": alltoall_attention.hybrid_attention}
             ql, kl, vl = (split.take(t.detach(), r, dim=2).requires_grad_() for t in (q, k, v))
             comm.COUNTER.reset()
             attention_bookkeeping.WORK.reset()
-            out = attention[variant](ql, kl, vl, group, split)
+            out = attention[variant](ql, kl, vl, hybrid if variant == "alltoall+ring" else group, split)
             out.backward(split.take(grad, r, dim=2))
             errors = {name: ((mine - split.take(want, r, dim=2)).norm() / split.take(want, r, dim=2).norm()).item()
                       for name, mine, want in (("out", out.detach(), ref.detach()), ("dq", ql.grad, q.grad),
                                                ("dk", kl.grad, k.grad), ("dv", vl.grad, v.grad))}
             results.append(dict(cp=cp, variant=variant, split=split_name, dtype=dtype, gqa=gqa, shape=shape,
                                 rank=r, errors=errors, bytes=comm.COUNTER.by_group().get("cp", 0),
-                                formula=attention_bookkeeping.cp_bytes(variant, B, S, cp, kv, hd, q.element_size()),
-                                work=attention_bookkeeping.WORK.entries, work_per_head=split.work(r)))
+                                formula=attention_bookkeeping.cp_bytes(variant, B, S, cp, kv, hd, q.element_size(),
+                                                                       h=h, K=K),
+                                work=attention_bookkeeping.WORK.entries, work_expected=_work(split, variant, r, B, h)))
     return results
+
+
+def _work(split, variant: str, r: int, B: int, h: int) -> int:
+    """Score entries counted forward and backward: the chunk pairs of rank r (ring, all-gather); the causal
+    S(S+1)/2 of h/cp heads over the whole sequence (all-to-all); the outer ring's pairs of h/K heads (hybrid)."""
+    if variant == "alltoall":
+        return 2 * B * (h // split.cp) * split.seq_len * (split.seq_len + 1) // 2
+    if variant == "alltoall+ring":
+        return 2 * B * (h // split.inner) * split.outer().work(r // split.inner)
+    return 2 * B * h * split.work(r)
 
 
 @pytest.fixture(scope="module")
@@ -110,16 +136,18 @@ def test_bytes_equal_the_formula(measured):
 
 def test_work_counts_every_computed_pair(measured):
     """attention_bookkeeping.WORK counts the forward's pairs and the backward's recomputation of the same pairs,
-    all heads and rows; zigzag gives every rank the same work, contiguous gives the last rank cp times the first's."""
+    all heads and rows; zigzag gives every rank the same work, contiguous gives the last rank cp times the first's;
+    the all-to-all's is the same on every rank by construction, the hybrid's ring part as a ring of cp/K."""
     for case in itertools.chain(*measured):
-        B, h = case["shape"]["B"], case["shape"]["h"]
-        assert case["work"] == 2 * case["work_per_head"] * B * h, _label(case)
+        assert case["work"] == case["work_expected"], _label(case)
     for i, case in enumerate(measured[0]):
         if case["cp"] == 1:
             continue
         group = [measured[rank][i]["work"] for rank in range(4)][:case["cp"]]     # cp ranks 0..cp-1 of one group
         ratio = max(group) / min(group)
-        assert ratio == (1 if case["split"] == "zigzag" else case["cp"]), (_label(case), group)
+        want = {"alltoall": 1, "alltoall+ring": case["cp"] // _degree("alltoall+ring", case["cp"])}.get(case["variant"],
+                                                                                                      case["cp"])
+        assert ratio == (1 if case["split"] == "zigzag" else want), (_label(case), group)
 
 
 # --- the split, in one process ------------------------------------------------------------------------

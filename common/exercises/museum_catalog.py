@@ -27,6 +27,8 @@ class Exhibit:
         return self.id.split(".")[0]
 
 
+from .museum_catalog_06 import CP_EXHIBITS  # noqa: E402  (chapter 06's rows: they need Exhibit, above)
+
 EXHIBITS = (
     Exhibit("01.accumulation_divides_twice",
         "with --microbatches 2 the loss is half the single-device loss; with one micro-batch all is well",
@@ -239,58 +241,6 @@ EXHIBITS = (
         "backward, and the router's tally (`RoutingTally.add`) records every call: each token is counted "
         "twice. Fix: a forward with a side effect checks `is_recomputing()` and records once. The bias "
         "update hides it (its sign(mean − load) is unchanged by a factor of 2); the reported numbers do not."),
-    Exhibit("06.stale_kv",
-        "context-parallel runs match one device at step 1 but not from step 2; the ring's bytes are as the "
-        "formula says",
-        "a ring-attention backward that reuses stale K/V",
-        "06_context_parallel/ring_attention.py",
-        "                if t < cp - 1:\n                    kv = kv_next\n            if partial is not None:",
-        "            if partial is not None:",
-        ("tests/test_ring_attention.py::test_matches_single_device_attention",),
-        ("python 06_context_parallel/train_cp.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
-         "torchrun --nproc_per_node=2 06_context_parallel/train_cp.py --cp 2 --steps 5 --quiet --metrics runs/bug/cp2.jsonl",
-         "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/cp2.jsonl --key grad_norm"),
-        "Step 1 matches to 1e-6 (attention's share of the gradient is small at initialisation); the gradient "
-        "norm parts from step 2, the loss after it. "
-        "`tests/test_ring_attention.py` narrows it to the attention: the output matches, the gradients of q, "
-        "k, v do not. In the backward ring each step must compute with the K/V block that just arrived "
-        "(`kv = kv_next`), like the forward; without it every step reuses the rank's own block, so the "
-        "gradients are those of attention to one block, repeated. The bytes still equal the formula: "
-        "everything is sent, it is just never used. Fix: advance `kv` after each hop in backward too."),
-    Exhibit("06.loss_not_reduced_over_cp",
-        "train_cp.py at cp 2 reports about half the loss of one device, yet it trains exactly as well",
-        "a CP×TP loss not reduced over the context-parallel group",
-        "06_context_parallel/train_cp.py",
-        "loss_value = global_sum(local_loss, mesh.group(\"dp_cp\"))",
-        "loss_value = global_sum(local_loss, mesh.group(\"dp\"))",
-        ("tests/test_cp.py::test_every_cp_layout_matches_one_device",),
-        ("python 06_context_parallel/train_cp.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
-         "torchrun --nproc_per_node=2 06_context_parallel/train_cp.py --cp 2 --steps 5 --quiet --metrics runs/bug/cp2.jsonl",
-         "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/cp2.jsonl",
-         "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/cp2.jsonl --key grad_norm"),
-        "`compare_metrics` fails on `loss` and passes on `grad_norm`: training is right, only the reported "
-        "number is wrong. Each rank's loss is its own positions' share of the step's mean; the printed loss "
-        "must sum the shares over every rank that holds other tokens: dp (other rows) *and* cp (other "
-        "positions of the same rows). Summed over dp only, rank 0 reports the share of its own positions "
-        "(with zig-zag, about half at cp 2). Fix: `global_sum` over `dp_cp`."),
-    Exhibit("06.aux_tokens_before_split",
-        "the 5D run with cp 2 reports twice chapter 05's aux loss, and its losses part from step 2",
-        "tokens counted before the CP split (the balance statistics' denominator)",
-        "common/moe_routing.py",
-        "f = whole.float() / (S * parts * top_k)",
-        "f = whole.float() / (S * top_k)",
-        ("tests/test_cp.py::test_5d_layouts_match_chapter_05_on_one_device",),
-        ("python 06_context_parallel/train_5d.py --model tiny-moe --aux-loss-coef 0.1 --steps 5 --quiet "
-         "--metrics runs/bug/one.jsonl",
-         "torchrun --nproc_per_node=4 06_context_parallel/train_5d.py --model tiny-moe --aux-loss-coef 0.1 --dp 2 --ep 2 "
-         "--tp 1 --pp 1 --cp 2 --steps 5 --quiet --metrics runs/bug/cp2.jsonl",
-         "python -m common.compare_metrics runs/bug/one.jsonl runs/bug/cp2.jsonl --key aux_loss"),
-        "`compare_metrics --key aux_loss` shows a ratio of exactly cp (2) at step 1 (about 2 after), and the loss "
-        "follows. "
-        "Under CP each rank holds S of the sequence's cp·S positions; the slot counts fᵢ are summed over the CP "
-        "group (the whole sequence's), so they must be divided by the whole sequence's slots, cp·S·k. "
-        "Dividing by this rank's S·k counts the sequence's tokens as if it were not split: fᵢ is cp× too "
-        "large, and so is the balance loss and its gradient. Fix: divide by `S * parts * top_k`."),
-)
+) + CP_EXHIBITS
 
 BY_ID = {e.id: e for e in EXHIBITS}
