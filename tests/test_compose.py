@@ -7,7 +7,7 @@ before each attention) and with experts (each TP rank routes its own positions: 
 counts summed over tp, or cp × tp, the experts' and routers' gradients over tp like the norm gains').
 
 Every layout is compared, step by step and on every rank, with one device (assert_same_run: loss 1e-6,
-gradient norm 1e-5 relative), validation included (steps 2 and 4: ZeRO-3 gathers its weights for it),
+gradient norm 1e-5 relative), validation included (steps 2 and 3: ZeRO-3 gathers its weights for it),
 the mixtures also on `aux_loss` and `z_loss` (1e-5) and the expert loads (equal); every rank's memory by
 component equals chapter 01's formulas for its piece and groups (up to the flat buffers' padding); the
 miniatures' bytes per group equal the layout planner's formulas (06_context_parallel/layout_costs.py),
@@ -34,7 +34,7 @@ from harness import ROOT, assert_one_config_error, assert_same_run, every_rank, 
 
 THREE, FOUR, FIVE = "04_3d_combined.train_3d:main", "05_moe_expert_parallel.train_4d:main", \
     "06_context_parallel.train_5d:main"
-BASE = ["--steps", "4", "--seq-len", "32", "--global-batch", "8", "--quiet", "--sample-tokens", "0",
+BASE = ["--steps", "3", "--seq-len", "32", "--global-batch", "8", "--quiet", "--sample-tokens", "0",
         "--val-every", "2"]
 MOE = ["--model", "tiny-moe", "--aux-loss-coef", "0.1", "--z-loss-coef", "0.01"]   # balancing 10× the defaults
 SP = ["--sequence-parallel"]
