@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from common.launch import launch  # noqa: E402
 
 train_zero = import_module("01_data_parallel.train_zero")
-zero_sharding = import_module("01_data_parallel.zero_sharding")
+zero_accounting = import_module("01_data_parallel.zero_accounting")
 
 RESULTS = Path(__file__).parent / "results"
 MACHINE = f"{os.cpu_count()}-core CPU, gloo, fp32"
@@ -67,7 +67,7 @@ def mib(n) -> str:
 def write_memory(runs: dict, M: int, args) -> None:
     lines = [f"# ZeRO memory per rank (bytes at rest) — {MACHINE}", "",
              f"Model `{args.model}`: M = {mib(M)} MiB of fp32 parameters, α = {ALPHA} (AdamW's two moments). "
-             "Plain DP holds M(1+1+α) = " f"{mib(zero_sharding.zero_memory_bytes(0, M, 1))} MiB per rank at any N. "
+             "Plain DP holds M(1+1+α) = " f"{mib(zero_accounting.zero_memory_bytes(0, M, 1))} MiB per rank at any N. "
              "Measured = `param_bytes + grad_bytes + optim_bytes` from the metrics of "
              "`train_zero.py` (ours; padding to a multiple of N included). "
              "PyTorch's column: sizes of its local parameter / gradient shards and optimizer state.", "",
@@ -83,7 +83,7 @@ def write_memory(runs: dict, M: int, args) -> None:
             total = row["param_bytes"] + row["grad_bytes"] + row["optim_bytes"]
             ttotal = trow["param_bytes"] + trow["grad_bytes"] + trow["optim_bytes"]
             peak = mib(row["peak_param_bytes"]) if s == 3 else "-"
-            formula = zero_sharding.zero_memory_bytes(s, M, N)
+            formula = zero_accounting.zero_memory_bytes(s, M, N)
             lines.append(f"| {N} | {s} | {train_zero.FORMULAS[s]} | {mib(formula)} | {mib(row['param_bytes'])} | "
                          f"{mib(row['grad_bytes'])} | {mib(row['optim_bytes'])} | {mib(total)} | "
                          f"{total - formula:,.0f} | {peak} | {mib(row['comm_bytes_sent'])} "
@@ -109,7 +109,7 @@ def plot_memory(runs: dict, M: int) -> None:
         for s in (1, 2, 3):
             row = run["memory"][f"ours-{s}"]
             labels.append(f"N={N}\nstage {s}")
-            formulas.append(zero_sharding.zero_memory_bytes(s, M, N) / 2**20)
+            formulas.append(zero_accounting.zero_memory_bytes(s, M, N) / 2**20)
             for key, k in zip(parts, ("param_bytes", "grad_bytes", "optim_bytes")):
                 parts[key].append(row[k] / 2**20)
     fig, ax = plt.subplots(figsize=(11, 4.5))
@@ -118,7 +118,7 @@ def plot_memory(runs: dict, M: int) -> None:
         ax.bar(range(len(labels)), vals, bottom=bottom, label=key, color=color)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.scatter(range(len(labels)), formulas, marker="_", s=900, color="k", zorder=3, label="formula")
-    ax.axhline(zero_sharding.zero_memory_bytes(0, M, 1) / 2**20, color="k", ls="--", lw=1, label="plain DP  M(1+1+α)")
+    ax.axhline(zero_accounting.zero_memory_bytes(0, M, 1) / 2**20, color="k", ls="--", lw=1, label="plain DP  M(1+1+α)")
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set_ylabel("MiB per rank at rest")
     ax.set_title(f"ZeRO: memory per rank by stage, measured ({MACHINE})")

@@ -28,6 +28,7 @@ from common.training import (StepTimer, global_sum, resume_state, run_identity, 
                              stop_if_not_finite)
 
 zero_sharding = import_module("01_data_parallel.zero_sharding")
+zero_accounting = import_module("01_data_parallel.zero_accounting")
 zero_stage3 = import_module("01_data_parallel.zero_stage3")
 zero_torch = import_module("01_data_parallel.zero_torch")
 
@@ -143,8 +144,8 @@ def config_rows(args, cfg, M: int, rt, data: str, start: int) -> dict:
         "world size (= DP degree N)": N, "device / backend": f"{rt.device} / {rt.backend}", "data": data,
         "model": f"{args.model}: {count_parameters(cfg):,} parameters, M = {format_bytes(M)} fp32",
         "global batch": f"{args.global_batch} seq × {args.seq_len} tokens, {args.global_batch // N} per rank",
-        "memory per rank (formula, α=2)": f"{FORMULAS[stage]} = {format_bytes(zero_sharding.zero_memory_bytes(stage, M, N))} "
-                                          f"(plain DP: {format_bytes(zero_sharding.zero_memory_bytes(0, M, N))})",
+        "memory per rank (formula, α=2)": f"{FORMULAS[stage]} = {format_bytes(zero_accounting.zero_memory_bytes(stage, M, N))} "
+                                          f"(plain DP: {format_bytes(zero_accounting.zero_memory_bytes(0, M, N))})",
         "units (gather / reduce granularity)": units,
         "resumed from step": start or "-"}
 

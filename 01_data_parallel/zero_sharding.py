@@ -16,17 +16,12 @@ each rank 1/N of that work and of that state:
                        Bytes per step: (N-1)/N·M (reduce-scatter) + (N-1)/N·M (all-gather) = plain DP.
   stage 3  (P_os+g+p)  see zero_stage3.py: the parameters are sharded at rest too.
 
-When a step accumulates micro-batches (a pipeline, chapter 04), stage 2 has two forms. Reduce-scatter
-each micro-batch's gradient as soon as it exists (`per_microbatch=True`, what train_zero.py runs): the
-full gradient is freed every micro-batch, but the bytes are paid m times. Or let the full gradients
-accumulate over the step in flat buffers and reduce-scatter them once, after the last backward, then
-free the buffers (`per_microbatch=False`, the pipeline form, as Megatron's distributed optimizer does):
-the bytes of plain DP once per step, the full gradient alive during the step, 1/N of it at rest.
-In that form this class also runs stage 3 the way FSDP runs under a pipeline: the parameters are
-gathered once per step (`begin_step`), kept for every micro-batch's forward and backward, and freed
-with the full gradients after the reduce-scatter. Between steps a rank holds (2+α)M/N; during a step,
-M of parameters and M of gradients, as stage 1 does: what it saves is the rest of the time, and the
-bytes are plain DP's (an all-gather per step instead of stage 1's all-reduce-then-gather).
+When a step accumulates micro-batches (a pipeline, chapter 04), stage 2 has two forms: reduce-scatter
+each micro-batch's gradient as it appears (`per_microbatch=True`, train_zero.py: m times the bytes), or
+let the full gradients accumulate in flat buffers and reduce-scatter them once after the last backward,
+then free them (`per_microbatch=False`, the pipeline form, as Megatron's distributed optimizer). In that
+form stage 3 runs as FSDP does under a pipeline: the weights gathered once per step (`begin_step`), kept
+for every micro-batch, freed after the reduce-scatter (04_3d_combined/zero_3d.py says what it costs).
 
 How a shard is cut. The parameters are grouped into *units* (the embedding, each transformer block,
 the final norm with the head). A unit's tensors are laid end to end in one flat buffer, padded with
@@ -45,26 +40,7 @@ from common.step_protocol import counted_here, mark_replicated, replicas
 
 from .dp_trainer import ForwardBackward
 from .flat_buffers import FlatLayout, groups_by_size
-
-
-def zero_memory_bytes(stage: int, M: float, N: int, alpha: float = 2.0) -> float:
-    """Per-rank bytes of parameters + gradients + optimizer state (stage 0 = plain DP), M the
-    parameters' bytes: the formulas above (and zero_stage3.py's for stage 3)."""
-    return sum(zero_memory_components(stage, M, N, alpha).values())
-
-
-def zero_memory_components(stage: int, M: float, N: int, alpha: float = 2.0) -> dict:
-    """The same, by component, held between steps: stage s shards the optimizer state (s ≥ 1), the
-    gradients (s ≥ 2) and the parameters (s = 3) over N ranks."""
-    return {"param_bytes": M / N if stage >= 3 else M, "grad_bytes": M / N if stage >= 2 else M,
-            "optim_bytes": alpha * M / N if stage >= 1 else alpha * M}
-
-
-def zero_sent_share(stage: int, N: int) -> float:
-    """Bytes one rank sends per step, as a multiple of M (it receives as many): plain DP's all-reduce
-    2(N-1)/N; stage 1 adds the all-gather of the updated shards, 3(N-1)/N; stage 2 reduce-scatters
-    instead, 2(N-1)/N; stage 3 gathers the parameters again for backward, 3(N-1)/N."""
-    return {0: 2, 1: 3, 2: 2, 3: 3}[stage] * (N - 1) / N
+from .zero_accounting import gather_optim_state, load_optim_pieces
 
 
 def model_units(model) -> list[tuple[str, list]]:
@@ -319,41 +295,3 @@ def _allocate(t: torch.Tensor) -> torch.Tensor:
     """Give back a released tensor its storage (its contents undefined until written)."""
     t.untyped_storage().resize_(t.numel() * t.element_size())
     return t
-
-
-def gather_optim_state(units, pieces, optimizer, group, name="dp") -> dict:
-    """AdamW's moments of every tensor, in full: each unit's moment shards are all-gathered."""
-    by_name = {n: p for n, p in pieces}
-    device = pieces[0][1].device
-    out, step = {}, None
-    for unit in units:
-        full = {}
-        for key in ("exp_avg", "exp_avg_sq"):
-            shard = torch.zeros(unit.chunk, device=device)                # (padded/N,), padding zero
-            for n, a, b, _, _ in unit.pieces():
-                st = optimizer.state.get(by_name[n], {})
-                if st:
-                    shard[a:b] = st[key].detach()
-                    step = st["step"]
-            flat = torch.empty(unit.padded, device=device)                # (padded,)
-            comm.all_gather_into(flat, shard, group=group, name=name)
-            full[key] = unit.split(flat.cpu())
-        for i, n in enumerate(unit.names):
-            out[n] = {"exp_avg": full["exp_avg"][i].clone(), "exp_avg_sq": full["exp_avg_sq"][i].clone()}
-    if step is None:
-        return {}                       # no step taken yet
-    for st in out.values():
-        st["step"] = step.clone()
-    return out
-
-
-def load_optim_pieces(units, pieces, optimizer, states: dict) -> None:
-    """Give each piece its slice of the saved full moments."""
-    by_name = {n: p for n, p in pieces}
-    for unit in units:
-        for n, a, b, ta, tb in unit.pieces():
-            if n in states:
-                s, p = states[n], by_name[n]
-                optimizer.state[p] = {"step": s["step"].clone(),
-                                      "exp_avg": s["exp_avg"].reshape(-1)[ta:tb].to(p.device).clone(),
-                                      "exp_avg_sq": s["exp_avg_sq"].reshape(-1)[ta:tb].to(p.device).clone()}

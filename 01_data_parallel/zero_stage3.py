@@ -26,7 +26,7 @@ import torch
 from common import comm
 from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr
 
-from . import zero_sharding
+from . import zero_accounting, zero_sharding
 from .dp_trainer import ForwardBackward
 from .flat_buffers import FlatLayout
 
@@ -205,12 +205,12 @@ class ZeroStage3(ForwardBackward):
             flat = torch.empty(unit.padded, device=self.shards[u].device)      # (padded,)
             comm.all_gather_into(flat, self.shards[u].detach(), group=self.group, name=self.comm_name)
             model.update({n: t.clone() for n, t in zip(unit.names, unit.split(flat.cpu()))})
-        out = zero_sharding.gather_optim_state(self.units, self.pieces, self.optimizer, self.group, self.comm_name)
+        out = zero_accounting.gather_optim_state(self.units, self.pieces, self.optimizer, self.group, self.comm_name)
         return model, out
 
     def load_optim_state(self, states: dict) -> None:
         """Resume: AdamW's saved full moments (by name), each piece takes its slice."""
-        zero_sharding.load_optim_pieces(self.units, self.pieces, self.optimizer, states)
+        zero_accounting.load_optim_pieces(self.units, self.pieces, self.optimizer, states)
 
 
 def _slot(model, name: str):

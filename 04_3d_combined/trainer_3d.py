@@ -36,7 +36,7 @@ tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")     # chap
 pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")  # chapter 03: forward-only pass
 measured_executor = import_module("03_pipeline_parallel.measured_executor")  # chapter 03: runs a schedule, measured
 pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")    # chapter 03: the pipeline's verbs
-zero_sharding = import_module("01_data_parallel.zero_sharding")           # chapter 01: ZeRO's formulas
+zero_accounting = import_module("01_data_parallel.zero_accounting")       # chapter 01: ZeRO's formulas
 zero_3d = import_module("04_3d_combined.zero_3d")                            # this chapter: ZeRO on the grid
 
 
@@ -81,7 +81,7 @@ class Trainer3D(pipeline_trainer.PipelineTrainer):
     def memory_formula(self) -> dict:
         """Bytes this rank should hold between steps, by component: M, M, αM for AdamW on its piece."""
         M = sum(p.numel() * p.element_size() for _, p in self.named)
-        return zero_sharding.zero_memory_components(0, M, 1)
+        return zero_accounting.zero_memory_components(0, M, 1)
 
 
 class ZeroTrainer3D(Trainer3D):

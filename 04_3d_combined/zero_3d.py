@@ -36,6 +36,7 @@ from common.optim import clip_to
 from common.step_protocol import counted_here, replicas
 
 zero_sharding = import_module("01_data_parallel.zero_sharding")       # chapter 01: ZeRO stages 1 and 2 (and 3)
+zero_accounting = import_module("01_data_parallel.zero_accounting")   # chapter 01: its formulas, its checkpoints
 
 
 class ShardedOptimizers:
@@ -114,12 +115,12 @@ class ShardedOptimizers:
 
     def formula(self) -> dict:
         """What chapter 01's formulas say this rank holds between steps, by component: each kind's M (its
-        tensors' bytes here, unpadded) over its group's N (zero_sharding.zero_memory_components)."""
+        tensors' bytes here, unpadded) over its group's N (zero_accounting.zero_memory_components)."""
         out = {}
         for opt in self.each():
             M = sum(p.numel() * p.element_size() for params in opt.params for p in params)
             N = dist.get_world_size(opt.group)
-            for k, v in zero_sharding.zero_memory_components(self.stage, M, N).items():
+            for k, v in zero_accounting.zero_memory_components(self.stage, M, N).items():
                 out[k] = out.get(k, 0) + v
         return out
 
@@ -127,10 +128,10 @@ class ShardedOptimizers:
         """The full (TP-local) moments by name: each kind's shards all-gathered over its group."""
         out = {}
         for opt in self.each():
-            out.update(zero_sharding.gather_optim_state(opt.units, opt.pieces, opt.optimizer, opt.group, opt.comm_name))
+            out.update(zero_accounting.gather_optim_state(opt.units, opt.pieces, opt.optimizer, opt.group, opt.comm_name))
         return out
 
     def load_optim_state(self, local: dict) -> None:
         """Resume: every kind's pieces take their slices of the saved (TP-local) moments."""
         for opt in self.each():
-            zero_sharding.load_optim_pieces(opt.units, opt.pieces, opt.optimizer, local)
+            zero_accounting.load_optim_pieces(opt.units, opt.pieces, opt.optimizer, local)

@@ -2,7 +2,7 @@
 
 Every number comes from a formula a chapter proved on real runs, imported from that chapter:
 
-    parameters, gradients, AdamW    chapter 01's ZeRO formulas, zero_sharding.zero_memory_bytes(stage, M, N)
+    parameters, gradients, AdamW    chapter 01's ZeRO formulas, zero_accounting.zero_memory_bytes(stage, M, N)
     activations                     common/activation_ledger.pipeline_peaks: the ledger's bytes per micro-batch
                                     on each stage, times what the schedule keeps in flight (chapter 03's actions)
     bubble                          chapter 03's pipeline_schedules.theory_bubble
@@ -36,7 +36,7 @@ from common.mfu import attention_flops_per_token, flops_per_token
 
 from . import attention_bookkeeping
 
-zero_sharding = import_module("01_data_parallel.zero_sharding")             # chapter 01: ZeRO memory and bytes
+zero_accounting = import_module("01_data_parallel.zero_accounting")         # chapter 01: ZeRO memory and bytes
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")       # chapter 02: TP collectives
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")     # chapter 03: stages
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: actions, bubble
@@ -131,11 +131,11 @@ def memory_by_component(run: Run, c: Candidate, peak_activation: int, dense: int
     the ranks holding the same experts), ZeRO-3's temporary gathered layers (this one and the next)."""
     out = {"params": 0.0, "grads": 0.0, "optim_bytes": 0.0}
     for M, N in ((4 * dense, c.dp * c.cp), (4 * experts, c.dp // c.ep * c.cp)):    # fp32 master weights
-        no_optim = zero_sharding.zero_memory_bytes(c.zero_stage, M, N, alpha=0.0)
+        no_optim = zero_accounting.zero_memory_bytes(c.zero_stage, M, N, alpha=0.0)
         params = M / N if c.zero_stage == 3 else M
         out["params"] += params
         out["grads"] += no_optim - params
-        out["optim_bytes"] += zero_sharding.zero_memory_bytes(c.zero_stage, M, N) - no_optim
+        out["optim_bytes"] += zero_accounting.zero_memory_bytes(c.zero_stage, M, N) - no_optim
     act = peak_activation // 2 if run.dtype == "bf16" else peak_activation      # autocast keeps 16-bit copies
     temporary = 2 * 4 * layer_params if c.zero_stage == 3 and c.dp * c.cp > 1 else 0
     return {**out, "peak_activation_bytes": act, "total": sum(out.values()) + act + temporary}
@@ -164,7 +164,7 @@ def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
         for M, N in ((4 * dense, c.dp * c.cp), (4 * experts, c.dp // c.ep * c.cp)):
             if N > 1 and M:
                 nbytes["dp"] += (collective_bytes("all_reduce", M, N) if c.zero_stage == 0 else
-                                 int(2 * zero_sharding.zero_sent_share(c.zero_stage, N) * M))
+                                 int(2 * zero_accounting.zero_sent_share(c.zero_stage, N) * M))
                 msgs["dp"] += 1 if c.zero_stage == 0 else (len(s.layers) + 2) * (2 + (c.zero_stage == 3))
         if c.tp > 1:
             micro = tensor_parallel.tp_collectives(cfg, rows, positions, c.tp, c.sequence_parallel, len(s.layers),

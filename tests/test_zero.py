@@ -12,7 +12,7 @@ import pytest
 
 from harness import ROOT, assert_same_run, every_rank, grad_norms, losses, ok, run_group
 
-ZERO_SHARDING = import_module("01_data_parallel.zero_sharding")
+ZERO_ACCOUNTING = import_module("01_data_parallel.zero_accounting")
 
 STEPS = 6
 BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet"]
@@ -198,7 +198,7 @@ def test_four_ranks_equivalence_memory_and_bytes(reference):
         assert rows[1]["comm_bytes_sent"] == pytest.approx(3 * (N - 1) / N * Mp, abs=16), rank
         assert rows[2]["comm_bytes_sent"] == pytest.approx(2 * (N - 1) / N * Mp, abs=16), rank
         for s in (1, 2):                                           # the planner's formula, the same numbers
-            assert rows[s]["comm_bytes_sent"] == pytest.approx(ZERO_SHARDING.zero_sent_share(s, N) * Mp, abs=16)
+            assert rows[s]["comm_bytes_sent"] == pytest.approx(ZERO_ACCOUNTING.zero_sent_share(s, N) * Mp, abs=16)
         embed = 256 * 128 * 4                                      # not re-gathered for backward
         assert rows[3]["comm_bytes_sent"] == pytest.approx(3 * (N - 1) / N * Mp - (N - 1) / N * embed, abs=16), rank
 
