@@ -126,8 +126,9 @@ show(fig, "06_cp_loss_difference")
 # %%
 lengths = [32 * 2 ** i for i in range(N.bit_length())]          # 32, 64 (, 128): cp = S/32 up to N
 one_rank, with_cp = [], []
-for s in lengths:
-    one_rank.append(train(f"act_s{s}_cp1", 1, steps=1, seq=s)[0]["peak_activation_bytes"])
+for s in lengths:      # at S = SEQ the 1-rank run of section 2 has the same shape: its first step is this one
+    first = runs["1 rank"][0] if s == SEQ else train(f"act_s{s}_cp1", 1, steps=1, seq=s)[0]
+    one_rank.append(first["peak_activation_bytes"])
     cp = s // 32
     with_cp.append(one_rank[-1] if cp == 1 else train(f"act_s{s}_cp{cp}", cp, steps=1, seq=s)[0]["peak_activation_bytes"])
     print(f"S {s:>3}: one rank {one_rank[-1] / 2**20:6.2f} MiB   cp {cp}: {with_cp[-1] / 2**20:6.2f} MiB per rank")

@@ -1,8 +1,9 @@
 """Launches beyond one torchrun agent on one machine: two "nodes", and a run that loses a rank.
 
-- Two torchrun agents on this host (4 + 4 ranks, node ranks 0 and 1, rendezvous on 127.0.0.1) run the
-  main job with the same losses and gradient norms, bit for bit, as one agent of 8 ranks: global and
-  local ranks are kept apart everywhere (device, threads, who prints and writes).
+- Two torchrun agents on this host (2 + 2 ranks, node ranks 0 and 1, rendezvous on 127.0.0.1) run the
+  main job's script (at 4 ranks: tp 2 × pp 2) with the same losses and gradient norms, bit for bit, as one
+  agent of 4 ranks: global and local ranks are kept apart everywhere (device, threads, who prints and
+  writes). Two ranks per node are enough for that: local rank 1 of node 1 is global rank 3.
 - A TP run of 12 steps, checkpointed every 3, under `torchrun --max-restarts 2` with the same command
   line that starts it (`--resume` with an empty directory starts at step 1): one rank is killed with
   SIGKILL after step 5, torchrun restarts the group, the run resumes from its last checkpoint and exits
@@ -42,11 +43,11 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> str:
 
 def test_two_agents_as_two_nodes_match_one_agent_bit_for_bit(tmp_path):
     one = tmp_path / "one.jsonl"
-    finish(launch(["--standalone", "--nproc_per_node=8"], MAIN_JOB + ["--metrics", str(one)], tmp_path / "one.log"),
+    finish(launch(["--standalone", "--nproc_per_node=4"], MAIN_JOB + ["--metrics", str(one)], tmp_path / "one.log"),
            tmp_path / "one.log")
     two = tmp_path / "two.jsonl"
     port = free_port()
-    node = ["--nnodes=2", "--nproc_per_node=4", "--master-addr=127.0.0.1", f"--master-port={port}"]
+    node = ["--nnodes=2", "--nproc_per_node=2", "--master-addr=127.0.0.1", f"--master-port={port}"]
     logs = [tmp_path / f"node{i}.log" for i in (0, 1)]
     agents = [launch(node + [f"--node-rank={i}"], MAIN_JOB + ["--metrics", str(two)], logs[i]) for i in (0, 1)]
     for agent, log in zip(agents, logs):
