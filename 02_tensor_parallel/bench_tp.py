@@ -7,10 +7,13 @@
 Writes 02_tensor_parallel/results/:
   comm_per_call.md   every TP collective of one training step, logged call by call, against B·S·D
   param_bytes.md     parameter bytes on each rank against full/N
+  sp_memory.md       sequence parallelism's trade: activation bytes kept and TP bytes sent, for TP,
+                     SP keeping each gathered input (keep_gathered) and SP re-gathering it (the default)
   throughput.md      tokens/s of this chapter's layers and of DTensor (--impl torch) at 1, 2, 4 ranks,
                      interleaved repeats, medians and ratios
-(a) and (b) come from `bench_tp.py --probe` run under torchrun, which patches common.comm to log
-each call; (c) from train_tp.py's metrics files.
+(a), (b) and the SP table come from `bench_tp.py --probe` run under torchrun, which patches common.comm
+to log each call and measures the bytes autograd keeps (common/activation_meter.py); (c) from
+train_tp.py's metrics files.
 """
 import argparse
 import json
@@ -28,10 +31,12 @@ RESULTS = Path(__file__).parent / "results"
 MACHINE = f"{os.cpu_count()}-core CPU, gloo backend, fp32, one process per rank"
 
 
-def probe(sp: bool, out: str):
-    """Under torchrun: one forward + backward of the tiny model with every tp collective logged."""
+def probe(sp: bool, keep_gathered: bool, out: str):
+    """Under torchrun: one forward + backward of the tiny model with every tp collective logged and the
+    activation bytes autograd keeps measured (--recompute none)."""
     import torch.distributed as dist
-    from common import comm
+    from common import activation_ledger, comm
+    from common.activation_meter import parameter_storages, saved_storages, storages
     from common.data import TextData
     from common.distributed import init_distributed
     from common.mesh import Mesh
@@ -52,19 +57,23 @@ def probe(sp: bool, out: str):
     rt = init_distributed("cpu")
     mesh = Mesh(rt.rank, rt.world_size, tp=rt.world_size)
     cfg, B, S = PRESETS["tiny"], 4, 64
-    model = tensor_parallel.parallelize_model(build_model(cfg, 1337), mesh.group("tp"), sp)
+    model = tensor_parallel.parallelize_model(build_model(cfg, 1337), mesh.group("tp"), sp, keep_gathered)
     x, y = TextData(None, S, 1337).global_batch(1, B)
-    h = model.embed(x)
-    for layer in model.layers:
-        h = layer(h, model.rope_cos, model.rope_sin)
-    tensor_parallel.tp_loss_sum(model.head(h), y, mesh.group("tp")).backward()
+    with saved_storages(parameter_storages(model) | storages((x, y))) as kept:
+        h = model.embed(x)
+        for layer in model.layers:
+            h = layer(h, model.rope_cos, model.rope_sin)
+        tensor_parallel.tp_loss_sum(model.head(h), y, mesh.group("tp")).backward()
     tensor_parallel.sync_tp_gradients(model, mesh.group("tp"))
+    predicted = activation_ledger.microbatch_bytes(cfg, "none", B, S, cfg.n_layers, tp=rt.world_size,
+                                                   sequence_parallel=sp)
     sizes = [None] * rt.world_size
     dist.all_gather_object(sizes, sum(p.numel() * 4 for p in model.parameters()))
     if rt.rank == 0:
         Path(out).write_text(json.dumps({"N": rt.world_size, "sp": sp, "B": B, "S": S, "D": cfg.dim,
                                          "L": cfg.n_layers, "calls": calls, "param_bytes": sizes,
-                                         "full_bytes": count_parameters(cfg) * 4}))
+                                         "full_bytes": count_parameters(cfg) * 4, "kept": sum(kept.values()),
+                                         "predicted": None if keep_gathered else predicted}))
     dist.destroy_process_group()
 
 
@@ -73,14 +82,24 @@ def torchrun(n, args, env_extra=None):
     launch(args[0], n, args[1:], echo=False, quiet=True, env=env_extra)
 
 
+# the SP table's runs: (label, --sp, --keep-gathered); only the first two go into comm_per_call.md
+VARIANTS = (("TP", False, False), ("TP + SP", True, False), ("TP + SP, gathered inputs kept", True, True))
+
+
 def comm_tables(tmp):
-    rows_calls, rows_params = [], []
+    rows_calls, rows_params, rows_sp = [], [], []
     for n in (2, 4):
-        for sp in (False, True):
-            out = Path(tmp) / f"probe_{n}_{sp}.json"
-            torchrun(n, [__file__, "--probe", "--out", str(out)] + (["--sp"] if sp else []))
+        for label, sp, keep in VARIANTS:
+            out = Path(tmp) / f"probe_{n}_{sp}_{keep}.json"
+            torchrun(n, [__file__, "--probe", "--out", str(out)] + ["--sp"] * sp + ["--keep-gathered"] * keep)
             r = json.loads(out.read_text())
             bsd = r["B"] * r["S"] * r["D"]
+            gathers = sum(kind == "all_gather_into" for kind, _, _ in r["calls"])
+            predicted = "—" if r["predicted"] is None else f"{r['predicted']:,}"
+            rows_sp.append(f"| {n} | {label} | {r['kept']:,} | {predicted} | {gathers} | "
+                           f"{sum(nbytes for _, _, nbytes in r['calls']):,} |")
+            if keep:
+                continue
             groups = Counter((kind, tuple(shape), nbytes) for kind, shape, nbytes in r["calls"])
             for (kind, shape, nbytes), count in sorted(groups.items(), key=lambda kv: -kv[0][2]):
                 numel = 1
@@ -104,14 +123,29 @@ def comm_tables(tmp):
         "n = 4·elements of the full tensor. Shapes are as the collective sees them: sequence-parallel collectives "
         "move the sequence dimension first, (S, B, D). 34 = 4L + 2: per block a g after attention and after the MLP "
         "(forward) and an f before each (backward), plus the embedding (forward) and the head (backward). With SP "
-        "each all-reduce becomes a reduce-scatter + an all-gather of half its bytes; the 17 = 2L + 1 small "
-        "all-reduces are the norm gains' partial gradients, the 3 of 256 floats the vocab-parallel loss (max, sum "
-        "of exps, target logit).\n")
+        "each all-reduce becomes a reduce-scatter + an all-gather of half its bytes, and 51 = 34 + 17 all-gathers: "
+        "each of the 2L + 1 = 17 column-parallel entrances (attention, MLP, head) all-gathers its input again in "
+        "backward; the 17 = 2L + 1 small all-reduces are the norm gains' partial gradients, the 3 of 256 floats the "
+        "vocab-parallel loss (max, sum of exps, target logit).\n")
     (RESULTS / "param_bytes.md").write_text(
         f"Parameter bytes per rank (fp32), tiny model (1,640,576 parameters). Machine: {MACHINE}.\n"
         "Command: `python 02_tensor_parallel/bench_tp.py`.\n\n"
         "| N | rank | bytes on this rank | full / N | fraction of full | 1/N |\n|---|---|---|---|---|---|\n"
         + "\n".join(rows_params) + "\n\nThe excess over 1/N is the norm gains, replicated on every rank.\n")
+    (RESULTS / "sp_memory.md").write_text(
+        f"Sequence parallelism's trade: one forward + backward of the tiny model, B=4 S=64 D=128, 8 layers, "
+        f"--recompute none, rank 0. Machine: {MACHINE}.\n"
+        "Command: `python 02_tensor_parallel/bench_tp.py --only comm` (probe: `torchrun --nproc_per_node=N "
+        "02_tensor_parallel/bench_tp.py --probe [--sp [--keep-gathered]]`).\n\n"
+        "| N | run | activation bytes kept (measured) | ledger | all-gathers of B·S·D | TP bytes sent + received |\n"
+        "|---|---|---|---|---|---|\n" + "\n".join(rows_sp) + "\n\n"
+        "Measured: the bytes autograd saves for backward (common/activation_meter.py, parameters and token ids "
+        "left out); ledger: common/activation_ledger.microbatch_bytes (it counts the default only). TP bytes: "
+        "every \"tp\" collective of the forward, the backward and sync_tp_gradients. \"Gathered inputs kept\" "
+        "is parallelize_model(..., keep_gathered=True): each column-parallel entrance keeps the all-gathered "
+        "(B, S, D) for backward, as all-gather then nn.Linear would; the default keeps the (B, S/N, D) shard and "
+        "all-gathers it again in backward. Per step the difference is exactly (2L + 1)·B·(S − S/N)·D·4 bytes kept "
+        "and 2L + 1 all-gathers of 2·(N−1)/N·B·S·D·4 bytes sent + received.\n")
 
 
 def _theory(kind, N, n):
@@ -151,18 +185,19 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--probe", action="store_true", help="(internal) log every collective of one step")
     p.add_argument("--sp", action="store_true")
+    p.add_argument("--keep-gathered", action="store_true", help="(with --sp) keep each gathered input for backward")
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="2 repeats of 4 steps instead of 3 of 6")
     p.add_argument("--only", choices=["comm", "throughput"], default=None, help="run one part only")
     args = p.parse_args()
     if args.probe:
-        return probe(args.sp, args.out)
+        return probe(args.sp, args.keep_gathered, args.out)
     if args.only != "throughput":
         with tempfile.TemporaryDirectory() as tmp:
             comm_tables(tmp)
     if args.only != "comm":
         throughput(*((2, 4) if args.quick else (3, 6)))
-    for f in ("comm_per_call.md", "param_bytes.md", "throughput.md"):
+    for f in ("comm_per_call.md", "param_bytes.md", "sp_memory.md", "throughput.md"):
         print(f"--- {f}\n{(RESULTS / f).read_text()}")
 
 

@@ -65,13 +65,18 @@ before attention's column-parallel wq/wk/wv and one before the MLP's w_gate/w_up
 vocab-parallel embedding adds a g (forward), the column-parallel head an f (backward): + 2. The
 vocab-parallel loss all-reduces three (B, S) tensors: the max logit, the sum of exponentials and
 the target's logit.""")
-    key.section("3. Sequence parallelism: same bytes, less memory", f"""
+    regathers = (2 * L + 1) * 4 * 64 * D * 4              # all-gather over N = 2: n/2 sent + n/2 received
+    tp_kept, sp_kept = (key.rows(f"runs/lab02/{f}.jsonl")[-1]["peak_activation_bytes"] for f in ("c2", "c2sp"))
+    key.section("3. Sequence parallelism: more bytes, less memory", f"""
 `comm_bytes_tp` with `--sequence-parallel`: **{sp_bytes:,}** bytes, {sp_bytes - tp_bytes:+,} against §2.
-The norms' gradient all-reduce predicts (2L + 1) · D · 4 B · 2 (sent + received at N = 2) =
-{norms:,} bytes{' — exactly the difference' if sp_bytes - tp_bytes == norms else ''}. Each all-reduce became a
-reduce-scatter + an all-gather, each moving (N−1)/N of the tensor each way: the same total. What
-shrank: the activations kept for backward around the norms, (B, S/N, D) per rank instead of
-(B, S, D).""")
+Each all-reduce became a reduce-scatter + an all-gather, each moving (N−1)/N of the tensor each way:
+the same total. The column-parallel entrances' second all-gather, in backward, predicts (2L + 1) ·
+2(N−1)/N · B·S·D·4 = {regathers:,} bytes, the norms' gradient all-reduce (2L + 1) · D · 4 B · 2 (sent +
+received at N = 2) = {norms:,} bytes: {regathers + norms:,} together{' — exactly the difference' if sp_bytes - tp_bytes == regathers + norms else ''}.
+What they buy: `peak_activation_bytes` {tp_kept:,} without SP, **{sp_kept:,}** with it
+({1 - sp_kept / tp_kept:.0%} less). The norms' inputs and outputs, the residual stream and the
+column-parallel layers' inputs are kept as (B, S/N, D) per rank instead of (B, S, D); the layers
+all-gather their input again in backward, where the weight gradients need all S positions.""")
 
     # 4. -------------------------------------------------------------------------------------------
     outcome = {}

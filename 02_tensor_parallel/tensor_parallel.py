@@ -3,7 +3,8 @@
 API (chapter 04 imports this module with importlib.import_module("02_tensor_parallel.tensor_parallel")):
 
     check_tp_config(cfg, tp, seq_len=None, sequence_parallel=False)      raises ConfigError, no communication
-    parallelize_model(model, tp_group, sequence_parallel=False) -> model in place
+    parallelize_model(model, tp_group, sequence_parallel=False, keep_gathered=False) -> model in place
+        (keep_gathered: SP keeping each gathered input for backward, only for bench_tp.py's comparison)
         Works on a whole common.model.Transformer or a pipeline stage's part of one (only some Blocks
         in model.layers; tok_emb, or norm and lm_head, may be None). Keeps the methods and the
         reference parameter names:
@@ -82,11 +83,15 @@ def check_tp_config(cfg, tp: int, seq_len=None, sequence_parallel=False) -> None
                                    f"--seq-len {seq_len} is not a multiple of {tp}; use a --seq-len divisible by {tp}")
 
 
-def parallelize_model(model, tp_group, sequence_parallel: bool = False):
+def parallelize_model(model, tp_group, sequence_parallel: bool = False, keep_gathered: bool = False):
     """Replace each layer of `model` by its TP shard, in place; returns the model.
 
     Every rank must hold the same full weights first (build_model from the seed, or a loaded
     checkpoint): each rank keeps its slice, so the shards are exactly the single-device weights.
+    Under SP each column-parallel entrance keeps its input's sequence shard for backward and
+    all-gathers it again there (tp_layers.TPRegion.f_then_columns); `keep_gathered=True` keeps the
+    gathered (B, S, D) instead: no re-gather, more memory (bench_tp.py compares the two; the training
+    scripts never ask for it, and tp_collectives and the activation ledger count the default only).
     """
     tp = dist.get_world_size(tp_group)
     check_tp_config(model.cfg, tp)
@@ -106,6 +111,9 @@ def parallelize_model(model, tp_group, sequence_parallel: bool = False):
     for name, p in model.named_parameters():
         if not hasattr(p, "tp_split_dim"):       # norms: whole on every rank
             tp_layers.mark_layout(p, None, tp)
+    for module in model.modules():
+        if isinstance(module, tp_layers.TPRegion):
+            module.keep_gathered = keep_gathered
     model.tp_group, model.tp_size, model.sequence_parallel = tp_group, tp, sequence_parallel
     return model
 
@@ -156,22 +164,25 @@ def tp_collectives(cfg, rows: int, seq_len: int, tp: int, sequence_parallel: boo
 
     Each block's attention and MLP: g forward and f backward, one all-reduce of the (rows, S, D)
     activation each; under sequence parallelism each all-reduce becomes a pair, f an all-gather
-    forward and a reduce-scatter backward, g the reverse (the same bytes). The embedding's g moves
-    the activation forward (and back under SP), the head's f its input gradient backward (and the
-    input forward under SP); the vocab-parallel loss, three all-reduces of rows·S fp32 numbers. A
+    forward and a reduce-scatter backward, g the reverse (the same bytes), and f's all-gather runs
+    again in backward (its column-parallel layers keep only the shard: TPRegion.f_then_columns), one
+    more all-gather per f. The embedding's g moves the activation forward (and back under SP), the
+    head's f its input gradient backward (under SP: its input forward, and again in backward); the
+    vocab-parallel loss, three all-reduces of rows·S fp32 numbers. A
     mixture of experts stays whole on every TP rank: its blocks talk in the attention only; under SP
     each TP rank routes its own S/tp positions through it (no all-gather there either), and each router
     sums its per-sequence expert counts over tp, one all-reduce of (rows, E) int64 per block
     (`route_counts`: False where chapter 06 sums them over cp × tp and counts them as "cp")."""
     act = rows * seq_len * cfg.dim * element_size                   # one (rows, S, D) activation
     region = [("all_gather", act), ("reduce_scatter", act)] if sequence_parallel else [("all_reduce", act)]
-    f_and_g = 2 * region                                            # f backward, g forward (each a pair under SP)
+    regather = [("all_gather", act)] if sequence_parallel else []   # f's input gathered again in backward
+    f_and_g = 2 * region + regather                                 # f backward, g forward (each a pair under SP)
     split_regions = 1 if cfg.n_experts else 2                       # attention, and the MLP if dense
     out = (region if first else []) + n_layers * split_regions * f_and_g
     if sequence_parallel and cfg.n_experts and route_counts:
         out += n_layers * [("all_reduce", rows * cfg.n_experts * 8)]
     if last:
-        out += region + 3 * [("all_reduce", rows * seq_len * 4)]
+        out += region + regather + 3 * [("all_reduce", rows * seq_len * 4)]
     return out
 
 

@@ -4,7 +4,7 @@ Every layer is built from its single-device twin, keeps the parameter name `weig
 and weight decay see the reference names), and takes its TP process group as an argument. Local
 shapes are written in the comments: tp = the TP degree, SP = sequence parallel.
 
-    ColumnParallelLinear   weight (out/tp, in)    f, then this rank's out/tp outputs
+    ColumnParallelLinear   weight (out/tp, in)    f, then this rank's out/tp outputs (with SP fused: see below)
     RowParallelLinear      weight (out, in/tp)    a partial sum of all outputs, then g
     ParallelAttention      f; query heads split; KV heads split, or replicated when K < tp; g
     ParallelSwiGLU         f; gate, up column-parallel; down row-parallel; g
@@ -16,6 +16,10 @@ feature dimension, which is exactly the input a row-parallel layer wants, and an
 function in between (SiLU·up, or attention per head) needs no communication. So an MLP or an
 attention block costs one f at the entrance and one g at the exit (`TPRegion`), written out in
 the block's forward: two all-reduces per block and direction, each of B·S·D activations.
+
+Under sequence parallelism the entrance is the all-gather, fused with the column-parallel products
+that read it (`f_then_columns`, tp_operators.GatherThenColumnLinears): backward keeps the (B, S/tp, D)
+shard and all-gathers it again, as Megatron-LM does, instead of keeping the gathered (B, S, D).
 """
 import torch
 import torch.distributed as dist
@@ -53,6 +57,9 @@ class TPRegion(nn.Module):
         g = reduce-scatter along S forward, all-gather backward
     Subclasses set `self.group` and `self.sequence_parallel`.
     """
+    # SP only, for the chapter's comparison (bench_tp.py): keep the gathered (B, S, D) input for backward,
+    # as f then nn.Linear would, instead of re-gathering the shard. parallelize_model(keep_gathered=True).
+    keep_gathered = False
 
     def f(self, x):                      # enter: (B, S, D) whole, or (B, S/tp, D) with SP -> (B, S, D)
         if self.sequence_parallel:
@@ -64,15 +71,31 @@ class TPRegion(nn.Module):
             return tp_operators.reduce_scatter_to_sequence_parallel_region(y, self.group)
         return tp_operators.reduce_from_tp_region(y, self.group)
 
+    def regathers(self) -> bool:
+        """Does the entrance keep only the sequence shard and all-gather it again in backward?"""
+        return self.sequence_parallel and not self.keep_gathered
+
+    def f_then_columns(self, x, *columns):
+        """Enter the region and apply the column-parallel layers that read its input: f once for all
+        (q, k, v; gate, up), so f's backward sums their input gradients before ONE all-reduce (or
+        reduce-scatter). -> [(B, S, out_i/tp)], one per layer. Under SP (`regathers`) the all-gather
+        and the products are one operator that keeps the (B, S/tp, D) shard for backward; it
+        multiplies by the layers' weights itself, so their forward (the same F.linear) is not called."""
+        if self.regathers():             # (B, S/tp, D) -> all-gather + products; backward re-gathers
+            return tp_operators.gather_then_column_linears(x, [c.weight for c in columns], self.group)
+        x = self.f(x)                    # f: (B, S, D) on every rank, kept by each product for backward
+        return [c(x) for c in columns]
+
 
 class ColumnParallelLinear(TPRegion):
     """y = x Wᵀ with W's output rows split: this rank computes y[..., rank·out/tp : (rank+1)·out/tp].
 
     Each output slice depends on all of x, so the layer starts with f (the sum of the ranks' input
-    gradients in backward). `apply_f=False`: the caller has applied f already, once for several
-    layers reading the same input (q, k, v; gate, up): three f's would all-reduce three gradients
-    instead of their sum. The output stays split: the next layer (row-parallel, or the vocab-parallel
-    loss after the LM head) wants it so."""
+    gradients in backward). `apply_f=False`: the caller enters the region once for several layers
+    reading the same input (q, k, v; gate, up: `f_then_columns`): three f's would all-reduce three
+    gradients instead of their sum. The output stays split: the next layer (row-parallel, or the
+    vocab-parallel loss after the LM head) wants it so. Under SP the entrance (all-gather) and the
+    product are one operator that keeps only the input's sequence shard for backward."""
 
     def __init__(self, weight, group, sequence_parallel=False, apply_f=True):
         super().__init__()
@@ -81,6 +104,8 @@ class ColumnParallelLinear(TPRegion):
         self.weight = mark_layout(nn.Parameter(_shard(weight, 0, rank, size)), 0, 1)   # (out/tp, in)
 
     def forward(self, x):                # (B, S, in), or (B, S/tp, in) with SP
+        if self.apply_f and self.regathers():    # SP: all-gather + product, backward keeps the shard
+            return tp_operators.gather_then_column_linears(x, [self.weight], self.group)[0]   # (B, S, out/tp)
         if self.apply_f:
             x = self.f(x)                # f: (B, S, in), whole on every rank
         return F.linear(x, self.weight)  # (B, S, out/tp): this rank's output features
@@ -132,7 +157,7 @@ class ParallelAttention(TPRegion):
         H, K, hd = dense.n_heads, dense.n_kv_heads, dense.head_dim
         self.group, self.sequence_parallel = group, sequence_parallel
         self.n_heads, self.head_dim, self.total_kv_heads = H // tp, hd, K
-        # f and g are written out in forward, once for the whole block: the linears only multiply.
+        # f (with q, k, v) and g are written out in forward, once for the whole block.
         self.wq = ColumnParallelLinear(dense.wq.weight, group, sequence_parallel, apply_f=False)   # (H/tp·hd, D)
         self.wo = RowParallelLinear(dense.wo.weight, group, sequence_parallel, apply_g=False)      # (D, H/tp·hd)
         if K >= tp:
@@ -147,11 +172,11 @@ class ParallelAttention(TPRegion):
         self.attend = dense.attend       # the attention core on the local heads (common.model.Attention)
 
     def forward(self, x, cos, sin):      # (B, S, D), or (B, S/tp, D) with SP
-        x = self.f(x)                    # f, once for q, k and v: (B, S, D) on every rank
-        B, S, _ = x.shape
-        q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H/tp, S, hd)
-        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K/tp or 1, S, hd)
-        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.f_then_columns(x, self.wq, self.wk, self.wv)   # f, once for all three: (B, S, ·/tp)
+        B, S, _ = q.shape
+        q = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)              # (B, H/tp, S, hd)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)           # (B, K/tp or 1, S, hd)
+        v = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         y = self.wo(self.attend(q, k, v, cos, sin))        # (B, S, H/tp·hd) -> (B, S, D), a partial sum
         return self.g(y)                 # g: (B, S, D), or (B, S/tp, D) with SP
 
@@ -162,14 +187,14 @@ class ParallelSwiGLU(TPRegion):
     def __init__(self, dense, group, sequence_parallel=False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        # f and g are written out in forward, once for the whole MLP: the linears only multiply.
+        # f (with gate and up) and g are written out in forward, once for the whole MLP.
         self.w_gate = ColumnParallelLinear(dense.w_gate.weight, group, sequence_parallel, apply_f=False)  # (F/tp, D)
         self.w_up = ColumnParallelLinear(dense.w_up.weight, group, sequence_parallel, apply_f=False)      # (F/tp, D)
         self.w_down = RowParallelLinear(dense.w_down.weight, group, sequence_parallel, apply_g=False)     # (D, F/tp)
 
     def forward(self, x):                # (B, S, D), or (B, S/tp, D) with SP
-        x = self.f(x)                    # f, once for gate and up: (B, S, D) on every rank
-        hidden = swiglu(self.w_gate(x), self.w_up(x))      # (B, S, F/tp)
+        gate, up = self.f_then_columns(x, self.w_gate, self.w_up)   # f, once for both: (B, S, F/tp) each
+        hidden = swiglu(gate, up)        # (B, S, F/tp)
         y = self.w_down(hidden)          # (B, S, D), a partial sum
         return self.g(y)                 # g: (B, S, D), or (B, S/tp, D) with SP
 

@@ -21,12 +21,18 @@ sequence, and replaces f and g by another conjugate pair (the paper calls them g
 An all-reduce *is* a reduce-scatter followed by an all-gather, so the pair moves the same bytes as
 f and g, but the norms and residual adds in between now work on S/tp tokens instead of S.
 
+One more trade makes SP what the paper counts (its sbh(34/t) per layer): the column-parallel layers
+after the all-gather must not keep the gathered (B, S, D) input for backward. `GatherThenColumnLinears`
+fuses the all-gather with the linears that read it, keeps the (B, S/tp, D) shard, and all-gathers it
+again in backward for the weight gradients: one more all-gather per gathered input, tp× fewer bytes kept.
+
 Every collective goes through common.comm with name="tp", so its bytes are counted. Every operator
 takes its process group as an argument: the TP group may be a small part of the world (chapter 04
 runs it under pipeline stages and data parallelism).
 """
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from common import comm
 
@@ -124,6 +130,47 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 
+# --- sequence parallelism as Megatron-LM runs it: keep the shard, gather it again in backward ------------
+
+class GatherThenColumnLinears(torch.autograd.Function):
+    """SP's entrance (the paper's g: all-gather along S) fused with the column-parallel linears that read
+    its output (q, k, v; gate, up; the LM head), keeping only this rank's SHARD of the input for backward.
+
+    Unfused, `gather_from_sequence_parallel_region` then F.linear: F.linear saves its input, the gathered
+    (B, S, D), tp times the shard, and it lives until the block's backward. The weight gradients do need
+    all S positions (dW = dyᵀ X sums over every token), but not before backward: Megatron-LM's
+    column-parallel linear under sequence_parallel saves the shard and all-gathers it again there. The
+    trade, per gathered input: (tp−1)/tp·B·S·D values fewer kept, one all-gather of (B, S, D) more in
+    backward (Megatron hides it behind the dX matmul; here it blocks).
+
+        forward    x (B, S/tp, D) --all-gather--> X (B, S, D) --> y_i = X W_iᵀ, each (B, S, out_i/tp)
+                   X is freed when forward returns: autograd holds x (and the weights, not activations)
+    """
+
+    @staticmethod
+    def forward(ctx, x, dim, group, *weights):         # x (B, S/tp, D); weights (out_i/tp, D) each
+        ctx.dim, ctx.group = dim, group
+        ctx.save_for_backward(x, *weights)              # the shard, not the gathered X
+        X = _all_gather(x, dim, group)                  # (B, S, D), the same on every rank
+        return tuple(F.linear(X, w) for w in weights)   # (B, S, out_i/tp): this rank's features of each
+
+    @staticmethod
+    def backward(ctx, *dys):                            # dy_i (B, S, out_i/tp), this rank's features
+        x, *weights = ctx.saved_tensors
+        # Step 1: X again, for the weight gradients: the extra all-gather (counted under "tp").
+        X = _all_gather(x, ctx.dim, ctx.group)                                       # (B, S, D)
+        # Step 2: this rank's part of dL/dX, from its features of every output. Under autocast dy is
+        # bf16: multiply in its dtype, add in x's (as autograd adds the linears' input gradients).
+        dX = sum((dy @ w.to(dy.dtype)).to(x.dtype) for dy, w in zip(dys, weights))   # (B, S, D), partial
+        # Step 3: summed over the TP group, each rank keeps its positions: the all-gather's backward.
+        dx = _reduce_scatter(dX, ctx.dim, ctx.group)                                  # (B, S/tp, D)
+        # Step 4: dW_i = dy_iᵀ X over all B·S positions, the whole weight gradient of this rank's rows.
+        X2 = X.reshape(-1, X.shape[-1])                                               # (B·S, D)
+        dWs = [(dy.reshape(-1, dy.shape[-1]).t() @ X2.to(dy.dtype)).to(w.dtype)       # (out_i/tp, D)
+               for dy, w in zip(dys, weights)]
+        return (dx, None, None, *dWs)
+
+
 # Short functional names, as used by the layers. `dim` is the sequence dimension (1 in (B, S, D)).
 def copy_to_tp_region(x, group):
     return CopyToTensorParallelRegion.apply(x, group)
@@ -139,3 +186,8 @@ def gather_from_sequence_parallel_region(x, group, dim=1):
 
 def reduce_scatter_to_sequence_parallel_region(x, group, dim=1):
     return ReduceScatterToSequenceParallelRegion.apply(x, dim, group)
+
+
+def gather_then_column_linears(x, weights, group, dim=1):
+    """(B, S/tp, D) and column-parallel weights -> [(B, S, out_i/tp)]; backward keeps x, not the gathered."""
+    return list(GatherThenColumnLinears.apply(x, dim, group, *weights))

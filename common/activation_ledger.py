@@ -6,32 +6,37 @@ Llama block (RMSNorm, RoPE, grouped-query attention, SwiGLU, the SDPA kernel), i
 `--recompute` mode and each layout. Per position of a sequence and per layer (β = 4 bytes):
 
     term                                              kept in            bytes per position
-    block input x (the residual stream)               none, sel., full   β·D          (residual)
-    attention norm: x·rms and rms                     none               β·(D + 1)    (residual)
-    norm output: wq, wk, wv's input                   none, selective    β·D
+    block input x (the residual stream)               none, sel., full   β·D          (SP shard)
+    attention norm: x·rms and rms                     none               β·(D + 1)    (SP shard)
+    norm output: wq, wk, wv's input                   none, selective    β·D          (SP shard)
     attention kernel (SDPA): q, k after RoPE, v, out,
         and its fp32 log-sum-exp                      none, selective    β·(2h + 2k)·hd + 4·h
     attention output reshaped: wo's input             none, selective    β·h·hd
-    residual after attention                          none, selective    β·D          (residual)
-    MLP norm: x·rms and rms                           none               β·(D + 1)    (residual)
-    norm output: gate and up's input                  none, selective    β·D
+    residual after attention                          none, selective    β·D          (SP shard)
+    MLP norm: x·rms and rms                           none               β·(D + 1)    (SP shard)
+    norm output: gate and up's input                  none, selective    β·D          (SP shard)
     gate and up outputs                               none, selective    2β·F
     silu(gate)                                        none               β·F
     silu(gate)·up: down's input                       none, selective    β·F
 
 h and k are the query and KV heads this rank holds (H/tp, K/tp or 1), F the MLP hidden size it holds
-(F/tp). "(residual)" terms live outside the tensor-parallel region: under sequence parallelism they
-cover S/tp positions, every other term S (S/cp under context parallelism). RoPE keeps nothing of its
-own (it multiplies by constant tables), nor do the residual additions. Compared with the GPT count:
-no dropout masks (no dropout), no 5as/h term (the SDPA kernel keeps a log-sum-exp per head and
-position, never the S×S scores), two norm outputs where LayerNorm keeps its input, and SwiGLU's four
-F-wide tensors where a GeLU MLP keeps two of 4h.
+(F/tp). "(SP shard)" terms are kept whole on every TP rank without sequence parallelism, and as this
+rank's S/tp positions with it; every other term covers S positions (S/cp under context parallelism).
+The residual stream and the norms live outside the tensor-parallel region, so SP splits them; the
+norm outputs are the column-parallel layers' input, which SP all-gathers to (B, S, D), but chapter
+02's `GatherThenColumnLinears` keeps only the shard and gathers it again in backward (Megatron-LM's
+way). That is Korthikanti et al.'s split: without SP the whole-on-every-rank terms are their
+sbh·10 (norm inputs, dropout masks, the two gathered inputs), the rest sbh·24/t; with SP all 34/t.
+RoPE keeps nothing of its own (it multiplies by constant tables), nor do the residual additions.
+Compared with the GPT count: no dropout masks (no dropout), no 5as/h term (the SDPA kernel keeps a
+log-sum-exp per head and position, never the S×S scores), two norm outputs where LayerNorm keeps its
+input, and SwiGLU's four F-wide tensors where a GeLU MLP keeps two of 4h.
 
 Around the layers: the embedding keeps nothing but the token ids (the step's input, not counted; under
-TP its own shifted int64 ids and an fp32 mask), the head
-its final norm, the lm_head's input and the loss's (B, S, V) log-softmax (under TP: the softmax of
-V/tp columns, the targets and a bool mask), and every micro-batch on a stage with layers references
-the RoPE tables (model buffers, counted once per micro-batch by the measurement).
+TP its own shifted int64 ids and an fp32 mask), the head its final norm and the lm_head's input (both
+SP shards) and the loss's (B, S, V) log-softmax (under TP: the softmax of V/tp columns, the targets
+and a bool mask), and every micro-batch on a stage with layers references the RoPE tables (model
+buffers, counted once per micro-batch by the measurement).
 """
 from dataclasses import dataclass
 
@@ -47,7 +52,7 @@ class Term:
     name: str
     bytes_per_position: int
     kept: tuple            # the --recompute modes in which autograd keeps it
-    residual: bool = False  # outside the TP region: S/tp positions under sequence parallelism
+    sp_shard: bool = False  # S/tp positions under sequence parallelism (S without): the "(SP shard)" terms
 
 
 def attention_kernel_term(cfg, tp: int = 1, kv_copies: int = 1) -> Term:
@@ -64,14 +69,14 @@ def layer_terms(cfg, tp: int = 1, kv_copies: int = 1) -> list[Term]:
     """One block's saved tensors, per position (bytes), as the table in the module docstring."""
     D, hd, F, h = cfg.dim, cfg.head_dim, cfg.ffn_hidden // tp, cfg.n_heads // tp
     return [
-        Term("block input x (residual stream)", FP32 * D, EVERY, residual=True),
-        Term("attention norm: x·rms, rms", FP32 * (D + 1), NONE_ONLY, residual=True),
-        Term("norm output (wq, wk, wv input)", FP32 * D, NOT_FULL),
+        Term("block input x (residual stream)", FP32 * D, EVERY, sp_shard=True),
+        Term("attention norm: x·rms, rms", FP32 * (D + 1), NONE_ONLY, sp_shard=True),
+        Term("norm output (wq, wk, wv input)", FP32 * D, NOT_FULL, sp_shard=True),   # gathered again in backward
         attention_kernel_term(cfg, tp, kv_copies),
         Term("attention output (wo input)", FP32 * h * hd, NOT_FULL),
-        Term("residual after attention", FP32 * D, NOT_FULL, residual=True),
-        Term("MLP norm: x·rms, rms", FP32 * (D + 1), NONE_ONLY, residual=True),
-        Term("norm output (gate, up input)", FP32 * D, NOT_FULL),
+        Term("residual after attention", FP32 * D, NOT_FULL, sp_shard=True),
+        Term("MLP norm: x·rms, rms", FP32 * (D + 1), NONE_ONLY, sp_shard=True),
+        Term("norm output (gate, up input)", FP32 * D, NOT_FULL, sp_shard=True),     # gathered again in backward
         Term("gate, up outputs", FP32 * 2 * F, NOT_FULL),
         Term("silu(gate)", FP32 * F, NONE_ONLY),
         Term("silu(gate)·up (down input)", FP32 * F, NOT_FULL),
@@ -91,8 +96,8 @@ def head_terms(cfg, tp: int = 1) -> list[Term]:
     else:        # the vocab-parallel cross-entropy's own saved tensors
         loss = [Term("softmax (B, S, V/tp)", FP32 * V // tp, EVERY),
                 Term("local targets (int64), mask (bool)", INT64 + 1, EVERY)]
-    return [Term("final norm: x, x·rms, rms", FP32 * (2 * D + 1), EVERY, residual=True),
-            Term("lm_head input", FP32 * D, EVERY)] + loss
+    return [Term("final norm: x, x·rms, rms", FP32 * (2 * D + 1), EVERY, sp_shard=True),
+            Term("lm_head input", FP32 * D, EVERY, sp_shard=True)] + loss          # gathered again in backward
 
 
 def deferred_terms(cfg, tp: int = 1) -> list[Term]:
@@ -113,8 +118,8 @@ def rope_tables_bytes(cfg, cp: int = 1, positions: int = 0) -> int:
     return 2 * (cfg.max_seq_len if cp == 1 else positions) * (cfg.head_dim // 2) * FP32
 
 
-def terms_bytes(terms, mode: str, rows: int, positions: int, residual_positions: int) -> int:
-    return sum(t.bytes_per_position * rows * (residual_positions if t.residual else positions)
+def terms_bytes(terms, mode: str, rows: int, positions: int, shard_positions: int) -> int:
+    return sum(t.bytes_per_position * rows * (shard_positions if t.sp_shard else positions)
                for t in terms if mode in t.kept)
 
 
@@ -124,15 +129,15 @@ def microbatch_bytes(cfg, mode: str, rows: int, positions: int, n_layers: int, f
     """Bytes one micro-batch of `rows` sequences keeps on a stage of `n_layers` blocks (plus the
     embedding if `first`, the head and loss if `last`). `positions`: the positions of a sequence this
     rank computes (S; S/cp under context parallelism over `cp` ranks, whose all-gather attention keeps
-    every rank's K/V if `gathered_kv`); the residual stream holds positions/tp of them under sequence
+    every rank's K/V if `gathered_kv`); the "(SP shard)" terms hold positions/tp of them under sequence
     parallelism."""
-    residual = positions // tp if sequence_parallel else positions
+    shard = positions // tp if sequence_parallel else positions
     kv_copies = cp if gathered_kv else 1
-    total = n_layers * terms_bytes(layer_terms(cfg, tp, kv_copies), mode, rows, positions, residual)
+    total = n_layers * terms_bytes(layer_terms(cfg, tp, kv_copies), mode, rows, positions, shard)
     if first:
-        total += terms_bytes(embedding_terms(cfg, tp), mode, rows, positions, residual)
+        total += terms_bytes(embedding_terms(cfg, tp), mode, rows, positions, shard)
     if last:       # (the vocab-parallel loss keeps no scalar: it saves its own three tensors)
-        total += terms_bytes(head_terms(cfg, tp), mode, rows, positions, residual) + (LOSS_SCALAR if tp == 1 else 0)
+        total += terms_bytes(head_terms(cfg, tp), mode, rows, positions, shard) + (LOSS_SCALAR if tp == 1 else 0)
     return total + (rope_tables_bytes(cfg, cp, positions) if n_layers else 0)
 
 
@@ -177,8 +182,8 @@ def pipeline_peaks(cfg, mode: str, plan, specs, rows: int, positions: int, tp: i
     under context parallelism: microbatch_bytes)."""
     held = {s.index: microbatch_bytes(cfg, mode, rows, positions, len(s.layers), s.first, s.last, tp,
                                       sequence_parallel, cp, gathered_kv) for s in specs}
-    residual = positions // tp if sequence_parallel else positions
-    per_layer = terms_bytes(deferred_terms(cfg, tp), mode, rows, positions, residual)
+    shard = positions // tp if sequence_parallel else positions
+    per_layer = terms_bytes(deferred_terms(cfg, tp), mode, rows, positions, shard)
     head = FP32 * rows * positions * (cfg.dim + cfg.vocab_size) if tp == 1 else 0    # lm_head's x, dy
     deferred = {s.index: len(s.layers) * per_layer + (head if s.last else 0) for s in specs}
     return [schedule_peak(actions, held, deferred) for actions in plan]

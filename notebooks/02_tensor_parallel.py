@@ -72,7 +72,9 @@ for label, rows in history.items():
 
 # %% [markdown]
 # Left: the relative loss difference of each TP layout from the single device, per step (round-off
-# only). Right: the bytes rank 0 sent and received per step for TP's collectives.
+# only). Right: the bytes rank 0 sent and received per step for TP's collectives; SP's pairs move the
+# all-reduces' bytes, and each column-parallel entrance all-gathers its input again in backward
+# (it keeps only the sequence shard: the README's §4 "Keep the shard, gather it again").
 
 # %%
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -81,6 +83,6 @@ ax1.set_title("same losses in every layout, up to round-off")
 labels = [k for k in history if k != "1 rank"]
 ax2.bar(labels, [history[k][-1]["comm_bytes_tp"] / 2**20 for k in labels])
 ax2.set_ylabel("MiB sent + received per step (rank 0)")
-ax2.set_title("TP communication: SP moves the same bytes as all-reduce")
+ax2.set_title("TP communication: SP adds an all-gather per gathered input")
 fig.tight_layout()
 show(fig, "02_tp_loss_difference_and_bytes")

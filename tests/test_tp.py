@@ -23,7 +23,8 @@ STEPS = 6
 BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet"]
 TRAIN = "02_tensor_parallel.train_tp:main"
 PIECES = {2: [("test_tp_ops:check_partial_stage", True), ("test_tp:check_activation_collectives", False)],
-          4: [("test_tp_ops:check_operators",), ("test_tp_ops:check_layers", False),
+          4: [("test_tp_ops:check_operators",), ("test_tp_ops:check_gather_then_column_linears",),
+              ("test_tp_ops:check_layers", False),
               ("test_tp_ops:check_layers", True), ("test_tp_ops:check_vocab_parallel_loss",),
               ("test_tp_ops:check_kv_replicated",), ("test_tp:check_activation_collectives", True)]}
 L, D, B, S = 8, 128, 8, 32                        # tiny preset; the runs' global batch and sequence length
@@ -53,13 +54,16 @@ def check_bytes(history: list[dict], label: str) -> None:
     matrix split N ways, the norm gains whole (≈ 1/N of the model); per step 4L + 2 activation
     all-reduces of B·S·D floats each, 3 of B·S for the vocab-parallel loss, and with sequence
     parallelism 2L + 1 of D floats for the norm gains (an all-reduce counts 2·2(N-1)/N of its bytes,
-    sent + received; SP's reduce-scatter + all-gather pair moves the same)."""
+    sent + received; SP's reduce-scatter + all-gather pair moves the same) and 2L + 1 all-gathers of
+    B·S·D floats more, 2(N-1)/N each: every column-parallel entrance gathers its input again in backward."""
     row = history[-1]
     tp, dp, sp = row["tp"], row["dp"], row["sequence_parallel"]
     assert row["param_bytes"] == (FULL_BYTES - NORM_BYTES) / tp + NORM_BYTES, (label, row["param_bytes"])
     b = B // dp
     floats = (4 * L + 2) * b * S * D + 3 * b * S + sp * (2 * L + 1) * D
-    assert row["comm_bytes_tp"] == 4 * (tp - 1) / tp * 4 * floats, (label, row["comm_bytes_tp"])
+    regathered = sp * (2 * L + 1) * b * S * D
+    assert row["comm_bytes_tp"] == 4 * (tp - 1) / tp * 4 * floats + 2 * (tp - 1) / tp * 4 * regathered, \
+        (label, row["comm_bytes_tp"])
     # the same bytes, collective by collective, as the layout planner predicts them
     collectives = (TP.tp_collectives(PRESETS["tiny"], b, S, tp, sp, L) +
                    TP.tp_gradient_collectives(PRESETS["tiny"], tp, sp, L))
@@ -85,7 +89,8 @@ def _group(world, ckpt_dir):
 def check_activation_collectives(sp: bool):
     """One forward + backward of the tiny model, every TP collective logged on this rank: 4L + 2
     activation collectives of one B·S·D tensor each (with SP, each all-reduce becomes a reduce-scatter
-    and an all-gather), each counted at the ring formula's bytes; everything else is small."""
+    and an all-gather, and 2L + 1 all-gathers more in backward: the column-parallel entrances gather
+    their input again), each counted at the ring formula's bytes; everything else is small."""
     import torch
     import torch.distributed as dist
     from common import comm
@@ -121,8 +126,9 @@ def check_activation_collectives(sp: bool):
     ring = {"all_reduce": 4 * (N - 1) / N * 4 * bsd, "reduce_scatter_into": 2 * (N - 1) / N * 4 * bsd,
             "all_gather_into": 2 * (N - 1) / N * 4 * bsd}
     activations = [(name, nbytes) for name, numel, nbytes in calls if numel == bsd]
-    kinds = ("reduce_scatter_into", "all_gather_into") if sp else ("all_reduce",)
-    assert Counter(name for name, _ in activations) == {k: 4 * cfg.n_layers + 2 for k in kinds}, calls
+    L = cfg.n_layers
+    want = {"reduce_scatter_into": 4 * L + 2, "all_gather_into": 6 * L + 3} if sp else {"all_reduce": 4 * L + 2}
+    assert Counter(name for name, _ in activations) == want, calls
     assert all(nbytes == ring[name] for name, nbytes in activations), activations
     assert all(numel <= bsd / 16 for _, numel, _ in calls if numel != bsd), calls
     return True

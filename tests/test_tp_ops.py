@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import comm                                          # noqa: E402
+from common.activation_meter import saved_storages, storages    # noqa: E402
 from common.errors import ConfigError                           # noqa: E402
 from common.model import Attention, ModelConfig, PRESETS, SwiGLU, rope_tables   # noqa: E402
 from common.step_protocol import counted_here, replicas                  # noqa: E402
@@ -67,6 +69,30 @@ def check_operators():
     y.backward(torch.full_like(y, float(r)))                     # gathered: chunk j holds j
     want = torch.cat([torch.full_like(mine, float(j)) for j in range(N)], dim=1)
     assert torch.equal(x.grad, want)
+    return True
+
+
+def check_gather_then_column_linears():
+    """SP's entrance alone (all-gather, two column-parallel products) against its single-device twin; it keeps
+    the (B, S/N, D) shard for backward (not the gathered (B, S, D)) and all-gathers again there, counted."""
+    group, N, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    x_full, w_full = _randn(2, 4 * N, 8, seed=20), [_randn(4 * N, 8, seed=21), _randn(2 * N, 8, seed=22)]
+    up = [_randn(2, 4 * N, w.shape[0], seed=23 + i) for i, w in enumerate(w_full)]   # fixed upstream gradients
+    xd, wd = x_full.clone().requires_grad_(), [w.clone().requires_grad_() for w in w_full]
+    sum((F.linear(xd, w) * u).sum() for w, u in zip(wd, up)).backward()         # the twin: y_i = x W_iᵀ
+    x = _mine(x_full, "seq").clone().requires_grad_()                            # (B, S/N, D)
+    ws = [w.chunk(N, 0)[r].clone().requires_grad_() for w in w_full]            # (out_i/N, D): my rows
+    before, gathered = comm.COUNTER.total("tp"), x_full.numel() * 4             # bytes of (B, S, D)
+    with saved_storages(storages(ws)) as kept:
+        ys = _libs()[0].gather_then_column_linears(x, ws, group)                # (B, S, out_i/N) each
+    assert sum(kept.values()) == gathered // N, kept                             # the shard, nothing more
+    sum((y * _mine(u, "last")).sum() for y, u in zip(ys, up)).backward()
+    torch.testing.assert_close(x.grad, _mine(xd.grad, "seq"), **TOL)
+    for y, w, d in zip(ys, ws, wd):                  # each output and weight gradient: my features, my rows
+        torch.testing.assert_close(y, _mine(F.linear(x_full, d).detach(), "last"), **TOL)
+        torch.testing.assert_close(w.grad, d.grad.chunk(N, 0)[r], **TOL)
+    assert comm.COUNTER.total("tp") - before == sum(comm.collective_bytes(kind, gathered, N) for kind in
+                                                    ("all_gather", "all_gather", "reduce_scatter"))   # fwd; bwd
     return True
 
 
@@ -210,6 +236,7 @@ def check_partial_stage(sp: bool):
 # --- at two ranks: one group, one test per piece ------------------------------------------------------
 
 TWO_RANKS = {"operators": ("test_tp_ops:check_operators",), "vocab loss": ("test_tp_ops:check_vocab_parallel_loss",),
+             "sp entrance": ("test_tp_ops:check_gather_then_column_linears",),
              "layers": ("test_tp_ops:check_layers", False), "layers+sp": ("test_tp_ops:check_layers", True)}
 
 
@@ -224,6 +251,10 @@ def test_operators_at_two_ranks(two_ranks):
 
 def test_vocab_parallel_loss_at_two_ranks(two_ranks):
     assert ok(two_ranks["vocab loss"]) is True
+
+
+def test_sequence_parallel_entrance_keeps_the_shard_at_two_ranks(two_ranks):
+    assert ok(two_ranks["sp entrance"]) is True
 
 
 def test_layers_at_two_ranks(two_ranks):
