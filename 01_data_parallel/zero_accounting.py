@@ -24,11 +24,14 @@ def zero_memory_components(stage: int, M: float, N: int, alpha: float = 2.0) -> 
             "optim_bytes": alpha * M / N if stage >= 1 else alpha * M}
 
 
-def zero_sent_share(stage: int, N: int) -> float:
+def zero_sent_share(stage: int, N: int, per_microbatch: bool = True) -> float:
     """Bytes one rank sends per step, as a multiple of M (it receives as many): plain DP's all-reduce
     2(N-1)/N; stage 1 adds the all-gather of the updated shards, 3(N-1)/N; stage 2 reduce-scatters
-    instead, 2(N-1)/N; stage 3 gathers the parameters again for backward, 3(N-1)/N."""
-    return {0: 2, 1: 3, 2: 2, 3: 3}[stage] * (N - 1) / N
+    instead, 2(N-1)/N; stage 3 gathers the parameters again for backward, 3(N-1)/N. In the pipeline
+    form (per_microbatch=False: chapter 04's grid) stage 3 gathers the weights once for the whole step
+    and keeps them for backward: one gather and one reduce-scatter, 2(N-1)/N."""
+    third = 3 if per_microbatch else 2
+    return {0: 2, 1: 3, 2: 2, 3: third}[stage] * (N - 1) / N
 
 
 def gather_optim_state(units, pieces, optimizer, group, name="dp") -> dict:

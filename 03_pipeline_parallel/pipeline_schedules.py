@@ -19,6 +19,7 @@ finished: every rank idles p-1 slots of (F+B) per step while doing m of them. Bu
     (p-1) / (m + p-1)               GPipe and 1F1B (1F1B only lowers memory, not the bubble)
     (p-1) / (v·m + p-1)             interleaved: each slot is 1/v as long
 """
+from functools import lru_cache
 from collections import namedtuple
 
 from common.errors import require
@@ -147,8 +148,13 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     require(v == 1 or name == "interleaved",
             f"--virtual-stages {v} only works with --schedule interleaved (the {name} schedule holds one "
             "stage per rank); use --schedule interleaved or --virtual-stages 1")
+    return [list(actions) for actions in _built(name, p, m, v)]      # a fresh list per rank: the caller's
+
+
+@lru_cache(maxsize=None)    # chapter 07's planner asks for the same schedules thousands of times
+def _built(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
     fn = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb-h1": zb_h1}[name]
-    return fn(p, m, v)
+    return tuple(tuple(actions) for actions in fn(p, m, v))
 
 
 def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:

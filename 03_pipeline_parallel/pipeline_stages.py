@@ -41,6 +41,11 @@ def layer_costs(cfg: ModelConfig, seq_len: int) -> dict:
 
 def partition(cfg: ModelConfig, n_stages: int, seq_len: int) -> list[tuple[int, ...]]:
     """Contiguous split of the layers into n_stages runs (≥ 1 layer each) minimising the max stage cost."""
+    return list(_partition(cfg, n_stages, seq_len))
+
+
+@lru_cache(maxsize=None)    # the same split is asked again and again by chapter 07's planner (126 layers, 16 stages)
+def _partition(cfg: ModelConfig, n_stages: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
     L = cfg.n_layers
     require(L >= n_stages, f"the model has {L} layers, too few for {n_stages} stages (pp × virtual stages); "
                            f"use fewer --pp / --virtual-stages (at most {L} stages) or a deeper --model")
@@ -64,7 +69,7 @@ def partition(cfg: ModelConfig, n_stages: int, seq_len: int) -> list[tuple[int, 
 
     _, cuts = best(0, 0)
     bounds = (0,) + cuts
-    return [tuple(range(bounds[k], bounds[k + 1])) for k in range(n_stages)]
+    return tuple(tuple(range(bounds[k], bounds[k + 1])) for k in range(n_stages))
 
 
 def stage_specs(cfg: ModelConfig, pp: int, v: int, seq_len: int) -> list[StageSpec]:

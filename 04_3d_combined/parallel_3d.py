@@ -98,7 +98,7 @@ def decide_layout(args, cfg, world: int, degrees=None) -> Layout:
     not given (default: the flags)."""
     dp, tp, pp = default_degrees(world, *(degrees or (args.dp, args.tp, args.pp)))
     m = pipeline_microbatches(args, dp, pp)
-    check_common(args, dp=dp, microbatches=m)
+    check_common(args, dp=dp, microbatches=m, cfg=cfg)
     require(dp * tp * pp == world,
             f"--dp {dp} × --tp {tp} × --pp {pp} = {dp * tp * pp} must equal the world size {world}; "
             f"change the degrees or launch with --nproc_per_node={dp * tp * pp}")

@@ -35,17 +35,28 @@ trainer_3d = import_module("04_3d_combined.trainer_3d")                        #
 run_tail = import_module("04_3d_combined.run_tail")                            # this chapter: all but the step
 
 
-def parse_args(argv=None):
+def parser():
     p = base_parser(__doc__.splitlines()[0], pipeline=True)
     parallel_3d.add_layout_args(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return parser().parse_args(argv)
+
+
+def checked_layout(args, world: int, cfg=None):
+    """Every check this run makes before any communication, on every rank: (layout, cfg, specs, plan).
+    Chapter 07's planner asks the same function whether a layout runs (`cfg`: a published shape)."""
+    cfg = cfg or dense_preset(args.model, "05_moe_expert_parallel/train_4d.py")   # the preset's configuration
+    layout = parallel_3d.decide_layout(args, cfg, world)                 # bad layouts fail here, on every rank
+    specs, plan = parallel_3d.plan_pipeline(args, cfg, layout)           # chapter 03: stages and actions
+    return layout, cfg, specs, plan
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    cfg = dense_preset(args.model, "05_moe_expert_parallel/train_4d.py")   # the preset's configuration
-    layout = parallel_3d.decide_layout(args, cfg, env_world_size())      # bad layouts fail here, on every rank
-    specs, plan = parallel_3d.plan_pipeline(args, cfg, layout)           # chapter 03: stages and actions
+    layout, cfg, specs, plan = checked_layout(args, env_world_size())   # bad layouts fail here, on every rank
     rt = init_distributed(args.device, args.timeout)
     mesh = Mesh(rt.rank, rt.world_size, **layout.grid())                 # arange(world).view(dp, pp, tp)
     dp_rank, tp_group = mesh.coord("dp"), mesh.group("tp")

@@ -72,10 +72,11 @@ def default_ep(dp: int, n_experts: int) -> int:
     return math.gcd(dp // 2 if dp >= 4 else dp, n_experts) if n_experts else 1
 
 
-def decide_layout(args, world: int) -> tuple[Layout4D, object]:
+def decide_layout(args, world: int, cfg=None) -> tuple[Layout4D, object]:
     """Chapter 04's degrees and checks (TP defaults to 1 here: the experts stay whole on every TP
-    rank, so TP would only split the attention), then EP's, on every rank before any communication."""
-    cfg = moe_model_config(args)                                     # the preset, with --top-k applied
+    rank, so TP would only split the attention), then EP's, on every rank before any communication.
+    `cfg`: the model (default: the preset's; chapter 07's planner passes a published shape)."""
+    cfg = cfg or moe_model_config(args)                              # the preset, with --top-k applied
     # --tp not given: 1, unless --dp and --pp are both given (then TP takes what the world leaves)
     tp = args.tp if args.tp is not None else (1 if args.dp is None or args.pp is None else None)
     layout = parallel_3d.decide_layout(args, cfg, world, degrees=(args.dp, tp, args.pp))

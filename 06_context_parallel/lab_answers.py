@@ -265,7 +265,6 @@ def main() -> None:
     part_two(key)
     part_three(key)
     part_four(key)
-    import_module("06_context_parallel.lab_layout").layout_section(key)   # C9: the layout planner
     part_six(key)                        # C10: the all-to-all
     key.section(*key_section("06"))      # the museum's bugs of this chapter: how each is found
     key.write()

@@ -81,9 +81,9 @@ def add_5d_args(p) -> None:
                    "share what it leaves of the world as in train_4d.py")
 
 
-def decide_layout(args, world: int) -> tuple[Layout5D, object]:
+def decide_layout(args, world: int, cfg=None) -> tuple[Layout5D, object]:
     """CP's degree first, then chapter 05's decision on the world/cp ranks left, then CP's checks; on
-    every rank, before any communication."""
+    every rank, before any communication. `cfg`: the model (default: the preset's)."""
     cp = args.cp if args.cp is not None else (2 if world % 2 == 0 else 1)
     require(world % cp == 0, f"--cp {cp} does not divide the world size {world}; use a --cp that divides {world} "
                              f"or launch a multiple of {cp} ranks with torchrun --nproc_per_node")
@@ -93,7 +93,7 @@ def decide_layout(args, world: int) -> tuple[Layout5D, object]:
         require(product == world, f"--dp {args.dp} × --tp {args.tp} × --pp {args.pp} × --cp {cp} = {product} must "
                                   f"equal the world size {world}; change the degrees or launch with "
                                   f"--nproc_per_node={product}")
-    layout, cfg = parallel_4d.decide_layout(args, world // cp)         # the 4D checks on the ranks CP leaves
+    layout, cfg = parallel_4d.decide_layout(args, world // cp, cfg)    # the 4D checks on the ranks CP leaves
     check_cp(args, cp, layout.tp, cfg)                                 # under SP: S/cp splits over tp; heads
     if cp > 1:
         require(args.capacity_factor is None,

@@ -37,17 +37,28 @@ context_parallel = import_module("06_context_parallel.context_parallel")       #
 attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # this chapter: the work tally
 
 
-def parse_args(argv=None):
+def parser():
     p = base_parser(__doc__.splitlines()[0], pipeline=True)
     p.set_defaults(model="tiny-moe")
     parallel_5d.add_5d_args(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return parser().parse_args(argv)
+
+
+def checked_layout(args, world: int, cfg=None):
+    """Every check this run makes before any communication, on every rank: (layout, cfg, specs, plan).
+    Chapter 07's planner asks the same function whether a layout runs (`cfg`: a published shape)."""
+    layout, cfg = parallel_5d.decide_layout(args, world, cfg)            # bad layouts fail here, on every rank
+    specs, plan = parallel_3d.plan_pipeline(args, cfg, layout)           # chapter 03: stages and actions
+    return layout, cfg, specs, plan
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    layout, cfg = parallel_5d.decide_layout(args, env_world_size())      # bad layouts fail here, on every rank
-    specs, plan = parallel_3d.plan_pipeline(args, cfg, layout)           # chapter 03: stages and actions
+    layout, cfg, specs, plan = checked_layout(args, env_world_size())   # bad layouts fail here, on every rank
     rt = init_distributed(args.device, args.timeout)
     mesh = Mesh(rt.rank, rt.world_size, joined=layout.joined, **layout.grid())   # (edp, ep, pp, cp, tp)
     dp_rank, cp_rank, cp_group, tp_group = mesh.coord("dp"), mesh.coord("cp"), mesh.group("cp"), mesh.group("tp")

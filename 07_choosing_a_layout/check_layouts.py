@@ -1,8 +1,8 @@
 """What the layout planner is worth: its predictions against measured runs here, and published runs at scale.
 
-    python 06_context_parallel/check_layouts.py              # → results/layouts_here.md, layouts_published.md,
+    python 07_choosing_a_layout/check_layouts.py              # → results/layouts_here.md, layouts_published.md,
                                                              #   layouts_memory.png, layouts_predicted_vs_measured.png
-    python 06_context_parallel/check_layouts.py --published  # only the published table and the memory plot (seconds)
+    python 07_choosing_a_layout/check_layouts.py --published  # only the published table and the memory plot (seconds)
 
 Here: every 8-rank layout of chapter 04's bench_3d.py runs 2 steps of train_3d.py with the bench's batch
 and micro-batches (~3 min on 2 cores); its metrics hold the bytes each group moved (comm_bytes_*, rank 0),
@@ -28,30 +28,13 @@ from common.launch import launch  # noqa: E402
 from common.model import PRESETS  # noqa: E402
 
 bench_3d = import_module("04_3d_combined.bench_3d")                   # chapter 04: the 8-rank layouts
-layout_costs = import_module("06_context_parallel.layout_costs")
-layout_inputs = import_module("06_context_parallel.layout_inputs")
-choose_layout = import_module("06_context_parallel.choose_layout")
+layout_costs = import_module("07_choosing_a_layout.layout_costs")
+layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
+choose_layout = import_module("07_choosing_a_layout.choose_layout")
 RESULTS = HERE / "results"
 GROUPS = ("dp", "tp", "pp")
 
-# (name, planner arguments, the published layout as the planner spells it, source)
-PUBLISHED = [
-    ("Llama 3 405B, 8K sequences", ["--model", "llama3-405b", "--world", "16384", "--device", "h100", "--dtype", "bf16",
-                                    "--global-batch", "2048", "--seq-len", "8192"],
-     dict(dp=128, tp=8, pp=16, cp=1, ep=1, zero_stage=2, sequence_parallel=True, schedule="interleaved"),
-     "Llama 3 Herd of Models, Table 4: 16,384 H100s, TP 8 × CP 1 × PP 16 × DP 128, 16M tokens per batch; FSDP "
-     "shards gradients and optimizer state (ZeRO-2 here)"),
-    ("GPT-3 175B (Megatron-LM)", ["--model", "gpt3-175b", "--world", "1024", "--device", "a100", "--dtype", "bf16",
-                                  "--global-batch", "1536", "--seq-len", "2048"],
-     dict(dp=8, tp=8, pp=16, cp=1, ep=1, zero_stage=0, recompute="full", sequence_parallel=False,
-          schedule="interleaved"),
-     "Narayanan et al. 2021, Table 1: 1,024 A100s, TP 8 × PP 16, batch 1,536, interleaved, full recomputation"),
-    ("DeepSeek-V3", ["--model", "deepseek-v3", "--world", "2048", "--device", "h100", "--dtype", "bf16",
-                     "--global-batch", "15360", "--seq-len", "4096"],
-     dict(dp=128, tp=1, pp=16, cp=1, ep=64, zero_stage=1),
-     "DeepSeek-V3 report §3.2: 2,048 H800s, PP 16 × EP 64 (over 8 nodes) × ZeRO-1 DP, no TP; batch 15,360 × 4K "
-     "(H800 planned as H100: same FLOP/s, NVLink 400 GB/s instead of 900)"),
-]
+published = import_module("07_choosing_a_layout.published")           # this chapter: the published runs
 
 
 def measured_here(steps: int) -> dict:
@@ -125,21 +108,21 @@ def check_here(steps: int) -> tuple[list[str], list[tuple]]:
     return lines, points
 
 
-def published_rows(argv: list[str], layout: dict) -> tuple[str, list[dict], dict | None, int | None]:
-    """(device name, every row the planner made, the published layout's row or None, its rank among the
-    rows that fit or None)."""
-    args = choose_layout.parse_args(argv)
+def published_rows(argv, layout: dict) -> tuple[str, list[dict], dict | None, int | None]:
+    """(device name, every row the planner made, the published layout's best-ranked row or None, its rank
+    among the rows that fit or None)."""
+    args = choose_layout.parse_args(list(argv))
     rows, dev = choose_layout.plan(args)
     fitting = [r for r in rows if r["fits"]]
-    matches = [r for r in rows if all(r[k] == v for k, v in layout.items())]
-    mine = min(matches, key=lambda r: (not r["fits"], r["step_time_s"])) if matches else None
+    matches = [r for r in rows if published.matches(r, layout)]
+    mine = matches[0] if matches else None                                   # rows are in ranking order
     rank = fitting.index(mine) + 1 if mine in fitting else None
     return dev.name, rows, mine, rank
 
 
-def plain_dp_bytes(argv: list[str]) -> int:
+def plain_dp_bytes(argv) -> int:
     """What plain data parallelism would hold per GPU: the whole model's state and one sequence's activations."""
-    args = choose_layout.parse_args(argv)
+    args = choose_layout.parse_args(list(argv))
     cfg = layout_inputs.model_for(args.model)
     run = layout_costs.Run(cfg, args.world, args.seq_len, args.dtype)
     dev = layout_inputs.device_for(args.device, args.dtype, args.world)
@@ -147,24 +130,46 @@ def plain_dp_bytes(argv: list[str]) -> int:
                                 dev, 8)["memory_bytes"]["total"]
 
 
+def measured_words(run) -> tuple[str, str]:
+    """(what the authors measured, the planner's prediction of the same quantity) as table cells."""
+    return ("MFU", "mfu") if "mfu" in run.measured else ("step", "step_time_s") if run.measured else ("-", "")
+
+
 def check_published() -> tuple[list[str], tuple]:
-    lines = ["| configuration | published layout (as planned) | planner's memory per GPU | fits | its rank among "
-             "the layouts that fit | planner's first choice | plain DP per GPU |", "|---|---|---|---|---|---|---|"]
+    lines = ["| run | published layout (its best-ranked form here) | published | predicted | memory per GPU | "
+             "rank among the layouts that fit | planner's first choice |", "|---|---|---|---|---|---|---|"]
     plot_case = None
-    for name, argv, layout, source in PUBLISHED:
-        device, rows, mine, rank = published_rows(argv, layout)
+    for run in published.RUNS:
+        device, rows, mine, rank = published_rows(run.argv, run.layout)
         fitting = [r for r in rows if r["fits"]]
         best = fitting[0] if fitting else None
-        plain = plain_dp_bytes(argv)
-        memory = f"{mine['memory_bytes']['total'] / 2**30:,.1f} GiB" if mine else "-"
-        first = f"{choose_layout.describe(best)}, {best['step_time_s']:.2f} s" if best else "-"
-        versus = f" vs {mine['step_time_s']:.2f} s" if best and mine else ""
-        lines.append(f"| {name} ({device}) | {choose_layout.describe(mine) if mine else 'not enumerated'} | "
-                     f"{memory} | {'yes' if mine and mine['fits'] else 'no'} | "
-                     f"{rank or '-'} of {len(fitting)} | {first}{versus} | {plain / 2**30:,.0f} GiB |")
-        plot_case = plot_case or (name, fitting, mine)
-    lines += ["", "Sources:"] + [f"- {name}: {source}" for name, _, _, source in PUBLISHED]
+        what, key = measured_words(run)
+        if key:
+            unit = (lambda x: f"{x:.1%}") if key == "mfu" else (lambda x: f"{x:.2f} s")
+            said, predicted = f"{what} {unit(run.measured[key])}", unit(mine[key]) if mine else "-"
+        else:
+            said, predicted = "-", f"{mine['mfu']:.1%} MFU" if mine else "-"
+        memory = f"{mine['memory_bytes']['total'] / 2**30:,.1f} GiB{'' if mine['fits'] else ' (does not fit)'}" \
+            if mine else "-"
+        place = f"{rank:,} of {len(fitting):,} (top {rank / len(fitting):.1%})" if rank else "-"
+        first = f"{choose_layout.describe(best)}: {best['step_time_s']:.2f} s, MFU {best['mfu']:.1%}" if best else "-"
+        lines.append(f"| {run.name} ({device}) | {choose_layout.describe(mine) if mine else 'not runnable here'} | "
+                     f"{said} | {predicted} | {memory} | {place} | {first} |")
+        if run.name == "llama3-405b-8k-16384gpu":
+            plot_case = (run.name, fitting, mine)
+    lines += ["", "Sources:"] + [f"- {run.name}: {run.source}" for run in published.RUNS]
     return lines, plot_case
+
+
+def memory_bars(ax, shown: list[dict], labels: list[str], unit: float = 2**30) -> None:
+    """One horizontal bar per row: its fullest rank's memory by component, in `unit` bytes."""
+    left = [0.0] * len(shown)
+    for part in ("params", "grads", "optim_bytes", "peak_activation_bytes"):
+        vals = [r["memory_bytes"][part] / unit for r in shown]
+        ax.barh(range(len(shown)), vals, left=left, label=part.replace("_", " "))
+        left = [b + v for b, v in zip(left, vals)]
+    ax.set_yticks(range(len(shown)), labels, fontsize=7)
+    ax.invert_yaxis()
 
 
 def plot_memory(case, path: Path) -> None:
@@ -173,16 +178,8 @@ def plot_memory(case, path: Path) -> None:
     import matplotlib.pyplot as plt
     name, fitting, mine = case
     shown = fitting[:8] + ([mine] if mine and mine not in fitting[:8] else [])
-    parts = ("params", "grads", "optim_bytes", "peak_activation_bytes")
     fig, ax = plt.subplots(figsize=(10, 5))
-    left = [0.0] * len(shown)
-    for part in parts:
-        vals = [r["memory_bytes"][part] / 2**30 for r in shown]
-        ax.barh(range(len(shown)), vals, left=left, label=part.replace("_", " "))
-        left = [b + v for b, v in zip(left, vals)]
-    ax.set_yticks(range(len(shown)), [choose_layout.describe(r) + (" (published)" if r is mine else "") for r in shown],
-                  fontsize=7)
-    ax.invert_yaxis()
+    memory_bars(ax, shown, [choose_layout.describe(r) + (" (published)" if r is mine else "") for r in shown])
     ax.axvline(80, color="k", ls="--", lw=1, label="80 GiB: one H100")
     ax.set_xlabel("GiB per GPU (the fullest pipeline rank)")
     ax.set_title(f"{name}: the planner's fastest layouts that fit, and the published one")
@@ -213,13 +210,13 @@ def main():
     args = p.parse_args()
     RESULTS.mkdir(exist_ok=True)
     lines, case = check_published()
-    (RESULTS / "layouts_published.md").write_text("Command: `python 06_context_parallel/check_layouts.py`\n\n"
+    (RESULTS / "layouts_published.md").write_text("Command: `python 07_choosing_a_layout/check_layouts.py`\n\n"
                                                    + "\n".join(lines) + "\n")
     plot_memory(case, RESULTS / "layouts_memory.png")
     print("\n".join(lines))
     if not args.published:
         lines, points = check_here(args.steps)
-        (RESULTS / "layouts_here.md").write_text("Command: `python 06_context_parallel/check_layouts.py`; model tiny, "
+        (RESULTS / "layouts_here.md").write_text("Command: `python 07_choosing_a_layout/check_layouts.py`; model tiny, "
                                                  "16 × 128 tokens, 1F1B, fp32, 2 steps per layout (bytes and memory of "
                                                  "the last); bench_3d.py's tokens/s\n\n" + "\n".join(lines) + "\n")
         plot_here(points, RESULTS / "layouts_predicted_vs_measured.png")

@@ -1,22 +1,23 @@
 """Choosing a layout: every way to spread one model over a cluster, predicted, ranked and explained.
 
-    python 06_context_parallel/choose_layout.py --model tiny --world 8 --device cpu --global-batch 16 --seq-len 128
-    python 06_context_parallel/choose_layout.py --model llama3-405b --world 16384 --gpus-per-node 8 \\
+    python 07_choosing_a_layout/choose_layout.py --model tiny --world 8 --device cpu --global-batch 16 --seq-len 128
+    python 07_choosing_a_layout/choose_layout.py --model llama3-405b --world 16384 --gpus-per-node 8 \\
         --device h100 --dtype bf16 --global-batch 2048 --seq-len 8192 --json runs/405b.json
 
-It enumerates every valid layout: the degrees dp × tp × pp × cp = world (ep among the dp ranks, for a
-mixture of experts), the ZeRO stage, the recomputation mode, sequence parallelism, the schedule and its
-micro-batches; predicts for each what a rank holds, what it sends, the bubble and a step time
-(layout_costs.py: the chapters' own formulas); keeps what fits, ranks by step time, and explains the
-first choices in words. This chapter holds it because it is the last: it may import every earlier
-one, and the layout of a long-context mixture needs all five dimensions (chapter 04's README points
-here). What the planner is worth is checked against measured runs and published ones by
-check_layouts.py (the chapter's README shows both tables).
+It enumerates the layouts the course runs: the degrees dp × tp × pp × cp = world (ep among the dp ranks,
+for a mixture of experts), the ZeRO stage, the recomputation mode, sequence parallelism, the schedule,
+its virtual stages and micro-batches, each kept only if the training script that would run it accepts
+it (runnable.py asks the script's own checks); predicts for each what every rank holds, what it sends,
+the bubble and a step time (layout_costs.py: the chapters' own formulas); keeps what fits, ranks by step
+time (ties by memory), prints the command that runs the first, and explains the first choices in words,
+or any one layout with --explain. What the planner is worth is checked against measured runs and
+published ones by check_layouts.py (the chapter's README shows both tables).
 
 `--json PATH` writes every layout as a row: dp, tp, pp, cp, ep, zero_stage, recompute,
-sequence_parallel, schedule, microbatches, memory_bytes {params, grads, optim_bytes,
-peak_activation_bytes, total}, comm_bytes {dp, tp, pp, ep, cp} (per optimizer step, global rank 0's,
-sent + received: the metrics' comm_bytes_*), bubble, step_time_s, fits.
+sequence_parallel, schedule, virtual_stages, microbatches, memory_bytes {params, grads, optim_bytes,
+peak_activation_bytes, total, held_between_steps} (the fullest pipeline rank's, fullest_pp_rank),
+comm_bytes {dp, tp, pp, ep, cp} (per optimizer step, global rank 0's, sent + received: the metrics'
+comm_bytes_*), bubble, step_time_s, time_parts_s, fits, command.
 
 Exit codes: 0, a plan; 1, no layout fits (one `error:` line says the smallest one's memory; the table and
 the --json rows, every one fits = false, are still written); 2, a bad flag (one line that names it).
@@ -29,31 +30,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common` and the chapters
 
 from common.cli import OUTPUT_FILE, POSITIVE_INT, Domain, Parser, Refused, real, whole  # noqa: E402
-from common.errors import ConfigError, fail, require, run_main  # noqa: E402
-from common.metrics import format_bytes  # noqa: E402
-from common.model import count_parameters  # noqa: E402
+from common.errors import fail, require, run_main  # noqa: E402
+from common.model import PRESETS  # noqa: E402
 from common.recompute import MODES  # noqa: E402
 
-layout_inputs = import_module("06_context_parallel.layout_inputs")    # this chapter: models and devices
-layout_costs = import_module("06_context_parallel.layout_costs")      # this chapter: one layout's numbers
-tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")  # chapter 02: which TP degrees split
+layout_inputs = import_module("07_choosing_a_layout.layout_inputs")    # this chapter: models and devices
+layout_costs = import_module("07_choosing_a_layout.layout_costs")      # this chapter: one layout's numbers
+runnable = import_module("07_choosing_a_layout.runnable")              # this chapter: the scripts' own checks
+explain_layout = import_module("07_choosing_a_layout.explain_layout")  # this chapter: the planner's words
+published = import_module("07_choosing_a_layout.published")            # this chapter: published runs
 # (name, virtual stages). GPipe is left out: it has 1F1B's bubble and time and keeps all m micro-batches in
-# flight instead of at most p, so it never ranks above 1F1B.
-SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
-SCHEMA = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute", "sequence_parallel", "schedule", "microbatches",
-          "memory_bytes", "comm_bytes", "bubble", "step_time_s", "fits")
+# flight instead of at most p, so it never ranks above 1F1B. Interleaving up to 4 chunks per rank (Megatron's
+# GPT-3 ran 3), where the layers allow: the chapters' checks refuse more stages than layers.
+SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("interleaved", 4), ("zb-h1", 1))
+SCHEMA = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute", "sequence_parallel", "schedule", "virtual_stages",
+          "microbatches", "memory_bytes", "fullest_pp_rank", "comm_bytes", "bubble", "step_time_s", "time_parts_s",
+          "fits", "command")
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def tp_splits(cfg, tp: int) -> bool:
-    try:
-        tensor_parallel.check_tp_config(cfg, tp)
-        return True
-    except ConfigError:
-        return False
 
 
 def microbatch_counts(rows: int, pp: int, schedule: str) -> list[int]:
@@ -70,79 +66,74 @@ def microbatch_counts(rows: int, pp: int, schedule: str) -> list[int]:
 
 
 def candidates(cfg, world: int, global_batch: int, seq_len: int, gpus_per_node: int):
-    """Every layout of `world` ranks that the chapters can build for this model and batch."""
-    for tp in (t for t in divisors(world) if t <= gpus_per_node and tp_splits(cfg, t)):
-        for cp in (c for c in divisors(world // tp) if c == 1 or seq_len % (2 * c) == 0):
-            for pp in (p for p in divisors(world // (tp * cp)) if p <= cfg.n_layers):
+    """Every distinct layout of `world` ranks, before the chapters' checks: TP inside a node; the batch split
+    over the data-parallel ranks (the micro-batches are counted from it); a ZeRO stage only where there is
+    a group to shard over (at dp × cp = 1 every stage is the same layout as stage 0)."""
+    for tp in (t for t in divisors(world) if t <= gpus_per_node):
+        for cp in divisors(world // tp):
+            for pp in divisors(world // (tp * cp)):
                 dp = world // (tp * cp * pp)
                 if global_batch % dp:
                     continue
-                for ep in [e for e in divisors(dp) if cfg.n_experts % e == 0] if cfg.n_experts else [1]:
+                for ep in divisors(dp) if cfg.n_experts else [1]:
                     for schedule, v in SCHEDULES if pp > 1 else (("1f1b", 1),):
-                        if pp * v > cfg.n_layers:
-                            continue
                         for m in microbatch_counts(global_batch // dp, pp, schedule):
-                            for zero in (0, 1, 2, 3) if pp == 1 else (0, 1, 2):   # ZeRO-3 re-gathers per micro-batch
+                            for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
                                 for mode in MODES:
-                                    for sp in (False, True) if tp > 1 and seq_len // cp % tp == 0 else (False,):
+                                    for sp in (False, True) if tp > 1 else (False,):
                                         yield layout_costs.Candidate(dp, tp, pp, cp, ep, zero, mode, sp, schedule,
                                                                      m, v)
 
 
+def runnable_candidates(cfg, model: str, world: int, global_batch: int, seq_len: int, gpus_per_node: int,
+                        dtype: str = "fp32") -> tuple[list, int]:
+    """(the candidates the chapters' scripts accept, how many they refused): runnable.refusal asks each."""
+    every = list(candidates(cfg, world, global_batch, seq_len, gpus_per_node))
+    kept = [c for c in every if runnable.refusal(c, model, cfg, global_batch, seq_len, dtype) is None]
+    return kept, len(every) - len(kept)
+
+
+def ranking(r: dict) -> tuple:
+    """Fastest first among the layouts that fit, equal times (to 4 digits) by memory; then the rest by memory."""
+    # >>> exercise 07.ranking
+    if r["fits"]:
+        return False, float(f"{r['step_time_s']:.4g}"), r["memory_bytes"]["total"]
+    return True, r["memory_bytes"]["total"], r["step_time_s"]
+    # <<< exercise 07.ranking
+
+
 def plan(args) -> tuple[list[dict], object]:
-    """(every layout's row, fastest first among those that fit, then the rest by memory; the device)."""
+    """(every runnable layout's row, in ranking order; the device). `plan.refused` counts the candidates the
+    chapters' scripts refused."""
     cfg = layout_inputs.model_for(args.model)
     require(args.seq_len <= cfg.max_seq_len,
             f"--seq-len {args.seq_len} is longer than --model {args.model}'s {cfg.max_seq_len} positions")
     dev = layout_inputs.device_for(args.device, args.dtype, args.world, args.efficiency)
     gpn = args.world if dev.cores is not None else args.gpus_per_node
     run = layout_costs.Run(cfg, args.global_batch, args.seq_len, args.dtype)
-    rows = [layout_costs.predict(run, c, dev, gpn) for c in candidates(cfg, args.world, args.global_batch,
-                                                                       args.seq_len, gpn)]
-    require(rows, f"no layout of --world {args.world} splits this model and batch (--global-batch "
-                  f"{args.global_batch} over the data-parallel ranks, heads over TP): use a world size that is "
-                  f"a product of the model's divisors, e.g. a power of two")
-    rows.sort(key=lambda r: (not r["fits"], r["step_time_s"] if r["fits"] else r["memory_bytes"]["total"]))
+    kept, plan.refused = runnable_candidates(cfg, args.model, args.world, args.global_batch, args.seq_len, gpn,
+                                             args.dtype)
+    rows = []
+    for c in kept:
+        row = layout_costs.predict(run, c, dev, gpn)
+        row["command"] = runnable.command(c, args.model, cfg, args.global_batch, args.seq_len, args.dtype)
+        rows.append(row)
+    require(rows, f"no layout of --world {args.world} that the chapters run splits this model and batch "
+                  f"(--global-batch {args.global_batch} over the data-parallel ranks, heads over TP): use a world "
+                  f"size that is a product of the model's divisors, e.g. a power of two")
+    rows.sort(key=ranking)
     return rows, dev
 
 
 def describe(r: dict) -> str:
     zero = f", ZeRO-{r['zero_stage']}" if r["zero_stage"] else ""
-    sched = f", {r['schedule']} m={r['microbatches']}" if r["pp"] > 1 else f", m={r['microbatches']}"
+    v = f" v={r['virtual_stages']}" if r.get("virtual_stages", 1) > 1 else ""
+    sched = f", {r['schedule']}{v} m={r['microbatches']}" if r["pp"] > 1 else f", m={r['microbatches']}"
     return (f"dp {r['dp']} × tp {r['tp']}{' +SP' if r['sequence_parallel'] else ''} × pp {r['pp']} × cp {r['cp']}"
             + (f" (ep {r['ep']})" if r["ep"] > 1 else "") + f"{zero}, recompute {r['recompute']}{sched}")
 
 
-def gib(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else format_bytes(n)
-
-
-def explain(rows: list[dict], cfg, dev, args) -> list[str]:
-    """The decision tree, with this case's numbers: does the model fit one device, which lever buys
-    memory, what the winner pays its time for."""
-    n = count_parameters(cfg)
-    state = 16 * n                                          # fp32 weights + gradients + AdamW's two moments
-    fitting = [r for r in rows if r["fits"]]
-    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-    out = [f"{args.model}: {size} parameters; weights, gradients and AdamW's moments take "
-           f"16 bytes each = {gib(state)}, against {gib(dev.memory)} per {dev.name} rank."]
-    plain = [r for r in rows if r["dp"] == args.world and r["zero_stage"] == 0 and r["recompute"] == "none"]
-    if plain:
-        p = min(plain, key=lambda r: r["memory_bytes"]["total"])
-        out.append(f"Plain data parallelism would hold {gib(p['memory_bytes']['total'])} per rank: "
-                   + ("it fits, so anything else must buy speed." if p["fits"] else
-                      "it does not fit, so the state must be split (ZeRO, TP, PP) or the activations cut."))
-    if not fitting:
-        return out                          # the verdict is main's NothingFits, with the smallest layout
-    for i, r in enumerate(fitting[:args.explain]):
-        mem, parts = r["memory_bytes"], r["time_parts_s"]
-        slowest = max((k for k in parts if k != "compute"), key=parts.get)
-        out.append(f"{i + 1}. {describe(r)}: {r['step_time_s']:.3g} s per step, {gib(mem['total'])} per rank "
-                   f"(weights {gib(mem['params'])}, gradients {gib(mem['grads'])}, AdamW {gib(mem['optim_bytes'])}, "
-                   f"activations {gib(mem['peak_activation_bytes'])}). Compute {parts['compute']:.3g} s; the largest "
-                   f"other cost is {slowest.replace('_', ' ')}, {parts[slowest]:.3g} s"
-                   + (f"; the bubble is {r['bubble']:.1%} of a pipeline step" if r["pp"] > 1 else "") + ".")
-    return out
+gib = explain_layout.gib
 
 
 def _model(domain: Domain, text: str) -> str:
@@ -173,14 +164,35 @@ def parser() -> Parser:
     p.add_argument("--efficiency", type=real(0, strict=True, high=1), default=None,
                    help="share of peak FLOP/s the math reaches (default: 0.5 on a GPU, 0.4 on this CPU)")
     p.add_argument("--top", type=POSITIVE_INT, default=10, help="layouts in the printed table")
-    p.add_argument("--explain", type=POSITIVE_INT, default=3, help="layouts explained in words")
+    p.add_argument("--why", type=POSITIVE_INT, default=3, help="first layouts explained in words")
+    p.add_argument("--explain", type=explain_layout.LAYOUT, default=None, metavar="LAYOUT",
+                   help="explain one layout, fitting or not: key=value fields (dp, tp, pp, cp, ep, zero, recompute, "
+                        "schedule, v, m, and sp), or a published run's name, which also plans its cluster: "
+                        + ", ".join(published.BY_NAME))
     p.add_argument("--json", type=OUTPUT_FILE, default=None,
                    help="write every layout's row here, a JSON list (default: none)")
     return p
 
 
 def parse_args(argv=None):
-    return parser().parse_args(argv)
+    """The flags; `--explain NAME` of a published run plans that run's cluster and batch (its flags first,
+    so that a flag given after them still wins)."""
+    args = parser().parse_args(argv)
+    if args.explain and "name" in args.explain:
+        args = parser().parse_args(list(published.BY_NAME[args.explain["name"]].argv) + list(argv or sys.argv[1:]))
+    return args
+
+
+def run_it(r: dict, cfg, args) -> str:
+    """The command that runs the first layout: itself where the model is a course preset, else the same layout
+    in miniature on this machine (every degree above 1 made 2, the preset of the same kind)."""
+    if args.model in PRESETS:
+        return f"Run it:\n  {r['command']}"
+    c = layout_costs.Candidate(*(r[k] for k in ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute",
+                                                "sequence_parallel", "schedule", "microbatches", "virtual_stages")))
+    mini = runnable.miniature(c, cfg)
+    return ("Run it in miniature on this machine:\n  " + mini[1]) if mini else \
+        "No miniature of it runs here (its script refuses the reduced degrees)."
 
 
 class NothingFits(Exception):
@@ -193,12 +205,23 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     rows, dev = plan(args)
     cfg = layout_inputs.model_for(args.model)
-    print(f"{len(rows)} layouts of {args.world} {dev.name} ranks, {sum(r['fits'] for r in rows)} fit; fastest first:")
-    print(f"  {'layout':<70} {'GiB/rank':>9} {'step (s)':>9} {'bubble':>7}")
+    fit = sum(r["fits"] for r in rows)
+    print(f"{len(rows)} layouts of {args.world} {dev.name} ranks that the chapters run ({plan.refused} more refused "
+          f"by their checks), {fit} fit; " + ("fastest first, equal times by memory:" if fit else
+                                               "none fits, the smallest first:"))
+    print(f"  {'layout':<72} {'GiB/rank':>9} {'step (s)':>9} {'MFU':>6} {'bubble':>7}")
     for r in rows[:args.top]:
-        print(f"  {describe(r):<70} {r['memory_bytes']['total'] / 2**30:9.2f} {r['step_time_s']:9.3g} "
-              f"{r['bubble']:7.1%}{'' if r['fits'] else '  (does not fit)'}")
-    print("\n".join(["", *explain(rows, cfg, dev, args)]))
+        print(f"  {describe(r):<72} {r['memory_bytes']['total'] / 2**30:9.2f} {r['step_time_s']:9.3g} "
+              f"{r['mfu']:6.1%} {r['bubble']:7.1%}{'' if r['fits'] else '  (does not fit)'}")
+    print("\n".join(["", *explain_layout.decision_tree(rows, cfg, dev, args, describe, args.why)]))
+    if fit:
+        print("\n" + run_it(rows[0], cfg, args))
+    if args.explain:
+        refusal_of = (lambda wanted: next((runnable.refusal(c, args.model, cfg, args.global_batch, args.seq_len,
+                                                            args.dtype) for c in candidates(cfg, args.world,
+                      args.global_batch, args.seq_len, args.world if dev.cores else args.gpus_per_node)
+                      if published.matches(vars(c), wanted)), None))
+        print("\n".join(["", *explain_layout.explain_one(args.explain, rows, dev, describe, refusal_of)]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([{k: r[k] for k in SCHEMA} for r in rows], indent=1))

@@ -1,49 +1,82 @@
-"""The answer key of Lab 06's exercise "Choose a layout": one section, called by lab_answers.py.
+"""The answer key of Lab 07, section by section, called by lab_answers.py.
 
-It runs the exercise's commands exactly as LAB.md prints them: the planner on 8 ranks of this CPU (its
-JSON row for dp 4 × pp 2 against the bytes a 2-step run of that layout measures), and the planner on
-Llama 3 405B (why plain data parallelism cannot hold it, and which lever makes the published layout fit).
+It runs the exercises' commands exactly as LAB.md prints them: the planner on 8 ranks of this CPU (its
+JSON row for dp 4 × pp 2 against the bytes a 2-step run of that layout measures), the planner on Llama 3
+405B's published run (what plain data parallelism would hold, what each lever buys), and the planner
+asked about layouts the chapters refuse.
 """
 import json
 
 from common.lab_key import ROOT
 
-PLAN = ("python 06_context_parallel/choose_layout.py --model tiny --world 8 --device cpu --global-batch 16 "
-        "--seq-len 128 --json runs/lab06/layouts.json")
+PLAN = ("python 07_choosing_a_layout/choose_layout.py --model tiny --world 8 --device cpu --global-batch 16 "
+        "--seq-len 128 --json runs/lab07/layouts.json")
 RUN = ("torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --dp 4 --tp 1 --pp 2 --microbatches 4 "
-       "--global-batch 16 --seq-len 128 --steps 2 --quiet --sample-tokens 0 --metrics runs/lab06/dp4pp2.jsonl")
-AT_SCALE = ("python 06_context_parallel/choose_layout.py --model llama3-405b --world 16384 --device h100 --dtype bf16 "
-            "--global-batch 2048 --seq-len 8192 --top 5 --json runs/lab06/405b.json")
+       "--global-batch 16 --seq-len 128 --steps 2 --quiet --sample-tokens 0 --metrics runs/lab07/dp4pp2.jsonl")
+AT_SCALE = "python 07_choosing_a_layout/choose_layout.py --explain llama3-405b-8k-16384gpu --top 5 --json runs/lab07/405b.json"
+REFUSED = ("python 07_choosing_a_layout/choose_layout.py --model tiny --world 16 --device cpu --explain tp=16",
+           "python 07_choosing_a_layout/choose_layout.py --model tiny --world 8 --device cpu --explain "
+           "pp=8,schedule=interleaved,v=2")
 GROUPS = ("dp", "tp", "pp")
 
 
-def layout_section(key, title: str = "Choose a layout") -> None:
+def gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+def bytes_section(key) -> None:
     key.run(PLAN)
-    rows = json.loads((ROOT / "runs/lab06/layouts.json").read_text())
+    rows = json.loads((ROOT / "runs/lab07/layouts.json").read_text())
     mine = next(r for r in rows if (r["dp"], r["tp"], r["pp"], r["cp"], r["zero_stage"], r["recompute"],
                                     r["schedule"], r["microbatches"]) == (4, 1, 2, 1, 0, "none", "1f1b", 4))
     key.run(RUN)
-    measured = [json.loads(line) for line in (ROOT / "runs/lab06/dp4pp2.jsonl").read_text().splitlines()][-1]
+    measured = [json.loads(line) for line in (ROOT / "runs/lab07/dp4pp2.jsonl").read_text().splitlines()][-1]
     pred = [mine["comm_bytes"][g] for g in GROUPS]
     got = [measured[f"comm_bytes_{g}"] for g in GROUPS]
-    key.run(AT_SCALE)
-    big = json.loads((ROOT / "runs/lab06/405b.json").read_text())
-    published = {r["recompute"]: r for r in big if (r["dp"], r["tp"], r["pp"], r["cp"], r["zero_stage"],
-                                                     r["sequence_parallel"], r["schedule"]) ==
-                 (128, 8, 16, 1, 2, True, "interleaved")}
-    gib = {mode: published[mode]["memory_bytes"] for mode in published}
-    key.section(title, f"""
-**(a)** Predicted for dp 4 × pp 2 (1F1B, m = 4), rank 0: dp {pred[0]:,} bytes (its stage's {pred[0] // 3:,}
-gradient bytes, all-reduced over 4 replicas: 2 · 2·3/4 of them, sent + received), tp {pred[1]:,}, pp {pred[2]:,}
-(2·m = 8 messages of one (1, 128, 128) fp32 activation: 8 · 65,536). Measured by the run: dp {got[0]:,}, tp {got[1]:,},
-pp {got[2]:,} — {'equal to the byte' if pred == got else 'DIFFERENT: the formulas and the code disagree'}.
+    key.section("L1 — bytes", f"""
+Predicted for dp 4 × pp 2 (1F1B, m = 4), rank 0: dp {pred[0]:,} bytes (its stage's {pred[0] // 3:,} gradient
+bytes, all-reduced over 4 replicas: 2 · 2·3/4 of them, sent + received), tp {pred[1]:,}, pp {pred[2]:,}
+(2·m = 8 messages of one (1, 128, 128) fp32 activation: 8 · 65,536). Measured by the run: dp {got[0]:,},
+tp {got[1]:,}, pp {got[2]:,} — {'equal to the byte' if pred == got else 'DIFFERENT: the formulas and the code disagree'}.
+DP moves the most, but once per step, after the last backward of the stage: it overlaps the other stage's
+cool-down (the bubble), where the pipeline's messages sit on the critical path of every micro-batch.
+""")
 
-**(b)** Plain data parallelism holds the whole model's state on every GPU: 16 bytes per parameter (fp32 weights,
-gradients and AdamW's two moments) × 405.9B ≈ 6 TiB against 80 GiB. The published dp 128 × tp 8 × pp 16 with
-ZeRO-2 and sequence parallelism holds {gib['none']['total'] / 2**30:,.1f} GiB without recomputation, of which
-activations {gib['none']['peak_activation_bytes'] / 2**30:,.1f} GiB (the first stage keeps its interleaved warm-up's
-micro-batches of 8,192 tokens in flight), and {gib['full']['total'] / 2**30:,.1f} GiB with full recomputation
-(activations {gib['full']['peak_activation_bytes'] / 2**30:,.1f} GiB): recomputation is the lever that makes it fit,
-at the price of a third more compute (its predicted step {published['full']['step_time_s']:.2f} s against
-{published['none']['step_time_s']:.2f} s).
+
+def scale_section(key) -> None:
+    out = key.run(AT_SCALE).out
+    rows = json.loads((ROOT / "runs/lab07/405b.json").read_text())
+    pub = {r["recompute"]: r for r in rows if (r["dp"], r["tp"], r["pp"], r["cp"], r["zero_stage"],
+                                               r["sequence_parallel"], r["schedule"]) ==
+           (128, 8, 16, 1, 2, True, "interleaved")}     # rows are ranked: the first of each mode is its best
+    line = next((x for x in out.splitlines() if "layouts have the fields asked" in x), "")
+    parts = {mode: pub[mode]["memory_bytes"] for mode in ("none", "full") if mode in pub}
+    words = "; ".join(f"recompute {mode}: weights {gib(m['params'])}, gradients {gib(m['grads'])}, AdamW "
+                      f"{gib(m['optim_bytes'])}, activations {gib(m['peak_activation_bytes'])}, total {gib(m['total'])}"
+                      for mode, m in parts.items())
+    key.section("L2 — what must be split", f"""
+Plain data parallelism holds the whole model's state on every GPU: 16 bytes per parameter (fp32 weights,
+gradients and AdamW's two moments) × 405.9B ≈ 6 TiB against 80 GiB, whatever the batch. The planner's
+line for the published layout: `{line.strip()}`
+
+By component, its fullest pipeline rank at the peak of a step — {words}. Recomputation shrinks only the
+activations; ZeRO-2 shards AdamW's moments (and, between steps, the gradients), but during a step the
+grid's trainers keep the full gradients until the reduce-scatter after the schedule, so the weights and
+the gradients stay whole: TP 8 × PP 16 is what divides them (by 128).
+""")
+
+
+def refusals_section(key) -> None:
+    outs = [key.run(cmd).out for cmd in REFUSED]
+    first = [next((x for x in out.splitlines() if "refused by their checks" in x), "") for out in outs]
+    said = [next((x for x in out.splitlines() if x.startswith("--explain")), "") for out in outs]
+    key.section("L3 — ask the chapters", f"""
+`--explain tp=16`: `{said[0].strip()}` — the heads do not split over 16 ranks (chapter 02's check).
+`--explain pp=8,schedule=interleaved,v=2`: `{said[1].strip()}` — 8 ranks × 2 chunks are 16 stages for
+8 layers (chapter 03's partition).
+
+The plans' first lines: `{first[0].strip()}` (16 ranks) and `{first[1].strip()}` (8 ranks). The refusals
+are the scripts' own messages (runnable.refusal asks `checked_layout`, the function each script's `main`
+runs before any communication); on 16 ranks they are the two above, more pipeline stages than layers and
+more TP ranks than heads.
 """)

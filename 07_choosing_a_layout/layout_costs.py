@@ -34,14 +34,13 @@ from common import activation_ledger
 from common.comm import collective_bytes
 from common.mfu import attention_flops_per_token, flops_per_token
 
-from . import attention_bookkeeping
-
 zero_accounting = import_module("01_data_parallel.zero_accounting")         # chapter 01: ZeRO memory and bytes
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")       # chapter 02: TP collectives
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")     # chapter 03: stages
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: actions, bubble
 pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")    # chapter 03: messages
 expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")   # chapter 05: all-to-all bytes
+attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # chapter 06: the ring's bytes
 
 RECOMPUTE_FLOPS = {"none": 1.0, "selective": 1.0, "full": 4 / 3}   # selective recomputes O(D) elementwise work
 
@@ -114,31 +113,35 @@ def fullest_candidates(specs, pp: int) -> list[int]:
 
 
 @lru_cache(maxsize=None)
-def activation_peak(cfg, mode: str, schedule: str, pp: int, m: int, v: int, rows: int, seq_len: int,
-                    positions: int, tp: int, sp: bool) -> tuple[int, int]:
-    """(pipeline rank, its peak activation bytes in fp32) of the fullest rank, from the ledger and the
-    schedule's actions (common/activation_ledger.pipeline_peaks, run for the ranks that can peak)."""
+def activation_peaks(cfg, mode: str, schedule: str, pp: int, m: int, v: int, rows: int, seq_len: int,
+                     positions: int, tp: int, sp: bool) -> tuple[tuple[int, int], ...]:
+    """((pipeline rank, its peak activation bytes in fp32), ...) of the ranks that can peak highest, from
+    the ledger and the schedule's actions (common/activation_ledger.pipeline_peaks)."""
     specs, plan = specs_for(cfg, pp, v, seq_len), plan_for(schedule, pp, m, v)
     ranks = fullest_candidates(specs, pp)
     peaks = activation_ledger.pipeline_peaks(ledger_config(cfg, tp), mode, [plan[r] for r in ranks], specs, rows,
                                              positions, tp, sp)
-    return max(zip(ranks, peaks), key=lambda rank_peak: rank_peak[1])
+    return tuple(zip(ranks, peaks))
 
 
-def memory_by_component(run: Run, c: Candidate, peak_activation: int, dense: int, experts: int,
-                        layer_params: int) -> dict:
-    """One rank's bytes by component: chapter 01's formula per group (dense over dp × cp, experts over
-    the ranks holding the same experts), ZeRO-3's temporary gathered layers (this one and the next)."""
-    out = {"params": 0.0, "grads": 0.0, "optim_bytes": 0.0}
+def memory_by_component(run: Run, c: Candidate, peak_activation: int, dense: int, experts: int) -> dict:
+    """One rank's bytes by component at the peak of a step, as chapter 04's ZeroTrainer3D holds them
+    (its `memory_formula` gives the same between steps): the fp32 weights whole and the full gradients
+    (ZeRO-3 gathers the weights once per step and keeps them for every micro-batch; from stage 2 the
+    gradients accumulate in full buffers until the reduce-scatter after the schedule), AdamW's moments
+    sharded from stage 1 (chapter 01's formula per group: dense over dp × cp, experts over edp × cp).
+    `held` is what stays between steps: chapter 01's zero_memory_components for each group."""
+    out = dict.fromkeys(("params", "grads", "optim_bytes"), 0.0)
+    held = dict.fromkeys(("params", "grads", "optim_bytes"), 0.0)
     for M, N in ((4 * dense, c.dp * c.cp), (4 * experts, c.dp // c.ep * c.cp)):    # fp32 master weights
-        no_optim = zero_accounting.zero_memory_bytes(c.zero_stage, M, N, alpha=0.0)
-        params = M / N if c.zero_stage == 3 else M
-        out["params"] += params
-        out["grads"] += no_optim - params
-        out["optim_bytes"] += zero_accounting.zero_memory_bytes(c.zero_stage, M, N) - no_optim
+        between = zero_accounting.zero_memory_components(c.zero_stage, M, N)
+        out["params"], out["grads"] = out["params"] + M, out["grads"] + M
+        out["optim_bytes"] += between["optim_bytes"]
+        for k, key in (("params", "param_bytes"), ("grads", "grad_bytes"), ("optim_bytes", "optim_bytes")):
+            held[k] += between[key]
     act = peak_activation // 2 if run.dtype == "bf16" else peak_activation      # autocast keeps 16-bit copies
-    temporary = 2 * 4 * layer_params if c.zero_stage == 3 and c.dp * c.cp > 1 else 0
-    return {**out, "peak_activation_bytes": act, "total": sum(out.values()) + act + temporary}
+    return {**out, "peak_activation_bytes": act, "total": sum(out.values()) + act,
+            "held_between_steps": sum(held.values())}
 
 
 def rank_memory(run: Run, c: Candidate, specs, pp_rank: int, peak_activation: int) -> dict:
@@ -147,8 +150,7 @@ def rank_memory(run: Run, c: Candidate, specs, pp_rank: int, peak_activation: in
     for s in pipeline_stages.rank_stages(specs, c.pp, pp_rank):
         d, x = stage_params(run.cfg, s, c.tp, c.ep)
         dense, experts = dense + d, experts + x
-    layer = sum(stage_params(run.cfg, pipeline_stages.StageSpec(0, (0,), False, False), c.tp, c.ep))
-    return memory_by_component(run, c, peak_activation, dense, experts, layer)
+    return memory_by_component(run, c, peak_activation, dense, experts)
 
 
 def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
@@ -164,7 +166,7 @@ def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
         for M, N in ((4 * dense, c.dp * c.cp), (4 * experts, c.dp // c.ep * c.cp)):
             if N > 1 and M:
                 nbytes["dp"] += (collective_bytes("all_reduce", M, N) if c.zero_stage == 0 else
-                                 int(2 * zero_accounting.zero_sent_share(c.zero_stage, N) * M))
+                                 int(2 * zero_accounting.zero_sent_share(c.zero_stage, N, per_microbatch=False) * M))
                 msgs["dp"] += 1 if c.zero_stage == 0 else (len(s.layers) + 2) * (2 + (c.zero_stage == 3))
         if c.tp > 1:
             micro = tensor_parallel.tp_collectives(cfg, rows, positions, c.tp, c.sequence_parallel, len(s.layers),
@@ -203,10 +205,12 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     specs, plan = specs_for(cfg, c.pp, c.virtual_stages, run.seq_len), plan_for(c.schedule, c.pp, c.microbatches,
                                                                                  c.virtual_stages)
     rows = run.global_batch // c.dp // c.microbatches
-    fullest, peak = activation_peak(cfg, c.recompute, c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
-                                    run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel)
-    # the ends hold the embedding and the head; the fullest rank the most activations
-    memory = max((rank_memory(run, c, specs, r, peak) for r in {0, fullest, c.pp - 1}), key=lambda m: m["total"])
+    peaks = activation_peaks(cfg, c.recompute, c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
+                             run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel)
+    # each rank its own weights and its own activations (the ends hold the embedding and the head, the first
+    # ranks keep the most micro-batches in flight): the fullest rank decides whether the layout fits
+    fullest, memory = max(((r, rank_memory(run, c, specs, r, peak)) for r, peak in peaks),
+                          key=lambda rank_mem: rank_mem[1]["total"])
     nbytes, msgs = rank0_traffic(run, c, specs, plan)
     bubble = pipeline_schedules.theory_bubble(c.schedule, c.pp, c.microbatches, c.virtual_stages) if c.pp > 1 else 0.0
 
@@ -225,6 +229,8 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
             "recompute": c.recompute, "sequence_parallel": c.sequence_parallel, "schedule": c.schedule,
             "microbatches": c.microbatches, "memory_bytes": {k: int(v) for k, v in memory.items()},
             "comm_bytes": nbytes, "bubble": bubble, "step_time_s": compute + idle + sum(exposed.values()),
+            # model FLOPs over the peak of every rank (common/mfu's definition; recomputation not counted)
+            "mfu": flops_per_token(cfg, run.seq_len) * tokens / (workers * dev.peak) / (compute + idle + sum(exposed.values())),
             "fits": memory["total"] <= dev.memory,
             "time_parts_s": {"compute": compute, "bubble": idle, **{f"comm_{g}": t for g, t in exposed.items()}},
-            "virtual_stages": c.virtual_stages}
+            "virtual_stages": c.virtual_stages, "fullest_pp_rank": fullest}

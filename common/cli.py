@@ -244,13 +244,15 @@ def base_parser(description: str, pipeline: bool = False) -> Parser:
     return p
 
 
-def check_common(args, dp: int = 1, microbatches: int | None = None) -> None:
+def check_common(args, dp: int = 1, microbatches: int | None = None, cfg=None) -> None:
     """Checks across flags that every script needs. `dp` is the data-parallel degree the batch is split
-    over, `microbatches` the count each of its ranks cuts its rows into (default: --microbatches)."""
+    over, `microbatches` the count each of its ranks cuts its rows into (default: --microbatches);
+    `cfg` the model's configuration (default: the --model preset's; the layout planner passes a published shape)."""
     m = microbatches or args.microbatches
-    require(args.seq_len <= PRESETS[args.model].max_seq_len,
-            f"--seq-len {args.seq_len} exceeds the {args.model} preset's max_seq_len "
-            f"{PRESETS[args.model].max_seq_len}; use a shorter --seq-len")
+    max_seq_len = (cfg or PRESETS[args.model]).max_seq_len
+    require(args.seq_len <= max_seq_len,
+            f"--seq-len {args.seq_len} exceeds the {args.model} preset's max_seq_len {max_seq_len}; "
+            f"use a shorter --seq-len")
     require(args.global_batch % (dp * m) == 0,
             f"--global-batch {args.global_batch} does not split over {dp} data-parallel rank(s) × "
             f"{m} micro-batch(es); use a multiple of {dp * m}")

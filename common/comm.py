@@ -61,7 +61,7 @@ RING_SHARE = {"all_reduce": lambda N: 2 * (N - 1) / N, "all_gather": lambda N: (
 def collective_bytes(kind: str, n: int, N: int) -> int:
     """Bytes sent + received by one rank in one `kind` collective on n bytes over N ranks, exactly as
     the counter adds them (each direction rounded down): what a planner predicts a step's
-    comm_bytes_* from (06_context_parallel/choose_layout.py)."""
+    comm_bytes_* from (07_choosing_a_layout/choose_layout.py)."""
     return 2 * int(RING_SHARE[kind](N) * n)
 
 

@@ -1,6 +1,7 @@
-"""The layout planner (06_context_parallel/choose_layout.py): its JSON schema, its bytes against the
-formulas the chapters assert and the bytes runs measured, the published configurations' sanity cases,
-and bad input. One process, no ranks: every prediction is arithmetic."""
+"""The layout planner (07_choosing_a_layout/choose_layout.py): only layouts the chapters' scripts accept (and
+the first three of the tiny model's plan start and train), its JSON schema and ranking, its bytes against
+the formulas the chapters assert and the bytes runs measured, its memory as the grid's trainers hold it,
+the step time as the sum of its parts, --explain, the published configurations' sanity cases, and bad input."""
 import json
 import subprocess
 import sys
@@ -11,11 +12,12 @@ import pytest
 from common.cli import Domain
 from common.errors import ConfigError
 from common.model import PRESETS
-from harness import ROOT
+from harness import ROOT, ok, run_group
 
-choose_layout = import_module("06_context_parallel.choose_layout")
-layout_costs = import_module("06_context_parallel.layout_costs")
-layout_inputs = import_module("06_context_parallel.layout_inputs")
+choose_layout = import_module("07_choosing_a_layout.choose_layout")
+runnable = import_module("07_choosing_a_layout.runnable")
+layout_costs = import_module("07_choosing_a_layout.layout_costs")
+layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
 attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")
 
 TINY = layout_costs.Run(PRESETS["tiny"], 16, 128, "fp32")
@@ -33,12 +35,19 @@ def test_json_schema(tmp_path):
     rows = json.loads(out.read_text())
     assert len(rows) > 100 and all(list(r) == list(choose_layout.SCHEMA) for r in rows)
     for r in rows:
-        assert set(r["memory_bytes"]) == {"params", "grads", "optim_bytes", "peak_activation_bytes", "total"}
+        assert set(r["memory_bytes"]) == {"params", "grads", "optim_bytes", "peak_activation_bytes", "total",
+                                          "held_between_steps"}
         assert set(r["comm_bytes"]) == {"dp", "tp", "pp", "ep", "cp"}
         assert r["dp"] * r["tp"] * r["pp"] * r["cp"] == 8 and isinstance(r["fits"], bool) and r["step_time_s"] > 0
-        assert r["memory_bytes"]["total"] >= sum(v for k, v in r["memory_bytes"].items() if k != "total") - 4
-    fitting = [r["step_time_s"] for r in rows if r["fits"]]
-    assert fitting == sorted(fitting)                                   # fastest first
+        parts = ("params", "grads", "optim_bytes", "peak_activation_bytes")
+        assert r["memory_bytes"]["total"] >= sum(r["memory_bytes"][k] for k in parts) - 4
+    assert [choose_layout.ranking(r) for r in rows] == sorted(choose_layout.ranking(r) for r in rows)
+    fitting = [r for r in rows if r["fits"]]                            # fastest first, equal times by memory
+    assert all(float(f"{a['step_time_s']:.4g}") < float(f"{b['step_time_s']:.4g}") or
+               a["memory_bytes"]["total"] <= b["memory_bytes"]["total"] for a, b in zip(fitting, fitting[1:]))
+    # one row per distinct layout: no ZeRO stage where there is nothing to shard
+    keys = [tuple(r[k] for k in choose_layout.SCHEMA[:11]) for r in rows]
+    assert len(keys) == len(set(keys)) and not any(r["zero_stage"] and r["dp"] * r["cp"] == 1 for r in rows)
 
 
 def test_bytes_equal_what_runs_measured():
@@ -49,7 +58,7 @@ def test_bytes_equal_what_runs_measured():
     assert [r["comm_bytes"][g] for g in ("dp", "tp", "pp")] == [measured[f"comm_bytes_{g}"] for g in ("dp", "tp", "pp")]
     assert r["memory_bytes"]["optim_bytes"] >= measured["optim_bytes"]    # the fullest rank; rank 0 below
     bench = (ROOT / "04_3d_combined/results/3d_bench.md").read_text()
-    check_layouts = import_module("06_context_parallel.check_layouts")
+    check_layouts = import_module("07_choosing_a_layout.check_layouts")
     for line in bench.splitlines():
         cells = [c.strip() for c in line.split("|")[1:-1]]
         if len(cells) == 7 and cells[1] == "8":
@@ -67,7 +76,11 @@ def test_bytes_equal_the_chapters_formulas():
     b = 16 // 4
     floats = (4 * L + 2) * b * S * D + 3 * b * S
     assert row(TINY, 4, 2, 1)["comm_bytes"]["tp"] == 4 * (2 - 1) / 2 * 4 * floats
-    assert row(TINY, 4, 2, 1, sp=True)["comm_bytes"]["tp"] == 4 * (2 - 1) / 2 * 4 * (floats + (2 * L + 1) * D)
+    # SP: each all-reduce becomes a reduce-scatter and an all-gather, the norm gains' gradients are summed, and
+    # each column-parallel entrance (2 per block, the head) all-gathers its shard again in backward
+    regather = (2 * L + 1) * b * S * D
+    assert row(TINY, 4, 2, 1, sp=True)["comm_bytes"]["tp"] == \
+        4 * (2 - 1) / 2 * 4 * (floats + (2 * L + 1) * D) + 2 * (2 - 1) / 2 * 4 * regather
     assert row(TINY, 2, 1, 4, m=8)["comm_bytes"]["pp"] == 2 * 8 * (16 // 2 // 8) * S * D * 4
     cp = row(TINY, 2, 1, 1, cp=4, m=2)["comm_bytes"]["cp"]
     assert cp == L * 2 * attention_bookkeeping.cp_bytes("ring", 4, S, 4, 4, 16, 4)
@@ -76,13 +89,24 @@ def test_bytes_equal_the_chapters_formulas():
     assert row(moe, 4, 1, 1, ep=4)["comm_bytes"]["ep"] == int(L * (8 * 3 / 4 * T * 2 * D * 4 + 16 * 3 * 8 // 4))
 
 
-def test_memory_follows_the_zero_formulas_and_the_ledger():
+def test_memory_is_what_the_grid_trainers_hold():
+    """At the peak of a step the grid's trainers hold the weights whole (ZeRO-3 gathers them once per step)
+    and the full gradients (stages 2-3 reduce-scatter after the schedule); AdamW's moments are sharded from
+    stage 1. Between steps, chapter 01's formula per stage (the runs' memory_formula)."""
     plain = row(TINY, 4, 1, 1, m=2)["memory_bytes"]
     assert (plain["params"], plain["grads"], plain["optim_bytes"]) == (M, M, 2 * M)            # M(1 + 1 + α)
-    for stage, (params, grads, optim) in {1: (M, M, 2 * M / 4), 2: (M, M / 4, 2 * M / 4),
-                                          3: (M / 4, M / 4, 2 * M / 4)}.items():       # what each stage shards
+    for stage, held in {1: M + M + 2 * M / 4, 2: M + M / 4 + 2 * M / 4, 3: M / 4 + M / 4 + 2 * M / 4}.items():
         mem = row(TINY, 4, 1, 1, m=2, zero=stage)["memory_bytes"]
-        assert [mem["params"], mem["grads"], mem["optim_bytes"]] == [int(params), int(grads), int(optim)], stage
+        assert [mem["params"], mem["grads"], mem["optim_bytes"]] == [M, M, int(2 * M / 4)], stage
+        assert mem["held_between_steps"] == int(held), stage
+    # each pipeline rank its own weights and its own activations: the last holds the head, the first the most
+    # micro-batches; the fullest is the larger of the two sums, not one rank's weights plus another's peak
+    r = row(TINY, 1, 1, 4, m=8)
+    specs, plan = layout_costs.specs_for(TINY.cfg, 4, 1, S), layout_costs.plan_for("1f1b", 4, 8, 1)
+    ranks = dict(layout_costs.activation_peaks(TINY.cfg, "none", "1f1b", 4, 8, 1, 2, S, S, 1, False))
+    totals = {k: layout_costs.rank_memory(TINY, layout_costs.Candidate(1, 1, 4, 1, 1, 0, "none", False, "1f1b", 8),
+                                          specs, k, peak)["total"] for k, peak in ranks.items()}
+    assert r["memory_bytes"]["total"] == int(max(totals.values())) and r["fullest_pp_rank"] == max(totals, key=totals.get)
     acts = [row(TINY, 8, 1, 1, m=2, mode=mode)["memory_bytes"]["peak_activation_bytes"]
             for mode in ("none", "selective", "full")]
     assert acts[0] > acts[1] > acts[2]
@@ -100,8 +124,63 @@ def test_published_sanity():
     assert not plain["fits"] and plain["memory_bytes"]["total"] > 16 * 405e9
     published = {mode: row(layout_costs.Run(cfg, 2048, 8192, "bf16"), 128, 8, 16, m=16, sp=True, zero=2, mode=mode,
                            schedule="interleaved", v=2, dev=dev) for mode in ("none", "full")}
-    assert not published["none"]["fits"] and published["full"]["fits"]
+    assert published["full"]["fits"] and published["full"]["memory_bytes"]["total"] < \
+        published["none"]["memory_bytes"]["total"]
     assert published["full"]["bubble"] == pytest.approx(15 / (2 * 16 + 15))
+
+
+def test_step_time_is_the_sum_of_its_parts_and_the_bubble_is_chapter_03s():
+    """step = compute + bubble + exposed communication, and the bubble part is compute · b/(1 − b) with
+    chapter 03's theory_bubble (a GPU: every rank its own device)."""
+    pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
+    for schedule, v, m in (("1f1b", 1, 8), ("interleaved", 2, 8), ("zb-h1", 1, 4)):
+        r = row(TINY, 2, 1, 4, m=m, schedule=schedule, v=v)
+        parts = r["time_parts_s"]
+        assert r["step_time_s"] == pytest.approx(sum(parts.values()), rel=1e-12), schedule
+        b = pipeline_schedules.theory_bubble(schedule, 4, m, v)
+        assert r["bubble"] == b and parts["bubble"] == pytest.approx(parts["compute"] * b / (1 - b)), schedule
+
+
+@pytest.fixture(scope="module")
+def tiny_plans():
+    return {world: choose_layout.main(["--model", "tiny", "--world", str(world), "--device", "h100", "--top", "3"])
+            for world in (8, 16)}
+
+
+def test_every_candidate_is_a_layout_the_chapters_accept(tiny_plans):
+    """Each row, asked again of its script's own checks (checked_layout); and the filter acts: the raw
+    enumeration holds layouts the scripts refuse (more stages than layers, heads that do not split)."""
+    cfg = PRESETS["tiny"]
+    for world, rows in tiny_plans.items():
+        assert rows and choose_layout.plan.refused >= 0
+        for r in rows:
+            c = layout_costs.Candidate(*(r[k] for k in ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute",
+                                                        "sequence_parallel", "schedule", "microbatches",
+                                                        "virtual_stages")))
+            assert runnable.refusal(c, "tiny", cfg, 16, 128) is None, r["command"]
+    refused = [c for c in choose_layout.candidates(cfg, 16, 16, 128, 16) if runnable.refusal(c, "tiny", cfg, 16, 128)]
+    assert any(c.pp * c.virtual_stages > cfg.n_layers for c in refused) and any(c.tp == 16 for c in refused)
+
+
+def test_the_first_three_start_and_train_two_steps(tiny_plans):
+    """The top three of the tiny model's 8-rank plan, run as their commands say (two steps), in one group."""
+    jobs = []
+    for r in tiny_plans[8][:3]:
+        script = r["command"].split()[2].removesuffix(".py").replace("/", ".")
+        argv = r["command"].split()[3:] + ["--steps", "2", "--quiet", "--sample-tokens", "0", "--val-every", "0"]
+        jobs.append((f"{script}:main", argv))
+    for (path, argv), result in zip(jobs, run_group(8, jobs, timeout_s=600)):
+        history = ok(result)
+        assert [h["step"] for h in history] == [1, 2] and all(h["loss"] > 0 for h in history), argv
+
+
+def test_explain_a_layout_and_a_published_run(capsys):
+    choose_layout.main(["--model", "tiny", "--world", "8", "--device", "h100", "--explain", "dp=4,pp=2,m=4"])
+    out = capsys.readouterr().out
+    assert "dp 4 × tp 1 × pp 2 × cp 1" in out and "of the" in out and "memory, its fullest pipeline rank" in out
+    assert "runs with: torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --model tiny --dp 4 --tp 1 --pp 2" in out
+    choose_layout.main(["--model", "tiny", "--world", "8", "--device", "h100", "--explain", "tp=16"])
+    assert "no runnable layout of this plan has these fields" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -129,7 +208,7 @@ def test_every_flag_declares_a_domain_and_help_shows_it(capsys):
 
 
 def planner(*argv):
-    return subprocess.run([sys.executable, "06_context_parallel/choose_layout.py", *argv], cwd=ROOT,
+    return subprocess.run([sys.executable, "07_choosing_a_layout/choose_layout.py", *argv], cwd=ROOT,
                           capture_output=True, text=True)
 
 

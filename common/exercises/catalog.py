@@ -148,6 +148,21 @@ EXERCISES = [
                     "tests/test_ring_attention.py::test_positions_form_a_permutation",
                     "tests/test_ring_attention.py::test_work_zigzag_balanced_contiguous_not"),
              layout="tests/test_cp.py::test_every_cp_layout_matches_one_device"),
+    Exercise("07.refusal", "07_choosing_a_layout/runnable.py",
+             "refusal: ask the script that would run a layout whether it accepts it; its own message if not",
+             "2. Only the layouts the course runs — `runnable.py`",
+             "parse flags(c, ...) with parser_of(kind), then call the script module's checked_layout(args, world, "
+             "cfg); a ConfigError from either is the refusal (return its text), else None",
+             units=("tests/test_choose_layout.py::test_every_candidate_is_a_layout_the_chapters_accept",
+                    "tests/test_choose_layout.py::test_explain_a_layout_and_a_published_run"),
+             layout="tests/test_choose_layout.py::test_the_first_three_start_and_train_two_steps"),
+    Exercise("07.ranking", "07_choosing_a_layout/choose_layout.py",
+             "ranking: the sort key, fastest first among the layouts that fit, equal times by memory, then the rest",
+             "4. What it prints, and `--explain`",
+             "return a tuple: whether it does not fit first (False sorts first); for a fitting row its step time "
+             "rounded to 4 significant digits, then its memory total; for the others the memory total",
+             units=("tests/test_choose_layout.py::test_json_schema",),
+             layout="tests/test_choose_layout.py::test_the_first_three_start_and_train_two_steps"),
 ]
 BY_ID = {e.id: e for e in EXERCISES}
 CHAPTERS = sorted({e.chapter for e in EXERCISES})

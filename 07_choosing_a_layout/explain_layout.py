@@ -1,0 +1,117 @@
+"""The planner's words: the first choices explained, and any one layout explained on demand.
+
+    python 07_choosing_a_layout/choose_layout.py --model tiny --world 8 --explain dp=2,tp=2,pp=2,m=4
+    python 07_choosing_a_layout/choose_layout.py --explain llama3-405b-8k-16384gpu   # a published run by name
+
+A layout is written as comma-separated fields, each `key=value` or a bare `sp` (sequence parallelism):
+dp, tp, pp, cp, ep, zero, recompute, schedule, v (virtual stages), m (micro-batches). Fields left out
+match any value: the explained row is then the best-ranked layout with the fields given. A published
+run's name (published.py) plans that run's cluster and batch and explains the layout it ran.
+"""
+from importlib import import_module
+
+from common.cli import Domain, Refused
+from common.metrics import format_bytes
+from common.model import count_parameters
+
+published = import_module("07_choosing_a_layout.published")
+
+FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero": "zero_stage", "recompute": "recompute",
+          "schedule": "schedule", "v": "virtual_stages", "m": "microbatches"}
+WORDS = ("compute", "bubble", "comm_dp", "comm_tp", "comm_pp", "comm_ep", "comm_cp")
+
+
+def _layout(domain: Domain, text: str) -> dict:
+    """{"name": published name} or {row field: value} from `dp=2,tp=2,sp,...`."""
+    if text in published.BY_NAME:
+        return {"name": text}
+    out = {}
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        if key == "sp" and not value:
+            out["sequence_parallel"] = True
+        elif key in FIELDS and value:
+            out[FIELDS[key]] = value if key in ("recompute", "schedule") else _whole(value, key)
+        else:
+            raise Refused(f"{part!r} is not a layout field",
+                          f"write key=value pairs of {', '.join(FIELDS)} (and sp), or a published run: "
+                          f"{', '.join(published.BY_NAME)}")
+    if not out:
+        raise Refused("names no field", "e.g. --explain dp=2,tp=2,pp=2")
+    return out
+
+
+def _whole(value: str, key: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise Refused(f"{key}={value} is not a whole number ≥ 1", f"e.g. {key}=2")
+    return int(value)
+
+
+LAYOUT = Domain("layout", "key=value fields, or a published run's name", _layout)
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else format_bytes(n)
+
+
+def memory_words(mem: dict) -> str:
+    return (f"weights {gib(mem['params'])}, gradients {gib(mem['grads'])}, AdamW {gib(mem['optim_bytes'])}, "
+            f"activations {gib(mem['peak_activation_bytes'])}")
+
+
+def decision_tree(rows: list[dict], cfg, dev, args, describe, top: int) -> list[str]:
+    """The decision tree, with this case's numbers: does the model fit one device, which lever buys
+    memory, what the first choices pay their time for."""
+    n = count_parameters(cfg)
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    out = [f"{args.model}: {size} parameters; weights, gradients and AdamW's moments take "
+           f"16 bytes each = {gib(16 * n)}, against {gib(dev.memory)} per {dev.name} rank."]
+    plain = [r for r in rows if r["dp"] == args.world and r["zero_stage"] == 0 and r["recompute"] == "none"]
+    if plain:
+        p = min(plain, key=lambda r: r["memory_bytes"]["total"])
+        out.append(f"Plain data parallelism would hold {gib(p['memory_bytes']['total'])} per rank: "
+                   + ("it fits, so anything else must buy speed." if p["fits"] else
+                      "it does not fit, so the state must be split (ZeRO, TP, PP) or the activations cut."))
+    for i, r in enumerate([r for r in rows if r["fits"]][:top]):
+        parts = r["time_parts_s"]
+        slowest = max((k for k in parts if k != "compute"), key=parts.get)
+        out.append(f"{i + 1}. {describe(r)}: {r['step_time_s']:.3g} s per step (MFU {r['mfu']:.1%}), "
+                   f"{gib(r['memory_bytes']['total'])} on its fullest rank ({memory_words(r['memory_bytes'])}). "
+                   f"Compute {parts['compute']:.3g} s; the largest other cost is {slowest.replace('_', ' ')}, "
+                   f"{parts[slowest]:.3g} s" + (f"; the bubble is {r['bubble']:.1%} of a pipeline step"
+                                                if r["pp"] > 1 else "") + ".")
+    return out
+
+
+def explain_one(spec: dict, rows: list[dict], dev, describe, refusal_of) -> list[str]:
+    """One layout: where it ranks and why, its memory by component, its time by part, against the first.
+    `refusal_of(spec)` gives the chapters' refusal of a layout that is not among the rows."""
+    wanted = published.BY_NAME[spec["name"]].layout if "name" in spec else spec
+    found = [r for r in rows if published.matches(r, wanted)]
+    if not found:
+        why = refusal_of(wanted)
+        return [f"--explain {fields(wanted)}: no runnable layout of this plan has these fields"
+                + (f"; the chapters refuse it: {why}" if why else "; it is not among the candidates (the world, "
+                   "the batch split or the micro-batch counts the planner tries)")]
+    r, fitting = found[0], [x for x in rows if x["fits"]]
+    first, mem, parts = fitting[0] if fitting else rows[0], r["memory_bytes"], r["time_parts_s"]
+    where = (f"ranks {fitting.index(r) + 1} of the {len(fitting)} layouts that fit" if r["fits"] else
+             f"does not fit: {gib(mem['total'])} on pipeline rank {r['fullest_pp_rank']} against {gib(dev.memory)}")
+    out = [f"{describe(r)} ({len(found)} layouts have the fields asked; this is the best ranked): {where}.",
+           f"  memory, its fullest pipeline rank ({r['fullest_pp_rank']}) at the peak of a step: "
+           f"{memory_words(mem)}; total {gib(mem['total'])}, {gib(mem['held_between_steps'])} "
+           f"of weights, gradients and AdamW held between steps",
+           f"  time per step {r['step_time_s']:.4g} s (MFU {r['mfu']:.1%}): "
+           + ", ".join(f"{k.replace('_', ' ')} {parts[k]:.3g} s" for k in WORDS if parts.get(k)),
+           f"  runs with: {r['command']}"]
+    if r is not first:
+        gaps = sorted(((parts.get(k, 0) - first["time_parts_s"].get(k, 0), k) for k in WORDS), reverse=True)
+        out.append(f"  against the first ({describe(first)}, {first['step_time_s']:.4g} s): "
+                   + ", ".join(f"{k.replace('_', ' ')} {d:+.3g} s" for d, k in gaps if abs(d) > 1e-12))
+    return out
+
+
+def fields(layout: dict) -> str:
+    back = {v: k for k, v in FIELDS.items()}
+    return ",".join("sp" if k == "sequence_parallel" and v else f"{back.get(k, k)}={v}" for k, v in layout.items()
+                    if not (k == "sequence_parallel" and not v))

@@ -1,0 +1,27 @@
+"""Lab 07's answer key: runs every command of LAB.md and writes LAB_ANSWERS.md from what they print.
+
+    python 07_choosing_a_layout/lab_answers.py          # runs every command of LAB.md (about 3 minutes)
+"""
+import sys
+from importlib import import_module
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common` and the chapters
+from common.lab_key import Key  # noqa: E402
+
+CH = "07_choosing_a_layout"
+lab_layout = import_module("07_choosing_a_layout.lab_layout")
+
+
+def main() -> None:
+    key = Key(CH, "Chapter 07 lab — choosing a layout")
+    key.names(f"{CH}/runnable.py", "def refusal", "def command")
+    key.names(f"{CH}/choose_layout.py", "def candidates", "def ranking")
+    lab_layout.bytes_section(key)
+    lab_layout.scale_section(key)
+    lab_layout.refusals_section(key)
+    key.write()
+
+
+if __name__ == "__main__":
+    main()

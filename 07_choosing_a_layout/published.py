@@ -1,0 +1,59 @@
+"""Published training runs, as the planner spells them: the flags that plan each one's cluster and batch,
+the layout it ran, and what its authors measured (the targets check_layouts.py compares against).
+
+A name works as `--explain NAME` in choose_layout.py: the planner then plans that run's cluster and batch
+and explains the published layout in it. MFU is the authors' own figure (model FLOPs over the datasheet
+peak); a step time is in seconds.
+"""
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Published:
+    name: str
+    argv: tuple                   # choose_layout.py's flags for its cluster and batch
+    layout: dict = field(hash=False)   # the published degrees and levers (the fields of a planner row)
+    measured: dict = field(hash=False)  # {"mfu": 0.41} or {"step_time_s": 13.75}
+    source: str = ""
+
+
+def _llama(world: int, seq: int, batch: int) -> tuple:
+    return ("--model", "llama3-405b", "--world", str(world), "--device", "h100", "--dtype", "bf16",
+            "--global-batch", str(batch), "--seq-len", str(seq))
+
+
+RUNS = [
+    # The Llama 3 Herd of Models, Table 4 (16M tokens per batch; FSDP shards the optimizer state and the
+    # gradients: ZeRO-2 here; the 8K runs at TP 8 with sequence parallelism, interleaved 1F1B)
+    Published("llama3-405b-8k-8192gpu", _llama(8192, 8192, 2048),
+              dict(dp=64, tp=8, pp=16, cp=1, zero_stage=2, sequence_parallel=True, schedule="interleaved"),
+              {"mfu": 0.43}, "Llama 3 Herd of Models, Table 4: 8,192 H100, TP 8 × CP 1 × PP 16 × DP 64, 8K, 43 % MFU"),
+    Published("llama3-405b-8k-16384gpu", _llama(16384, 8192, 2048),
+              dict(dp=128, tp=8, pp=16, cp=1, zero_stage=2, sequence_parallel=True, schedule="interleaved"),
+              {"mfu": 0.41}, "Llama 3 Herd of Models, Table 4: 16,384 H100, TP 8 × PP 16 × DP 128, 8K, 41 % MFU"),
+    Published("llama3-405b-131k", _llama(16384, 131072, 128),
+              dict(dp=8, tp=8, pp=16, cp=16, zero_stage=2, sequence_parallel=True, schedule="interleaved"),
+              {"mfu": 0.38}, "Llama 3 Herd of Models, Table 4: 16,384 H100, TP 8 × CP 16 × PP 16 × DP 8, 131K, 38 % MFU"),
+    # Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models), Table 4
+    Published("gpt3-175b-selective", ("--model", "gpt3-175b", "--world", "64", "--device", "a100", "--dtype",
+                                      "bf16", "--global-batch", "64", "--seq-len", "2048"),
+              dict(dp=1, tp=8, pp=8, cp=1, sequence_parallel=True, recompute="selective", schedule="interleaved",
+                   virtual_stages=3, microbatches=64),
+              {"step_time_s": 13.75}, "Korthikanti et al. 2022: 64 A100, TP 8 × PP 8, 3 interleaved stages, SP + "
+                                      "selective recomputation, 13.75 s per step (MFU 51.4 %)"),
+    Published("gpt3-175b-full", ("--model", "gpt3-175b", "--world", "64", "--device", "a100", "--dtype", "bf16",
+                                 "--global-batch", "64", "--seq-len", "2048"),
+              dict(dp=1, tp=8, pp=8, cp=1, sequence_parallel=False, recompute="full", schedule="interleaved",
+                   virtual_stages=3, microbatches=64),
+              {"step_time_s": 18.13}, "Korthikanti et al. 2022: the same run with full recomputation, 18.13 s"),
+    # DeepSeek-V3 Technical Report §3.2 (H800 planned as H100: same FLOP/s, NVLink 400 GB/s instead of 900)
+    Published("deepseek-v3", ("--model", "deepseek-v3", "--world", "2048", "--device", "h100", "--dtype", "bf16",
+                              "--global-batch", "15360", "--seq-len", "4096"),
+              dict(dp=128, tp=1, pp=16, cp=1, ep=64, zero_stage=1), {},
+              "DeepSeek-V3 report §3.2: 2,048 H800, PP 16 × EP 64 × ZeRO-1 DP, no TP; batch 15,360 × 4K"),
+]
+BY_NAME = {r.name: r for r in RUNS}
+
+
+def matches(row: dict, layout: dict) -> bool:
+    return all(row.get(k) == v for k, v in layout.items())
