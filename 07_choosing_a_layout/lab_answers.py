@@ -7,10 +7,14 @@ from importlib import import_module
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common` and the chapters
-from common.lab_key import Key  # noqa: E402
+from common.lab_key import Edit, Key  # noqa: E402
 
 CH = "07_choosing_a_layout"
 lab_layout = import_module("07_choosing_a_layout.lab_layout")
+# L4: the planner keeps every candidate, without the chapters' verdict
+SKIP = Edit(f"{CH}/choose_layout.py",
+            "kept = [c for c in every if runnable.refusal(c, model, cfg, global_batch, seq_len, dtype) is None]",
+            "kept = every")
 
 
 def main() -> None:
@@ -20,6 +24,7 @@ def main() -> None:
     lab_layout.bytes_section(key)
     lab_layout.scale_section(key)
     lab_layout.refusals_section(key)
+    lab_layout.broken_section(key, SKIP)
     key.write()
 
 

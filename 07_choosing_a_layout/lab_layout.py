@@ -18,6 +18,7 @@ REFUSED = ("python 07_choosing_a_layout/choose_layout.py --model tiny --world 16
            "python 07_choosing_a_layout/choose_layout.py --model tiny --world 8 --device cpu --explain "
            "pp=8,schedule=interleaved,v=2")
 GROUPS = ("dp", "tp", "pp")
+BROKEN = "python 07_choosing_a_layout/choose_layout.py --model tiny --world 8 --device cpu --top 3"
 
 
 def gib(n: float) -> str:
@@ -79,4 +80,19 @@ The plans' first lines: `{first[0].strip()}` (16 ranks) and `{first[1].strip()}`
 are the scripts' own messages (runnable.refusal asks `checked_layout`, the function each script's `main`
 runs before any communication); on 16 ranks they are the two above, more pipeline stages than layers and
 more TP ranks than heads.
+""")
+
+
+def broken_section(key, skip) -> None:
+    """L4: `skip` is lab_answers.py's Edit that keeps every candidate."""
+    with key.broken(skip) as root:
+        result = key.run(BROKEN, root=root, check=False)
+    error = next((x for x in result.out.splitlines() if x.startswith("error")), "(no error line)")
+    key.section("L4 — break it: skip the chapters' verdict", f"""
+With every candidate kept, the planner prints nothing: it exits with code {result.code} and one line,
+`{error}`. The first candidate the scripts would have refused (more pipeline stages than the model has
+layers) reaches the prediction, and chapter 03's partition, which the planner's formulas call, raises its
+own refusal in the middle of the plan — the same rule, met at the wrong place: for one layout, it stops
+all of them. Asking the scripts first turns each refusal into a row left out (and a count on the first
+line). Undo the change.
 """)

@@ -15,6 +15,7 @@
 
 # %%
 import os
+import shutil
 import sys
 import tempfile
 from importlib import import_module
@@ -34,7 +35,7 @@ from common.moe_routing import route  # noqa: E402
 plot_expert_load = import_module("05_moe_expert_parallel.plot_expert_load")
 QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
 N = 2 if QUICK else 4
-LOAD_STEPS = 4 if QUICK else 50
+LOAD_STEPS = 3 if QUICK else 50
 SEQ, BATCH = (32, 8) if QUICK else (64, 16)
 SHAPE = ["--seq-len", SEQ, "--global-batch", BATCH]
 out_dir = Path(tempfile.mkdtemp(prefix="nb05_"))
@@ -106,7 +107,10 @@ show(fig, "05_moe_loss_difference")
 load_runs = {"no balancing": ["--aux-loss-coef", "0"], "aux loss α=0.01": [],
              "bias γ=0.02, no aux": ["--aux-loss-coef", "0", "--router-bias-rate", "0.02"]}
 for i, (label, flags) in enumerate(load_runs.items()):
-    rows = train(f"load{i}", 1, *flags)
+    if not flags and LOAD_STEPS == steps:           # the quick mode: section 2's 1-rank run is this very run
+        shutil.copy(out_dir / "ref.jsonl", out_dir / f"load{i}.jsonl")
+    rows = read_metrics(out_dir / f"load{i}.jsonl") if (out_dir / f"load{i}.jsonl").exists() else \
+        train(f"load{i}", 1, *flags)
     print(f"{label:<20} max/mean load: first step {rows[0]['max_over_mean_load']:.2f}, "
           f"last step {rows[-1]['max_over_mean_load']:.2f}")
 fig = plot_expert_load.draw_expert_load({label: out_dir / f"load{i}.jsonl" for i, label in enumerate(load_runs)})

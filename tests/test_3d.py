@@ -14,7 +14,10 @@ import pytest
 
 from harness import LOSS_RTOL, ROOT, assert_same_run, every_rank, free_port, max_rel_diff, ok, run_group
 
-STEPS = 4          # enough for every layout bug we have seen to show; the resumes start from step 2
+STEPS = 3          # enough for every layout bug we have seen to show; the resumes start from step 1
+# A saving run stops after step 2 (checkpoints every step): the course keeps the newest two on disk
+# (common/checkpoint.KEEP), so step 1's is there for the resumes, whose steps 2 and 3 see its moments
+SAVING = ["--steps", "2"]
 BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet", "--sample-tokens", "0",
         "--val-every", "2"]
 MAIN = "04_3d_combined.train_3d:main"
@@ -58,37 +61,41 @@ def test_four_rank_layouts_and_resume_in_another_layout(reference, tmp_path):
     ref_hist, _ = reference
     ckpt = tmp_path / "ckpt"
     jobs = [(MAIN, layout(dp, tp, pp, *extra)) for (dp, tp, pp), extra in LAYOUTS_4]
-    # save in dp1×tp2×pp2 at steps 2 and 4 (with a timeline); then pretend the run stopped after step 2 ...
+    # save in dp1×tp2×pp2 at every step (with a timeline); then pretend the run stopped after step 1 ...
     trace = tmp_path / "trace.json"
-    jobs.append((MAIN, layout(1, 2, 2, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--timeline", str(trace))))
-    jobs.append(("test_3d:point_latest_at", str(ckpt), "step_000002.pt"))
+    jobs.append((MAIN, layout(1, 2, 2, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--timeline", str(trace),
+                              *SAVING)))
+    jobs.append(("test_3d:copy_checkpoints", str(ckpt), str(ckpt) + "_b"))    # a resume saves, and drops step 1
+    jobs.append(("test_3d:point_latest_at", str(ckpt), "step_000001.pt"))
     # ... and resume it as dp2×tp1×pp2 and as dp1×tp4×pp1
     jobs.append((MAIN, layout(2, 1, 2, "--checkpoint-dir", str(ckpt), "--resume")))
-    jobs.append(("test_3d:point_latest_at", str(ckpt), "step_000002.pt"))
-    jobs.append((MAIN, layout(1, 4, 1, "--checkpoint-dir", str(ckpt), "--resume")))
+    jobs.append(("test_3d:point_latest_at", str(ckpt) + "_b", "step_000001.pt"))
+    jobs.append((MAIN, layout(1, 4, 1, "--checkpoint-dir", str(ckpt) + "_b", "--resume")))
     # ZeRO-1: save as dp2×tp2×pp1, resume as dp1×tp2×pp2 without ZeRO and as dp2×tp1×pp2 with it
     zero_ckpt = tmp_path / "zero"
-    jobs.append((MAIN, layout(2, 2, 1, "--zero-stage", "1", "--checkpoint-dir", str(zero_ckpt), "--checkpoint-every", "2")))
-    jobs.append(("test_3d:point_latest_at", str(zero_ckpt), "step_000002.pt"))
+    jobs.append((MAIN, layout(2, 2, 1, "--zero-stage", "1", "--checkpoint-dir", str(zero_ckpt), "--checkpoint-every", "1",
+                              *SAVING)))
+    jobs.append(("test_3d:copy_checkpoints", str(zero_ckpt), str(zero_ckpt) + "_b"))
+    jobs.append(("test_3d:point_latest_at", str(zero_ckpt), "step_000001.pt"))
     jobs.append((MAIN, layout(1, 2, 2, "--checkpoint-dir", str(zero_ckpt), "--resume")))
-    jobs.append(("test_3d:point_latest_at", str(zero_ckpt), "step_000002.pt"))
-    jobs.append((MAIN, layout(2, 1, 2, "--zero-stage", "1", "--checkpoint-dir", str(zero_ckpt), "--resume")))
+    jobs.append(("test_3d:point_latest_at", str(zero_ckpt) + "_b", "step_000001.pt"))
+    jobs.append((MAIN, layout(2, 1, 2, "--zero-stage", "1", "--checkpoint-dir", str(zero_ckpt) + "_b", "--resume")))
     results = run_group(4, jobs)
     for ((dp, tp, pp), extra), res in zip(LAYOUTS_4, results):
         assert_same_run(res, ref_hist, f"dp {dp} × tp {tp} × pp {pp} {' '.join(extra)}")
     n = len(LAYOUTS_4)
-    timed = assert_same_run(results[n], ref_hist, "saving dp 1 × tp 2 × pp 2, with --timeline")
+    timed = assert_same_run(results[n], ref_hist[:2], "saving dp 1 × tp 2 × pp 2, with --timeline")
     assert all(0 <= r["bubble_fraction"] < 1 for r in timed)
     from common.timeline import load_trace
     events, meta = load_trace(trace)
     assert {e["rank"] for e in events} == {0, 1, 2, 3} and meta["pp"] == 2
-    zero = assert_same_run(results[n + 5], ref_hist, "ZeRO-1 saving dp 2 × tp 2 × pp 1")
+    zero = assert_same_run(results[n + 6], ref_hist[:2], "ZeRO-1 saving dp 2 × tp 2 × pp 1")
     # ZeRO-1 over dp 2 keeps half of the AdamW moments of the same (2,2,1) piece (up to padding)
     plain = ok(results[1])[-1]["optim_bytes"]                       # LAYOUTS_4[1]: (2, 2, 1), no ZeRO
     assert LAYOUTS_4[1][0] == (2, 2, 1)
     assert abs(zero[-1]["optim_bytes"] - plain / 2) <= 0.01 * plain, (plain, zero[-1]["optim_bytes"])
-    for i in (2, 4, 7, 9):
-        assert_same_run(results[n + i], ref_hist[2:], f"resumed (job {n + i})")
+    for i in (3, 5, 9, 11):
+        assert_same_run(results[n + i], ref_hist[1:], f"resumed (job {n + i})")
 
 
 # --- two verbs alone, each against one device, in one group of 2 ranks ---------------------------------
@@ -128,6 +135,15 @@ def test_clip_grad_norm_is_the_single_device_norm(verbs_at_two_ranks):
                 f"{name}, rank {rank}: clipped to half the norm, the gradient of {got['name']} differs from one " \
                 f"device's by {got['rel']:.1e} of its largest entry (expected ≤ {GRAD_RTOL:g}: every gradient " \
                 f"scaled by the same factor)"
+
+
+def copy_checkpoints(directory, to):
+    """A copy of a run's checkpoints (rank 0 copies, every rank waits), for a second resume from the same step."""
+    import shutil
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        shutil.copytree(directory, to)
+    dist.barrier()
 
 
 def point_latest_at(directory, name):
