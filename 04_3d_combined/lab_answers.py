@@ -124,8 +124,10 @@ unequal size, the training itself would go wrong; here mainly the reported loss 
   received (2(N-1)/N·n = n each way at N = 2): 17 × 2 × 128 KiB × 4 micro-batches = {mib(tp_pred)}.
   TP is the largest by far: it talks in every layer, DP once per step.
 - **tp with --sequence-parallel**: each all-reduce became a reduce-scatter plus an all-gather of half
-  the volume each, so the same bytes; the small difference is the extra all-reduce of the norm
-  weights' partial gradients (the norms now see only a slice of the sequence).
+  the volume each, the same bytes; and each column-parallel layer's input, kept as its sequence shard,
+  is all-gathered again in backward (Megatron-LM's trade of bytes for activations): 2 entrances per
+  layer × 4 layers × 4 micro-batches × 128 KiB = 4.00 MiB more. The small rest is the all-reduce of the
+  norm weights' partial gradients (the norms now see only a slice of the sequence).
 - **pp**: 4 micro-batches × (one activation sent + one gradient received) × 128 KiB = {mib(pp_pred)}.
   Under sequence parallelism the pipeline message is the sequence shard (2, 64, 128): half.""")
 
