@@ -50,6 +50,22 @@ def test_json_schema(tmp_path):
     assert len(keys) == len(set(keys)) and not any(r["zero_stage"] and r["dp"] * r["cp"] == 1 for r in rows)
 
 
+def test_ranking_puts_what_fits_first_fastest_then_the_rest_smallest_first():
+    """Llama 3 8B on 8 H100s at 8K: some layouts fit, some do not. Checked without the planner's own sort
+    key: every fitting row before every other, the fitting ones by step time (ties by memory), the rest by
+    memory."""
+    rows = choose_layout.main(["--model", "llama3-8b", "--world", "8", "--device", "h100", "--dtype", "bf16",
+                               "--global-batch", "16", "--seq-len", "8192", "--top", "1"])
+    fits = [r["fits"] for r in rows]
+    assert any(fits) and not all(fits) and fits == sorted(fits, reverse=True)
+    fitting, rest = [r for r in rows if r["fits"]], [r for r in rows if not r["fits"]]
+    times = [float(f"{r['step_time_s']:.4g}") for r in fitting]
+    assert times == sorted(times)
+    assert all(a["memory_bytes"]["total"] <= b["memory_bytes"]["total"]
+               for a, b, ta, tb in zip(fitting, fitting[1:], times, times[1:]) if ta == tb)
+    assert [r["memory_bytes"]["total"] for r in rest] == sorted(r["memory_bytes"]["total"] for r in rest)
+
+
 def test_bytes_equal_what_runs_measured():
     """Chapter 04's main run (results/main_run_metrics.jsonl: dp 2 × tp 2 × pp 2, m 4, 16 × 128) and every
     row of its bench table (results/3d_bench.md, MiB to two decimals)."""

@@ -161,7 +161,8 @@ EXERCISES = [
              "4. What it prints, and `--explain`",
              "return a tuple: whether it does not fit first (False sorts first); for a fitting row its step time "
              "rounded to 4 significant digits, then its memory total; for the others the memory total",
-             units=("tests/test_choose_layout.py::test_json_schema",),
+             units=("tests/test_choose_layout.py::test_json_schema",
+                    "tests/test_choose_layout.py::test_ranking_puts_what_fits_first_fastest_then_the_rest_smallest_first"),
              layout="tests/test_choose_layout.py::test_the_first_three_start_and_train_two_steps"),
 ]
 BY_ID = {e.id: e for e in EXERCISES}
