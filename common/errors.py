@@ -74,8 +74,13 @@ def fail(prefix: str, reason: str, code: int) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     try:
         if path:
-            with open(path, "w") as file:       # the layout torchrun's own ErrorHandler writes
+            # Written whole or not at all: torchrun may SIGTERM this rank at any moment (another rank died),
+            # and it reads the file as JSON; an empty file left by a kill mid-write would crash its agent
+            # instead of letting it restart the group. So: a temporary file, then one atomic rename.
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as file:        # the layout torchrun's own ErrorHandler writes
                 json.dump({"message": {"message": reason, "extraInfo": {"timestamp": str(int(time.time()))}}}, file)
+            os.replace(tmp, path)
     except OSError:
         pass                                    # the line is printed; the report keeps its own words
     exit_now(code)
