@@ -17,7 +17,8 @@ published ones by check_layouts.py (the chapter's README shows both tables).
 sequence_parallel, schedule, virtual_stages, microbatches, memory_bytes {params, grads, optim_bytes,
 peak_activation_bytes, total, held_between_steps} (the fullest pipeline rank's, fullest_pp_rank),
 comm_bytes {dp, tp, pp, ep, cp} (per optimizer step, global rank 0's, sent + received: the metrics'
-comm_bytes_*), bubble, step_time_s, time_parts_s, fits, command.
+comm_bytes_*), bubble, step_time_s, time_parts_s, fits, command (null for a published shape: its miniature is
+printed instead).
 
 Exit codes: 0, a plan; 1, no layout fits (one `error:` line says the smallest one's memory; the table and
 the --json rows, every one fits = false, are still written); 2, a bad flag (one line that names it).
@@ -116,7 +117,9 @@ def plan(args) -> tuple[list[dict], object]:
     rows = []
     for c in kept:
         row = layout_costs.predict(run, c, dev, gpn)
-        row["command"] = runnable.command(c, args.model, cfg, args.global_batch, args.seq_len, args.dtype)
+        # a published shape has no course preset to run at full size: its command is the miniature's (run_it)
+        row["command"] = (runnable.command(c, args.model, cfg, args.global_batch, args.seq_len, args.dtype)
+                          if args.model in PRESETS else None)
         rows.append(row)
     require(rows, f"no layout of --world {args.world} that the chapters run splits this model and batch "
                   f"(--global-batch {args.global_batch} over the data-parallel ranks, heads over TP): use a world "
@@ -186,7 +189,7 @@ def parse_args(argv=None):
 def run_it(r: dict, cfg, args) -> str:
     """The command that runs the first layout: itself where the model is a course preset, else the same layout
     in miniature on this machine (every degree above 1 made 2, the preset of the same kind)."""
-    if args.model in PRESETS:
+    if r["command"]:
         return f"Run it:\n  {r['command']}"
     c = layout_costs.Candidate(*(r[k] for k in ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute",
                                                 "sequence_parallel", "schedule", "microbatches", "virtual_stages")))
@@ -221,7 +224,8 @@ def main(argv=None) -> list[dict]:
                                                             args.dtype) for c in candidates(cfg, args.world,
                       args.global_batch, args.seq_len, args.world if dev.cores else args.gpus_per_node)
                       if published.matches(vars(c), wanted)), None))
-        print("\n".join(["", *explain_layout.explain_one(args.explain, rows, dev, describe, refusal_of)]))
+        print("\n".join(["", *explain_layout.explain_one(args.explain, rows, dev, describe, refusal_of,
+                                                                         lambda r: run_it(r, cfg, args))]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([{k: r[k] for k in SCHEMA} for r in rows], indent=1))
