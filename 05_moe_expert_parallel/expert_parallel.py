@@ -34,15 +34,21 @@ from .moe_dispatch import all_to_all, exchange_counts, expert_major
 
 
 def expected_ep_bytes(n_layers: int, tokens: int, top_k: int, dim: int, n_experts: int, ep: int,
-                      element_size: int = 4) -> float:
+                      element_size: int = 4, forward_runs: int = 1) -> float:
     """Bytes one rank sends + receives under "ep" per step when routing ignores where a token lives
     (each of a token's k slots leaves the rank with probability (ep−1)/ep): per MoE layer four
     exchanges (dispatch and combine, forward and backward), each moving (ep−1)/ep·T·k rows of D
     values out and as many in, plus the counts (E/ep int64 to and from each other rank, forward
     only). T = tokens this rank routes per step. The measured bytes follow the router: equal to this
-    on average over balanced routing, not step by step."""
+    on average over balanced routing, not step by step. `forward_runs` 2: --recompute full reruns each
+    block's forward in backward, its dispatch, combine and counts with it."""
     rows = (ep - 1) / ep * tokens * top_k * dim * element_size
-    return n_layers * (8 * rows + 16 * (ep - 1) * n_experts // ep)
+    return n_layers * ((4 + 4 * forward_runs) * rows + forward_runs * counts_bytes(n_experts, ep))
+
+
+def counts_bytes(n_experts: int, ep: int) -> int:
+    """Bytes of one layer's count exchange, sent + received: E/ep int64 to and from each other rank."""
+    return 16 * (ep - 1) * n_experts // ep
 
 
 def local_experts(n_experts: int, ep_rank: int, ep: int) -> range:

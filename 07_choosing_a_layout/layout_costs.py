@@ -12,11 +12,13 @@ Every number comes from a formula a chapter proved on real runs, imported from t
                                     ep: chapter 05's expert_parallel.expected_ep_bytes (balanced routing)
                                     cp: this chapter's attention_bookkeeping.cp_bytes, per layer and micro-batch
 
-The bytes are global rank 0's, the rank a run's metrics report (its comm_bytes_*); the memory is the
+Under --recompute full each block's forward runs again in backward, its tp, ep and cp exchanges with it,
+as far as backward needs them (each chapter's formula takes the mode). The bytes are global rank 0's, the rank a run's metrics report (its comm_bytes_*); the memory is the
 fullest pipeline rank's, the one that decides whether a layout fits. The step time is a model, stated:
 
-    compute   model FLOPs of the step (common/mfu.flops_per_token; × 4/3 under full recomputation, which
-              runs each block's forward twice) ÷ (ranks × peak × efficiency); on a CPU the ranks share
+    compute   model FLOPs of the step (common/mfu.flops_per_token; plus, under full recomputation, each
+              block's forward again up to what backward needs: recompute_flops_per_token)
+              ÷ (ranks × peak × efficiency); on a CPU the ranks share
               its cores, so the divisor has at most as many ranks as cores
     bubble    compute × b / (1 − b): the slots every rank idles (none on a CPU with more ranks than cores:
               an idle rank lends its core to a busy one)
@@ -32,7 +34,7 @@ from importlib import import_module
 
 from common import activation_ledger
 from common.comm import collective_bytes
-from common.mfu import attention_flops_per_token, flops_per_token
+from common.mfu import attention_flops_per_token, flops_per_token, matmul_params
 
 zero_accounting = import_module("01_data_parallel.zero_accounting")         # chapter 01: ZeRO memory and bytes
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")       # chapter 02: TP collectives
@@ -42,7 +44,20 @@ pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")    #
 expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")   # chapter 05: all-to-all bytes
 attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # chapter 06: the ring's bytes
 
-RECOMPUTE_FLOPS = {"none": 1.0, "selective": 1.0, "full": 4 / 3}   # selective recomputes O(D) elementwise work
+
+
+def recompute_flops_per_token(cfg, seq_len: int, mode: str) -> float:
+    """The FLOPs per token that --recompute adds to a step: none for `selective` (norms and SwiGLU's silu,
+    elementwise); for `full`, each block's forward again as far as backward needs it. The recomputation
+    stops at the last tensor backward uses, so a dense block skips its down projection (its output only
+    feeds the residual sum), where a mixture reruns its experts whole (the combine weights their outputs,
+    which backward needs): the bytes of chapter 02's tp_collectives(recompute="full") say the same."""
+    if mode != "full":
+        return 0.0
+    D = cfg.dim
+    down = 0 if cfg.n_experts else D * cfg.ffn_hidden
+    block = (matmul_params(cfg) - D * cfg.vocab_size) / cfg.n_layers - down    # weights one token meets again
+    return cfg.n_layers * 2 * block + attention_flops_per_token(cfg, seq_len) / 3
 
 
 @dataclass(frozen=True)
@@ -158,6 +173,7 @@ def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
     cfg, m, v = run.cfg, c.microbatches, c.virtual_stages
     rows, positions = run.global_batch // c.dp // m, run.seq_len // c.cp
     e = 2 if run.dtype == "bf16" else 4
+    runs = 2 if c.recompute == "full" else 1                  # full recomputation reruns the forward's exchanges
     mine = pipeline_stages.rank_stages(specs, c.pp, 0)
     layers = sum(len(s.layers) for s in mine)
     nbytes, msgs = dict.fromkeys(("dp", "tp", "pp", "ep", "cp"), 0), dict.fromkeys(("dp", "tp", "pp", "ep", "cp"), 0)
@@ -170,7 +186,8 @@ def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
                 msgs["dp"] += 1 if c.zero_stage == 0 else (len(s.layers) + 2) * (2 + (c.zero_stage == 3))
         if c.tp > 1:
             micro = tensor_parallel.tp_collectives(cfg, rows, positions, c.tp, c.sequence_parallel, len(s.layers),
-                                                   s.first, s.last, e, route_counts=c.cp == 1)
+                                                   s.first, s.last, e, route_counts=c.cp == 1,
+                                                   recompute=c.recompute)
             grads = tensor_parallel.tp_gradient_collectives(cfg, c.tp, c.sequence_parallel, len(s.layers), s.last,
                                                             c.ep)
             nbytes["tp"] += m * sum(collective_bytes(k, n, c.tp) for k, n in micro) + \
@@ -181,12 +198,13 @@ def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
         nbytes["pp"] = msgs["pp"] * rows * (positions // c.tp if c.sequence_parallel else positions) * cfg.dim * e
     if c.ep > 1 and cfg.n_experts:
         nbytes["ep"] = int(expert_parallel.expected_ep_bytes(layers, rows * m * positions, cfg.top_k, cfg.dim,
-                                                             cfg.n_experts, c.ep, e))
-        msgs["ep"] = layers * m * 6                          # dispatch, combine, forward and back; the counts
+                                                             cfg.n_experts, c.ep, e, runs))
+        msgs["ep"] = layers * m * (4 + 2 * runs)             # dispatch, combine, forward and back; the counts
     if c.cp > 1:
         kv = cfg.kv_heads_per_rank(c.tp)
-        nbytes["cp"] = layers * m * attention_bookkeeping.cp_bytes("ring", rows, run.seq_len, c.cp, kv, cfg.head_dim, e)
-        msgs["cp"] = layers * m * 2 * (c.cp - 1)             # one exchange per hop, forward and backward
+        nbytes["cp"] = layers * m * attention_bookkeeping.cp_bytes("ring", rows, run.seq_len, c.cp, kv, cfg.head_dim, e,
+                                                                                 forward_runs=runs)
+        msgs["cp"] = layers * m * (1 + runs) * (c.cp - 1)    # one exchange per hop, forward(s) and backward
     return nbytes, msgs
 
 
@@ -215,9 +233,10 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     bubble = pipeline_schedules.theory_bubble(c.schedule, c.pp, c.microbatches, c.virtual_stages) if c.pp > 1 else 0.0
 
     workers = world if dev.cores is None else min(world, dev.cores)
-    rate = workers * dev.peak * dev.efficiency / RECOMPUTE_FLOPS[c.recompute]
+    rate = workers * dev.peak * dev.efficiency
     tokens = run.global_batch * run.seq_len
-    compute = flops_per_token(cfg, run.seq_len) * tokens / rate
+    compute = (flops_per_token(cfg, run.seq_len) + recompute_flops_per_token(cfg, run.seq_len, c.recompute)) \
+        * tokens / rate
     attention = attention_flops_per_token(cfg, run.seq_len) * tokens / rate
     idle = compute * bubble / (1 - bubble) if dev.cores is None or world <= dev.cores else 0.0
     seconds = {}

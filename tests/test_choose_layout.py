@@ -194,7 +194,13 @@ def test_explain_a_layout_and_a_published_run(capsys):
     choose_layout.main(["--model", "tiny", "--world", "8", "--device", "h100", "--explain", "dp=4,pp=2,m=4"])
     out = capsys.readouterr().out
     assert "dp 4 × tp 1 × pp 2 × cp 1" in out and "of the" in out and "memory, its fullest pipeline rank" in out
-    assert "runs with: torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --model tiny --dp 4 --tp 1 --pp 2" in out
+    assert "Run it: torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --model tiny --dp 4 --tp 1 --pp 2" in out
+    # a published shape has no preset to run at full size: its miniature is what runs here
+    choose_layout.main(["--model", "llama3-8b", "--world", "8", "--device", "h100", "--seq-len", "1024",
+                        "--explain", "dp=2,tp=4"])
+    out = capsys.readouterr().out
+    assert "Run it in miniature on this machine: torchrun --nproc_per_node=4 04_3d_combined/train_3d.py " \
+           "--model tiny --dp 2 --tp 2" in out and "--model llama3-8b" not in out.split("Run it")[-1], out
     choose_layout.main(["--model", "tiny", "--world", "8", "--device", "h100", "--explain", "tp=16"])
     assert "no runnable layout of this plan has these fields" in capsys.readouterr().out
 

@@ -6,8 +6,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from importlib import import_module
+
+from common.comm import collective_bytes
+from common.model import PRESETS
 from common.recompute import MODES
 from harness import every_rank, run_group
+
+tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")
+expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")
 
 BASE = ["--steps", "2", "--seq-len", "32", "--global-batch", "8", "--quiet"]
 DP, TP, PP, MOE = ("01_data_parallel.train_dp:main", "02_tensor_parallel.train_tp:main",
@@ -36,6 +43,15 @@ def histories(world: int) -> dict:
     return {key: every_rank(res)[0] for key, res in zip(keys, results)}
 
 
+def tp_bytes(row: dict, S: int, mode: str) -> int:
+    """Chapter 02's formula for one step's "tp" bytes of the tiny model (one micro-batch), in `mode`."""
+    cfg, tp, sp = PRESETS["tiny"], row["tp"], row["sequence_parallel"]
+    rows = 8 // row["dp"]
+    collectives = (tensor_parallel.tp_collectives(cfg, rows, S, tp, sp, cfg.n_layers, recompute=mode)
+                   + tensor_parallel.tp_gradient_collectives(cfg, tp, sp, cfg.n_layers))
+    return sum(collective_bytes(kind, n, tp) for kind, n in collectives)
+
+
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_every_mode_is_the_run_of_none_and_the_ledger_holds(world):
     runs = histories(world)
@@ -46,9 +62,20 @@ def test_every_mode_is_the_run_of_none_and_the_ledger_holds(world):
             for row, ref in zip(rows, reference):
                 for key in SAME:
                     assert row.get(key) == ref.get(key), f"{label} --recompute {mode} step {row['step']}: {key}"
+            if rows[-1].get("tp", 1) > 1:     # full recomputation reruns the forward's TP collectives too
+                flags = BASE + LAYOUTS[world][label][1]
+                S = int(flags[len(flags) - 1 - flags[::-1].index("--seq-len") + 1])   # the last --seq-len
+                assert rows[-1]["comm_bytes_tp"] == tp_bytes(rows[-1], S, mode), f"{label} --recompute {mode}"
             measured, predicted = rows[-1].get("peak_activation_bytes"), rows[-1].get("activation_bytes_predicted")
             if "EP" in label:                 # MoE layers: routed rows, not in the ledger
                 assert predicted is None
+                # full recomputation reruns each block's dispatch and combine (2 of the 4 exchanges) and counts
+                counts = 8 * expert_parallel.counts_bytes(8, 2)
+                rerun = (reference[-1]["comm_bytes_ep"] - counts) // 2 + counts if mode == "full" else 0
+                assert rows[-1]["comm_bytes_ep"] == reference[-1]["comm_bytes_ep"] + rerun, f"{label} {mode}"
+                # and chapter 05's formula, which the layout planner uses, adds the same share
+                once, twice = (expert_parallel.expected_ep_bytes(8, 256, 2, 128, 8, 2, forward_runs=r) for r in (1, 2))
+                assert twice - once == pytest.approx((once - counts) / 2 + counts)
                 continue
             for m, p in zip(*(v if isinstance(v, list) else [v] for v in (measured, predicted))):
                 assert abs(p - m) <= 0.02 * m, f"{label} --recompute {mode}: predicted {p} vs measured {m} bytes"
