@@ -7,8 +7,9 @@
 Here: every 8-rank layout of chapter 04's bench_3d.py runs 2 steps of train_3d.py with the bench's batch
 and micro-batches (~3 min on 2 cores); its metrics hold the bytes each group moved (comm_bytes_*, rank 0),
 AdamW's bytes and every stage's measured activation peak, which the planner predicts for the same layout.
-The tokens/s order is the bench's own table (results/3d_bench.md in chapter 04: medians over 11 steps),
-against the order of the planner's step times: their Spearman rank correlation.
+The step times are the bench's own (results/3d_bench.md in chapter 04: medians over 11 steps), against
+the planner's CPU model (calibrate_cpu.py, fitted on those same runs), and chapter 06's measured CP step
+times (its results/time.md), which the fit never saw: Spearman rank correlation and the ratios.
 At scale: each published configuration is planned on its cluster; the table gives the planner's memory
 per GPU for the published layout (the closest one the planner enumerates), where it ranks, and the
 planner's own first choice.
@@ -35,6 +36,7 @@ RESULTS = HERE / "results"
 GROUPS = ("dp", "tp", "pp")
 
 published = import_module("07_choosing_a_layout.published")           # this chapter: the published runs
+calibrate_cpu = import_module("07_choosing_a_layout.calibrate_cpu")   # this chapter: the CPU's time model
 
 
 def measured_here(steps: int) -> dict:
@@ -52,13 +54,6 @@ def measured_here(steps: int) -> dict:
             rows[name] = json.loads(out.read_text().splitlines()[-1])
             print(f"measured {name}", flush=True)
     return rows
-
-
-def bench_tokens_per_s() -> dict:
-    """{layout name: tokens/s} from chapter 04's results/3d_bench.md."""
-    text = (HERE.parent / "04_3d_combined" / "results" / "3d_bench.md").read_text()
-    return {m[0]: float(m[1].replace(",", "")) for m in re.findall(r"^\| (\d × \d × \d) \| 8 \| [\d.]+ \| ([\d,]+) \|",
-                                                                  text, re.M)}
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -84,11 +79,12 @@ def predicted_here(name: str, dev) -> tuple[dict, list[int], dict]:
 
 
 def check_here(steps: int) -> tuple[list[str], list[tuple]]:
-    measured, speed = measured_here(steps), bench_tokens_per_s()
+    measured = measured_here(steps)
+    step = {name: t for name, _, t in calibrate_cpu.bench_3d_runs()}
     dev = layout_inputs.device_for("cpu", "fp32", 8)
     lines = ["| dp × tp × pp | bytes dp / tp / pp: predicted | measured | AdamW bytes pred. / meas. | "
              "peak activations per stage: predicted | measured | worst error | step (s) predicted | "
-             "tokens/s measured |", "|---|---|---|---|---|---|---|---|---|"]
+             "measured (bench) | ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
     points = []
     for name, row in measured.items():
         pred, peaks, rank0 = predicted_here(name, dev)
@@ -100,12 +96,33 @@ def check_here(steps: int) -> tuple[list[str], list[tuple]]:
                      f"{' / '.join(f'{b:,}' for b in got)}{'' if got == want else ' ≠'} | "
                      f"{int(rank0['optim_bytes']):,} / {row['optim_bytes']:,} | {', '.join(f'{b:,}' for b in peaks)} | "
                      f"{', '.join(f'{b:,}' for b in row['peak_activation_bytes'])} | {max(errors):.2%} | "
-                     f"{pred['step_time_s']:.3f} | {speed[name]:,.0f} |")
-        points.append((name, pred["step_time_s"], 16 * 128 / speed[name]))
-    rho = spearman([-p[1] for p in points], [1 / p[2] for p in points])
-    lines += ["", f"Spearman rank correlation of the predicted step times' order with the measured tokens/s "
-                  f"order: {rho:.2f} ({len(points)} layouts)."]
-    return lines, points
+                     f"{pred['step_time_s']:.3f} | {step[name]:.3f} | {pred['step_time_s'] / step[name]:.2f}× |")
+        points.append((name, pred["step_time_s"], step[name]))
+    return lines + ["", time_words(points, "chapter 04's 8-rank layouts (the calibration's own runs)")], points
+
+
+def check_time() -> tuple[list[str], list[tuple]]:
+    """The planner's step times against chapter 06's measured ones, which the CPU calibration did not see."""
+    points = [(name, cp_prediction(layout), t) for name, layout, t in calibrate_cpu.time_cp_runs()]
+    lines = ["Chapter 06's context-parallel timings (small model, 2 sequences, zig-zag ring; its results/time.md), "
+             "which the calibration did not see:", "", "| run | step (s) predicted | measured | ratio |",
+             "|---|---|---|---|"] + [f"| {n} | {p:.3f} | {t:.3f} | {p / t:.2f}× |" for n, p, t in points]
+    return lines + ["", time_words(points, "chapter 06's runs")], points
+
+
+def cp_prediction(layout: dict) -> float:
+    """The planner's step time for one of chapter 06's timed runs (its world is cp ranks)."""
+    run = layout_costs.Run(PRESETS[layout["model"]], layout["batch"], layout["seq"], "fp32")
+    c = layout_costs.Candidate(1, 1, 1, layout["cp"], 1, 0, "none", False, "1f1b", 1)
+    return layout_costs.predict(run, c, layout_inputs.device_for("cpu", "fp32", layout["cp"]), layout["cp"])[
+        "step_time_s"]
+
+
+def time_words(points, what: str) -> str:
+    ratios = [p / t for _, p, t in points]
+    rho = spearman([p for _, p, _ in points], [t for *_, t in points])
+    return (f"Step times on {what}: Spearman rank correlation of predicted with measured {rho:.2f} "
+            f"({len(points)} runs); predicted ÷ measured {min(ratios):.2f}–{max(ratios):.2f}.")
 
 
 def published_rows(argv, layout: dict) -> tuple[str, list[dict], dict | None, int | None]:
@@ -188,17 +205,24 @@ def plot_memory(case, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def plot_here(points, path: Path) -> None:
+def plot_here(points, cp_points, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 5))
-    for name, pred, meas in points:
-        ax.scatter(pred, meas)
-        ax.annotate(name, (pred, meas), fontsize=7)
+    for shown, marker, label in ((points, "o", "chapter 04, 8 ranks (calibrated on)"),
+                                 (cp_points, "^", "chapter 06, cp ranks (held out)")):
+        ax.scatter([p for _, p, _ in shown], [t for *_, t in shown], marker=marker, label=label)
+        for name, pred, meas in shown:
+            ax.annotate(name, (pred, meas), fontsize=6)
+    top = max(t for _, p, t in points + cp_points) * 1.1
+    ax.plot([0, top], [0, top], "k--", lw=0.8, label="predicted = measured")
+    ax.plot([0, top], [0, top / 2], "k:", lw=0.8, label="2× either way")
+    ax.plot([0, top / 2], [0, top], "k:", lw=0.8)
     ax.set_xlabel("predicted step time (s)")
-    ax.set_ylabel("measured step time (s), bench_3d.py")
-    ax.set_title("8 ranks on this CPU: predicted against measured")
+    ax.set_ylabel("measured step time (s), median")
+    ax.set_title("This CPU: the planner's step time against the runs'")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -216,10 +240,13 @@ def main():
     print("\n".join(lines))
     if not args.published:
         lines, points = check_here(args.steps)
+        more, cp_points = check_time()
+        lines += ["", *more]
         (RESULTS / "layouts_here.md").write_text("Command: `python 07_choosing_a_layout/check_layouts.py`; model tiny, "
                                                  "16 × 128 tokens, 1F1B, fp32, 2 steps per layout (bytes and memory of "
-                                                 "the last); bench_3d.py's tokens/s\n\n" + "\n".join(lines) + "\n")
-        plot_here(points, RESULTS / "layouts_predicted_vs_measured.png")
+                                                 "the last); measured step times: chapter 04's bench_3d.py (medians), "
+                                                 "the CPU's time model: calibrate_cpu.py\n\n" + "\n".join(lines) + "\n")
+        plot_here(points, cp_points, RESULTS / "layouts_predicted_vs_measured.png")
         print("\n".join(lines))
 
 

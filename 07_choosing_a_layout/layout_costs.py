@@ -13,8 +13,9 @@ Every number comes from a formula a chapter proved on real runs, imported from t
                                     cp: this chapter's attention_bookkeeping.cp_bytes, per layer and micro-batch
 
 Under --recompute full each block's forward runs again in backward, its tp, ep and cp exchanges with it,
-as far as backward needs them (each chapter's formula takes the mode). The bytes are global rank 0's, the rank a run's metrics report (its comm_bytes_*); the memory is the
-fullest pipeline rank's, the one that decides whether a layout fits. The step time is a model, stated:
+as far as backward needs them (each chapter's formula takes the mode). The bytes are global rank 0's,
+the rank a run's metrics report (its comm_bytes_*); the memory is the fullest pipeline rank's, the one
+that decides whether a layout fits. The step time is a model, stated:
 
     compute   model FLOPs of the step (common/mfu.flops_per_token; plus, under full recomputation, each
               block's forward again up to what backward needs: recompute_flops_per_token)
@@ -129,13 +130,13 @@ def fullest_candidates(specs, pp: int) -> list[int]:
 
 @lru_cache(maxsize=None)
 def activation_peaks(cfg, mode: str, schedule: str, pp: int, m: int, v: int, rows: int, seq_len: int,
-                     positions: int, tp: int, sp: bool) -> tuple[tuple[int, int], ...]:
-    """((pipeline rank, its peak activation bytes in fp32), ...) of the ranks that can peak highest, from
-    the ledger and the schedule's actions (common/activation_ledger.pipeline_peaks)."""
+                     positions: int, tp: int, sp: bool, dtype: str = "fp32") -> tuple[tuple[int, int], ...]:
+    """((pipeline rank, its peak activation bytes), ...) of the ranks that can peak highest, from the
+    ledger in the run's dtype and the schedule's actions (common/activation_ledger.pipeline_peaks)."""
     specs, plan = specs_for(cfg, pp, v, seq_len), plan_for(schedule, pp, m, v)
     ranks = fullest_candidates(specs, pp)
     peaks = activation_ledger.pipeline_peaks(ledger_config(cfg, tp), mode, [plan[r] for r in ranks], specs, rows,
-                                             positions, tp, sp)
+                                             positions, tp, sp, dtype=dtype)
     return tuple(zip(ranks, peaks))
 
 
@@ -154,7 +155,7 @@ def memory_by_component(run: Run, c: Candidate, peak_activation: int, dense: int
         out["optim_bytes"] += between["optim_bytes"]
         for k, key in (("params", "param_bytes"), ("grads", "grad_bytes"), ("optim_bytes", "optim_bytes")):
             held[k] += between[key]
-    act = peak_activation // 2 if run.dtype == "bf16" else peak_activation      # autocast keeps 16-bit copies
+    act = peak_activation                    # the ledger in the run's dtype (bf16: its own measured terms)
     return {**out, "peak_activation_bytes": act, "total": sum(out.values()) + act,
             "held_between_steps": sum(held.values())}
 
@@ -217,6 +218,31 @@ def link_of(group: str, c: Candidate, dev, gpus_per_node: int) -> tuple[float, f
     return (dev.intra, dev.latency_intra) if inside else (dev.inter, dev.latency_inter)
 
 
+def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, msgs: dict, bubble: float) -> dict:
+    """{compute, bubble, comm_<group>: seconds} of one step; the step is their sum (the module docstring)."""
+    cfg, world = run.cfg, c.dp * c.tp * c.pp * c.cp
+    flops = (flops_per_token(cfg, run.seq_len) + recompute_flops_per_token(cfg, run.seq_len, c.recompute)) \
+        * run.global_batch * run.seq_len
+    if dev.call_s is not None:
+        # a CPU calibrated on the course's runs here (calibrate_cpu.py): one rank's work, stretched by the W/C
+        # ranks each core carries; a rank waiting in a collective holds no core, so nothing hides
+        stretch = world / dev.cores
+        comm = {g: stretch * (msgs[g] * dev.call_s + nbytes[g] * dev.byte_s) for g in nbytes}
+        idle = 0.0 if world > dev.cores else flops / world / (dev.peak * dev.efficiency) * bubble / (1 - bubble)
+        return {"compute": stretch * flops / world / (dev.peak * dev.efficiency), "bubble": idle,
+                **{f"comm_{g}": t for g, t in comm.items()}}
+    rate = (world if dev.cores is None else min(world, dev.cores)) * dev.peak * dev.efficiency
+    compute = flops / rate
+    attention = attention_flops_per_token(cfg, run.seq_len) * run.global_batch * run.seq_len / rate
+    idle = compute * bubble / (1 - bubble) if dev.cores is None or world <= dev.cores else 0.0
+    seconds = {}
+    for g in nbytes:
+        link_rate, latency = link_of(g, c, dev, gpus_per_node)
+        seconds[g] = nbytes[g] / link_rate + msgs[g] * latency
+    exposed = {**seconds, "dp": max(0.0, seconds["dp"] - idle), "cp": max(0.0, seconds["cp"] - attention)}
+    return {"compute": compute, "bubble": idle, **{f"comm_{g}": t for g, t in exposed.items()}}
+
+
 def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     """The planner's row for one layout: the JSON schema of choose_layout.py, plus the time's parts."""
     cfg, world = run.cfg, c.dp * c.tp * c.pp * c.cp
@@ -224,7 +250,7 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
                                                                                  c.virtual_stages)
     rows = run.global_batch // c.dp // c.microbatches
     peaks = activation_peaks(cfg, c.recompute, c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
-                             run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel)
+                             run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel, run.dtype)
     # each rank its own weights and its own activations (the ends hold the embedding and the head, the first
     # ranks keep the most micro-batches in flight): the fullest rank decides whether the layout fits
     fullest, memory = max(((r, rank_memory(run, c, specs, r, peak)) for r, peak in peaks),
@@ -232,24 +258,14 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     nbytes, msgs = rank0_traffic(run, c, specs, plan)
     bubble = pipeline_schedules.theory_bubble(c.schedule, c.pp, c.microbatches, c.virtual_stages) if c.pp > 1 else 0.0
 
+    parts = time_parts(run, c, dev, gpus_per_node, nbytes, msgs, bubble)
+    step, tokens = sum(parts.values()), run.global_batch * run.seq_len
     workers = world if dev.cores is None else min(world, dev.cores)
-    rate = workers * dev.peak * dev.efficiency
-    tokens = run.global_batch * run.seq_len
-    compute = (flops_per_token(cfg, run.seq_len) + recompute_flops_per_token(cfg, run.seq_len, c.recompute)) \
-        * tokens / rate
-    attention = attention_flops_per_token(cfg, run.seq_len) * tokens / rate
-    idle = compute * bubble / (1 - bubble) if dev.cores is None or world <= dev.cores else 0.0
-    seconds = {}
-    for g in nbytes:
-        link_rate, latency = link_of(g, c, dev, gpus_per_node)
-        seconds[g] = nbytes[g] / link_rate + msgs[g] * latency
-    exposed = {**seconds, "dp": max(0.0, seconds["dp"] - idle), "cp": max(0.0, seconds["cp"] - attention)}
     return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep, "zero_stage": c.zero_stage,
             "recompute": c.recompute, "sequence_parallel": c.sequence_parallel, "schedule": c.schedule,
             "microbatches": c.microbatches, "memory_bytes": {k: int(v) for k, v in memory.items()},
-            "comm_bytes": nbytes, "bubble": bubble, "step_time_s": compute + idle + sum(exposed.values()),
+            "comm_bytes": nbytes, "bubble": bubble, "step_time_s": step,
             # model FLOPs over the peak of every rank (common/mfu's definition; recomputation not counted)
-            "mfu": flops_per_token(cfg, run.seq_len) * tokens / (workers * dev.peak) / (compute + idle + sum(exposed.values())),
-            "fits": memory["total"] <= dev.memory,
-            "time_parts_s": {"compute": compute, "bubble": idle, **{f"comm_{g}": t for g, t in exposed.items()}},
+            "mfu": flops_per_token(cfg, run.seq_len) * tokens / (workers * dev.peak) / step,
+            "fits": memory["total"] <= dev.memory, "time_parts_s": parts,
             "virtual_stages": c.virtual_stages, "fullest_pp_rank": fullest}

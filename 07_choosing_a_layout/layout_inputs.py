@@ -26,6 +26,7 @@ rate is in the counter's unit: bytes sent + received per second.
 import os
 import time
 from dataclasses import dataclass, replace
+from importlib import import_module
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,10 @@ class Device:
     latency_inter: float
     cores: int | None = None   # a CPU: ranks share these cores (None: one device per rank)
     efficiency: float = 0.5    # the share of `peak` the model's math reaches (the stated efficiency)
+    # a CPU calibrated on this machine's runs (calibrate_cpu.py): seconds per collective and per byte of one
+    # rank, before the W/C stretch of ranks sharing cores; None: the link probe's latency and rate instead
+    call_s: float | None = None
+    byte_s: float | None = None
 
 
 def datasheet_peak(fragment: str, dtype: str) -> float:
@@ -84,9 +89,16 @@ def cpu(dtype: str, world: int) -> Device:
     cores = os.cpu_count() or 1
     rate, latency = measured_link()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
-    # 0.4: the share of one core's probed peak the 1-rank tiny run turns into model FLOPs (its mfu)
-    return Device("cpu", memory, mfu.peak_flops("cpu", dtype) / torch.get_num_threads(), rate, rate, latency,
-                  latency, cores=cores, efficiency=0.4)
+    dev = Device("cpu", memory, mfu.peak_flops("cpu", dtype) / torch.get_num_threads(), rate, rate, latency,
+                 latency, cores=cores, efficiency=0.4)
+    # calibrated on the course's runs on this CPU (calibrate_cpu.py), fp32: its efficiency, collective and byte
+    # costs; without a calibration for this CPU, 0.4 (the share of one core's probed peak the 1-rank tiny run
+    # turns into model FLOPs, its mfu) and the link probe
+    model = import_module("07_choosing_a_layout.calibrate_cpu").load()
+    if model and dtype == "fp32":
+        dev = replace(dev, efficiency=model["efficiency"], call_s=model["seconds_per_call"],
+                      byte_s=model["seconds_per_byte"])
+    return dev
 
 
 DEVICES = ("cpu", "h100", "a100")

@@ -32,6 +32,10 @@ Compared with the GPT count: no dropout masks (no dropout), no 5as/h term (the S
 log-sum-exp per head and position, never the S×S scores), two norm outputs where LayerNorm keeps its
 input, and SwiGLU's four F-wide tensors where a GeLU MLP keeps two of 4h.
 
+Under bf16 autocast the ledger has its own terms (bf16_layer_terms, bf16_weight_copies): what stays fp32
+(the residual stream, the norms, the loss) and what autocast casts, each nn.Linear its own copy of its
+input and of its weight. It keeps about 0.7 of the fp32 bytes, not half.
+
 Around the layers: the embedding keeps nothing but the token ids (the step's input, not counted; under
 TP its own shifted int64 ids and an fp32 mask), the head its final norm and the lm_head's input (both
 SP shards) and the loss's (B, S, V) log-softmax (under TP: the softmax of V/tp columns, the targets
@@ -42,7 +46,7 @@ from dataclasses import dataclass
 
 from common.recompute import MODES
 
-FP32, INT64 = 4, 8
+FP32, INT64, BF16 = 4, 8, 2
 LOSS_SCALAR = 4       # the loss keeps one fp32 scalar (cross-entropy's total weight)
 EVERY, NOT_FULL, NONE_ONLY = MODES, ("none", "selective"), ("none",)
 
@@ -65,8 +69,11 @@ def attention_kernel_term(cfg, tp: int = 1, kv_copies: int = 1) -> Term:
                 FP32 * (2 * h + 2 * k * kv_copies) * cfg.head_dim + 4 * h, NOT_FULL)
 
 
-def layer_terms(cfg, tp: int = 1, kv_copies: int = 1) -> list[Term]:
-    """One block's saved tensors, per position (bytes), as the table in the module docstring."""
+def layer_terms(cfg, tp: int = 1, kv_copies: int = 1, dtype: str = "fp32") -> list[Term]:
+    """One block's saved tensors, per position (bytes), as the table in the module docstring; under bf16
+    autocast, bf16_layer_terms."""
+    if dtype == "bf16":
+        return bf16_layer_terms(cfg, tp, kv_copies)
     D, hd, F, h = cfg.dim, cfg.head_dim, cfg.ffn_hidden // tp, cfg.n_heads // tp
     return [
         Term("block input x (residual stream)", FP32 * D, EVERY, sp_shard=True),
@@ -83,14 +90,51 @@ def layer_terms(cfg, tp: int = 1, kv_copies: int = 1) -> list[Term]:
     ]
 
 
+def bf16_layer_terms(cfg, tp: int = 1, kv_copies: int = 1) -> list[Term]:
+    """One block's saved tensors under bf16 autocast, measured with the activation meter on one rank and on
+    a pipeline's stages (tests/test_bf16.py, within 0.5 %): the residual stream and RMSNorm stay fp32 (the
+    weights are fp32; a norm computes in fp32); every nn.Linear saves its own bf16 cast of its input (wq, wk
+    and wv three copies of the norm output, gate and up two), and its output is bf16; SDPA keeps bf16 q, k,
+    v and out with an fp32 log-sum-exp; SwiGLU's tensors are bf16. So it is not the fp32 ledger halved: it
+    keeps about 0.7 of it. Under TP and CP the terms are split as the fp32 ones are (not measured)."""
+    D, hd, F, h, k = cfg.dim, cfg.head_dim, cfg.ffn_hidden // tp, cfg.n_heads // tp, cfg.kv_heads_per_rank(tp)
+    return [
+        Term("block input x (residual stream, fp32)", FP32 * D, EVERY, sp_shard=True),
+        Term("attention norm: x·rms, rms (fp32)", FP32 * (D + 1), NONE_ONLY, sp_shard=True),
+        Term("norm output, cast to bf16 by wq, wk, wv (three copies)", 3 * BF16 * D, NOT_FULL, sp_shard=True),
+        Term("attention kernel: bf16 q, k, v, out; fp32 log-sum-exp",
+             BF16 * (2 * h + 2 * k * kv_copies) * hd + 4 * h, NOT_FULL),
+        Term("attention output (wo input, bf16)", BF16 * h * hd, NOT_FULL),
+        Term("residual after attention (fp32)", FP32 * D, NOT_FULL, sp_shard=True),
+        Term("MLP norm: x·rms, rms (fp32)", FP32 * (D + 1), NONE_ONLY, sp_shard=True),
+        Term("norm output, cast to bf16 by gate and up (two copies)", 2 * BF16 * D, NOT_FULL, sp_shard=True),
+        Term("gate, up outputs (bf16)", BF16 * 2 * F, NOT_FULL),
+        Term("silu(gate) (bf16)", BF16 * F, NONE_ONLY),
+        Term("silu(gate)·up (down input, bf16)", BF16 * F, NOT_FULL),
+    ]
+
+
+def bf16_weight_copies(cfg, n_layers: int, mode: str, last: bool, tp: int = 1) -> int:
+    """The bf16 casts of the weights that autocast makes in a forward and each nn.Linear saves for backward:
+    a micro-batch holds its own (a block recomputed whole saves none until its backward), the head's
+    always. This rank's shards under TP."""
+    D, hd, F, h, k = cfg.dim, cfg.head_dim, cfg.ffn_hidden // tp, cfg.n_heads // tp, cfg.kv_heads_per_rank(tp)
+    block = BF16 * D * ((2 * h + 2 * k) * hd + 3 * F)
+    return (n_layers * block if mode != "full" else 0) + (BF16 * D * cfg.vocab_size // tp if last else 0)
+
+
 def embedding_terms(cfg, tp: int = 1) -> list[Term]:
     """The token ids themselves are the step's input, not counted; a vocab-parallel embedding keeps
     its own shifted ids and a mask."""
     return [Term("local ids (int64), mask (fp32)", INT64 + FP32, EVERY)] if tp > 1 else []
 
 
-def head_terms(cfg, tp: int = 1) -> list[Term]:
+def head_terms(cfg, tp: int = 1, dtype: str = "fp32") -> list[Term]:
     D, V = cfg.dim, cfg.vocab_size
+    if dtype == "bf16" and tp == 1:      # the loss runs in fp32 under autocast: it keeps an fp32 log-softmax
+        return [Term("final norm: x, x·rms, rms (fp32)", FP32 * (2 * D + 1), EVERY, sp_shard=True),
+                Term("lm_head input (bf16 cast)", BF16 * D, EVERY, sp_shard=True),
+                Term("log-softmax (B, S, V), fp32", FP32 * V, EVERY), Term("targets (int64)", INT64, EVERY)]
     if tp == 1:
         loss = [Term("log-softmax (B, S, V)", FP32 * V, EVERY), Term("targets (int64)", INT64, EVERY)]
     else:        # the vocab-parallel cross-entropy's own saved tensors
@@ -125,7 +169,7 @@ def terms_bytes(terms, mode: str, rows: int, positions: int, shard_positions: in
 
 def microbatch_bytes(cfg, mode: str, rows: int, positions: int, n_layers: int, first: bool = True,
                      last: bool = True, tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
-                     gathered_kv: bool = False) -> int:
+                     gathered_kv: bool = False, dtype: str = "fp32") -> int:
     """Bytes one micro-batch of `rows` sequences keeps on a stage of `n_layers` blocks (plus the
     embedding if `first`, the head and loss if `last`). `positions`: the positions of a sequence this
     rank computes (S; S/cp under context parallelism over `cp` ranks, whose all-gather attention keeps
@@ -133,16 +177,20 @@ def microbatch_bytes(cfg, mode: str, rows: int, positions: int, n_layers: int, f
     parallelism."""
     shard = positions // tp if sequence_parallel else positions
     kv_copies = cp if gathered_kv else 1
-    total = n_layers * terms_bytes(layer_terms(cfg, tp, kv_copies), mode, rows, positions, shard)
+    total = n_layers * terms_bytes(layer_terms(cfg, tp, kv_copies, dtype), mode, rows, positions, shard)
+    if dtype == "bf16":
+        total += bf16_weight_copies(cfg, n_layers, mode, last, tp)
     if first:
         total += terms_bytes(embedding_terms(cfg, tp), mode, rows, positions, shard)
     if last:       # (the vocab-parallel loss keeps no scalar: it saves its own three tensors)
-        total += terms_bytes(head_terms(cfg, tp), mode, rows, positions, shard) + (LOSS_SCALAR if tp == 1 else 0)
+        total += terms_bytes(head_terms(cfg, tp, dtype), mode, rows, positions, shard) + (LOSS_SCALAR if tp == 1 else 0)
     return total + (rope_tables_bytes(cfg, cp, positions) if n_layers else 0)
 
 
 def ledger_applies(cfg, dtype: str) -> bool:
-    """The ledger counts fp32 dense blocks: bf16 autocast keeps other copies, MoE layers routed rows."""
+    """Where a run prints the ledger beside its meter: fp32 dense blocks (MoE layers keep routed rows; the
+    bf16 terms, bf16_layer_terms, are checked against the meter by tests/test_bf16.py on one rank and a
+    pipeline only, and the layout planner uses them)."""
     return dtype == "fp32" and not cfg.n_experts
 
 
@@ -176,12 +224,13 @@ def schedule_peak(actions, held: dict, deferred: dict) -> int:
 
 
 def pipeline_peaks(cfg, mode: str, plan, specs, rows: int, positions: int, tp: int = 1,
-                   sequence_parallel: bool = False, cp: int = 1, gathered_kv: bool = False) -> list[int]:
+                   sequence_parallel: bool = False, cp: int = 1, gathered_kv: bool = False,
+                   dtype: str = "fp32") -> list[int]:
     """Each pipeline rank's predicted peak: `plan` holds every rank's actions, `specs` every stage
     (.layers, .first, .last); a micro-batch has `rows` sequences of `positions` on this rank (S/cp
     under context parallelism: microbatch_bytes)."""
     held = {s.index: microbatch_bytes(cfg, mode, rows, positions, len(s.layers), s.first, s.last, tp,
-                                      sequence_parallel, cp, gathered_kv) for s in specs}
+                                      sequence_parallel, cp, gathered_kv, dtype) for s in specs}
     shard = positions // tp if sequence_parallel else positions
     per_layer = terms_bytes(deferred_terms(cfg, tp), mode, rows, positions, shard)
     head = FP32 * rows * positions * (cfg.dim + cfg.vocab_size) if tp == 1 else 0    # lm_head's x, dy

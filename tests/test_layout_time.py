@@ -1,0 +1,51 @@
+"""The layout planner's step time on this CPU (07_choosing_a_layout/calibrate_cpu.py): the committed
+calibration is the fit of the committed measured runs, the planner's step time is that model, and it puts
+the runs in their measured order (Spearman ρ ≥ 0.9) with every step time within 2× of the measured, on the
+runs it was fitted on and on chapter 06's, which it never saw. These read committed tables: no timing here."""
+import json
+from importlib import import_module
+
+import pytest
+
+from common.model import PRESETS
+
+calibrate_cpu = import_module("07_choosing_a_layout.calibrate_cpu")
+check_layouts = import_module("07_choosing_a_layout.check_layouts")
+layout_costs = import_module("07_choosing_a_layout.layout_costs")
+layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
+
+MODEL = json.loads(calibrate_cpu.MODEL_FILE.read_text())
+COEF = (MODEL["seconds_per_flop"], MODEL["seconds_per_call"], MODEL["seconds_per_byte"])
+
+
+def calibrated_cpu(world: int):
+    """The planner's CPU device with the committed calibration, whatever this machine's CPU is called."""
+    return layout_inputs.Device("cpu", 2 ** 34, 1 / COEF[0], 1e9, 1e9, 0.0, 0.0, cores=calibrate_cpu.CORES,
+                                efficiency=1.0, call_s=COEF[1], byte_s=COEF[2])
+
+
+def test_the_committed_calibration_is_the_fit_of_the_committed_runs():
+    assert calibrate_cpu.fit(calibrate_cpu.bench_3d_runs()) == pytest.approx(COEF, rel=1e-9)
+    assert len(calibrate_cpu.bench_3d_runs()) == 11 and len(calibrate_cpu.time_cp_runs()) == 9
+
+
+def test_the_planner_step_time_is_the_calibrated_model():
+    """Each run's step from the planner's own predict() equals the fitted model's, compute and messages."""
+    for name, layout, _ in calibrate_cpu.bench_3d_runs() + calibrate_cpu.time_cp_runs():
+        world = layout["dp"] * layout["tp"] * layout["pp"] * layout["cp"]
+        run = layout_costs.Run(PRESETS[layout["model"]], layout["batch"], layout["seq"], "fp32")
+        c = layout_costs.Candidate(layout["dp"], layout["tp"], layout["pp"], layout["cp"], 1, 0, "none", False,
+                                   "1f1b", layout["m"])
+        got = layout_costs.predict(run, c, calibrated_cpu(world), world)
+        assert got["step_time_s"] == pytest.approx(calibrate_cpu.predict(COEF, layout), rel=1e-9), name
+        assert got["step_time_s"] == pytest.approx(sum(got["time_parts_s"].values()), rel=1e-12), name
+
+
+@pytest.mark.parametrize("runs", ["bench_3d_runs", "time_cp_runs"])
+def test_order_and_every_step_within_2x(runs):
+    points = [(name, calibrate_cpu.predict(COEF, layout), t) for name, layout, t in getattr(calibrate_cpu, runs)()
+              if layout["dp"] * layout["tp"] * layout["pp"] * layout["cp"] > 1 or runs == "time_cp_runs"]
+    rho = check_layouts.spearman([p for _, p, _ in points], [t for *_, t in points])
+    assert rho >= 0.9, (runs, rho)
+    for name, predicted, measured in points:
+        assert 0.5 <= predicted / measured <= 2, (name, predicted, measured)
