@@ -2,7 +2,8 @@
 
     python 07_choosing_a_layout/check_layouts.py              # → results/layouts_here.md, layouts_published.md,
                                                              #   layouts_memory.png, layouts_predicted_vs_measured.png
-    python 07_choosing_a_layout/check_layouts.py --published  # only the published table and the memory plot (seconds)
+    python 07_choosing_a_layout/check_layouts.py --published  # only the published table and the memory plot (minutes)
+    python 07_choosing_a_layout/check_layouts.py --here       # only the runs here (about 3 minutes)
 
 Here: every 8-rank layout of chapter 04's bench_3d.py runs 2 steps of train_3d.py with the bench's batch
 and micro-batches (~3 min on 2 cores); its metrics hold the bytes each group moved (comm_bytes_*, rank 0),
@@ -230,14 +231,16 @@ def plot_here(points, cp_points, path: Path) -> None:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--published", action="store_true", help="only the published configurations (no runs)")
+    p.add_argument("--here", action="store_true", help="only the runs here (not the published configurations)")
     p.add_argument("--steps", type=int, default=2)
     args = p.parse_args()
     RESULTS.mkdir(exist_ok=True)
-    lines, case = check_published()
-    (RESULTS / "layouts_published.md").write_text("Command: `python 07_choosing_a_layout/check_layouts.py`\n\n"
-                                                   + "\n".join(lines) + "\n")
-    plot_memory(case, RESULTS / "layouts_memory.png")
-    print("\n".join(lines))
+    if not args.here:
+        lines, case = check_published()
+        (RESULTS / "layouts_published.md").write_text("Command: `python 07_choosing_a_layout/check_layouts.py`\n\n"
+                                                       + "\n".join(lines) + "\n")
+        plot_memory(case, RESULTS / "layouts_memory.png")
+        print("\n".join(lines))
     if not args.published:
         lines, points = check_here(args.steps)
         more, cp_points = check_time()

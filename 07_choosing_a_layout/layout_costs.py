@@ -136,7 +136,7 @@ def activation_peaks(cfg, mode: str, schedule: str, pp: int, m: int, v: int, row
     specs, plan = specs_for(cfg, pp, v, seq_len), plan_for(schedule, pp, m, v)
     ranks = fullest_candidates(specs, pp)
     peaks = activation_ledger.pipeline_peaks(ledger_config(cfg, tp), mode, [plan[r] for r in ranks], specs, rows,
-                                             positions, tp, sp, dtype=dtype)
+                                             positions, tp, sp, dtype=dtype, weight_casts=False)
     return tuple(zip(ranks, peaks))
 
 
@@ -156,6 +156,11 @@ def memory_by_component(run: Run, c: Candidate, peak_activation: int, dense: int
         for k, key in (("params", "param_bytes"), ("grads", "grad_bytes"), ("optim_bytes", "optim_bytes")):
             held[k] += between[key]
     act = peak_activation                    # the ledger in the run's dtype (bf16: its own measured terms)
+    if run.dtype == "bf16":
+        # one bf16 copy of this rank's weights, as a bf16 run keeps: the course's autocast casts them again for
+        # every micro-batch and each one in flight keeps its own (activation_ledger.bf16_weight_copies, measured),
+        # a cost of fp32 master weights under autocast that a bf16 training of this size would not pay
+        out["params"] += 2 * (dense + experts)
     return {**out, "peak_activation_bytes": act, "total": sum(out.values()) + act,
             "held_between_steps": sum(held.values())}
 

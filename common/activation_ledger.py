@@ -169,7 +169,7 @@ def terms_bytes(terms, mode: str, rows: int, positions: int, shard_positions: in
 
 def microbatch_bytes(cfg, mode: str, rows: int, positions: int, n_layers: int, first: bool = True,
                      last: bool = True, tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
-                     gathered_kv: bool = False, dtype: str = "fp32") -> int:
+                     gathered_kv: bool = False, dtype: str = "fp32", weight_casts: bool = True) -> int:
     """Bytes one micro-batch of `rows` sequences keeps on a stage of `n_layers` blocks (plus the
     embedding if `first`, the head and loss if `last`). `positions`: the positions of a sequence this
     rank computes (S; S/cp under context parallelism over `cp` ranks, whose all-gather attention keeps
@@ -178,7 +178,7 @@ def microbatch_bytes(cfg, mode: str, rows: int, positions: int, n_layers: int, f
     shard = positions // tp if sequence_parallel else positions
     kv_copies = cp if gathered_kv else 1
     total = n_layers * terms_bytes(layer_terms(cfg, tp, kv_copies, dtype), mode, rows, positions, shard)
-    if dtype == "bf16":
+    if dtype == "bf16" and weight_casts:
         total += bf16_weight_copies(cfg, n_layers, mode, last, tp)
     if first:
         total += terms_bytes(embedding_terms(cfg, tp), mode, rows, positions, shard)
@@ -225,12 +225,13 @@ def schedule_peak(actions, held: dict, deferred: dict) -> int:
 
 def pipeline_peaks(cfg, mode: str, plan, specs, rows: int, positions: int, tp: int = 1,
                    sequence_parallel: bool = False, cp: int = 1, gathered_kv: bool = False,
-                   dtype: str = "fp32") -> list[int]:
+                   dtype: str = "fp32", weight_casts: bool = True) -> list[int]:
     """Each pipeline rank's predicted peak: `plan` holds every rank's actions, `specs` every stage
     (.layers, .first, .last); a micro-batch has `rows` sequences of `positions` on this rank (S/cp
-    under context parallelism: microbatch_bytes)."""
+    under context parallelism: microbatch_bytes). `weight_casts` False leaves out the bf16 weight casts each
+    micro-batch keeps (bf16_weight_copies), for a planner that counts one copy per rank instead."""
     held = {s.index: microbatch_bytes(cfg, mode, rows, positions, len(s.layers), s.first, s.last, tp,
-                                      sequence_parallel, cp, gathered_kv, dtype) for s in specs}
+                                      sequence_parallel, cp, gathered_kv, dtype, weight_casts) for s in specs}
     shard = positions // tp if sequence_parallel else positions
     per_layer = terms_bytes(deferred_terms(cfg, tp), mode, rows, positions, shard)
     head = FP32 * rows * positions * (cfg.dim + cfg.vocab_size) if tp == 1 else 0    # lm_head's x, dy

@@ -201,8 +201,10 @@ def test_explain_a_layout_and_a_published_run(capsys):
     out = capsys.readouterr().out
     assert "Run it in miniature on this machine: torchrun --nproc_per_node=4 04_3d_combined/train_3d.py " \
            "--model tiny --dp 2 --tp 2" in out and "--model llama3-8b" not in out.split("Run it")[-1], out
-    choose_layout.main(["--model", "tiny", "--world", "8", "--device", "h100", "--explain", "tp=16"])
-    assert "no runnable layout of this plan has these fields" in capsys.readouterr().out
+    choose_layout.main(["--model", "tiny", "--world", "16", "--gpus-per-node", "16", "--device", "h100", "--explain",
+                        "tp=16", "--top", "1"])
+    out = capsys.readouterr().out          # the refusal is chapter 02's own message, word for word
+    assert "the chapters refuse it: the model's 8 query heads do not split over --tp 16" in out, out
 
 
 @pytest.mark.parametrize("argv, message", [
