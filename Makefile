@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 TORCHRUN:= .venv/bin/torchrun
 STAMP   := .venv/.installed
 
-.PHONY: setup run test bench notebooks lab-answers exercises grade bug museum clean
+.PHONY: setup run test bench overhead gpu-check notebooks lab-answers exercises grade bug museum wrong-answers clean
 
 # The venv's own Jupyter kernel ("python3", installed inside .venv) runs the notebooks with the venv's
 # Python, whatever other kernels the machine has.
@@ -38,6 +38,17 @@ bench: $(STAMP)
 	$(PY) 05_moe_expert_parallel/bench_moe.py
 	$(PY) 06_context_parallel/bench_cp.py
 
+# The trainer's own cost: each chapter's script at world size 1 against a plain loop on the same model
+# (results/overhead.md; about 1½ minutes on 2 cores).
+overhead: $(STAMP)
+	$(PY) -m common.bench_overhead
+
+# Every script on one GPU (fp32, bf16), then MFU with and without --compile: results/gpu_check.md. Needs no
+# setup (a GPU machine's own Python with PyTorch and rich will do); without CUDA it says so and exits 0.
+GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) common/gpu_check.py
+
 # Each notebooks/*.py (jupytext percent format) becomes notebooks/*.ipynb, executed through the kernel
 # so it opens with its outputs and plots; the plots are also saved as PNGs under notebooks/figures/.
 notebooks: $(STAMP)
@@ -59,7 +70,7 @@ exercises: $(STAMP)
 grade: $(STAMP)
 	$(PY) -m common.exercises grade --chapter $(CHAPTER) $(if $(REPO),--repo $(REPO))
 
-# The museum of real bugs: `make bug ID=06.stale_kv OUT=../bug` plants one in a copy of the course
+# The museum of real bugs: `make bug ID=06.bug1 OUT=../bug` plants one in a copy of the course
 # (`make bug` alone lists them); `make museum` plants each in turn and runs the tests that must catch it,
 # writing common/exercises/MUSEUM.md (6½ minutes on 2 cores, 15 bugs: 397 s of tests plus the copies).
 bug: $(STAMP)
@@ -67,6 +78,11 @@ bug: $(STAMP)
 
 museum: $(STAMP)
 	$(PY) -m common.exercises bug --check
+
+# Each realistic wrong answer that common/exercises/catalog.py lists, written into a copy and graded: every
+# one must read `wrong:`. Writes common/exercises/WRONG_ANSWERS.md (the time of each is in it).
+wrong-answers: $(STAMP)
+	$(PY) -m common.exercises wrong --check
 
 clean:
 	rm -rf .venv runs .pytest_cache

@@ -9,6 +9,7 @@ single-device tensors (`gather_optim_state`), and each piece given its slice bac
 import torch
 
 from common import comm
+from common.optim import saved_step
 
 
 def zero_memory_bytes(stage: int, M: float, N: int, alpha: float = 2.0) -> float:
@@ -67,6 +68,6 @@ def load_optim_pieces(units, pieces, optimizer, states: dict) -> None:
         for n, a, b, ta, tb in unit.pieces():
             if n in states:
                 s, p = states[n], by_name[n]
-                optimizer.state[p] = {"step": s["step"].clone(),
+                optimizer.state[p] = {"step": saved_step(optimizer, s["step"], p.device),
                                       "exp_avg": s["exp_avg"].reshape(-1)[ta:tb].to(p.device).clone(),
                                       "exp_avg_sq": s["exp_avg_sq"].reshape(-1)[ta:tb].to(p.device).clone()}

@@ -50,6 +50,10 @@ def tp_degree(args, world: int) -> int:
     """The TP degree (--tp, default: the world size), after every check that needs no communication:
     ranks raise the same ConfigError, naming the fix, before any collective."""
     tp = world if args.tp is None else args.tp
+    # DTensor's own backward (its redistribution of gradients) breaks inside a compiled block.
+    require(args.impl != "torch" or args.compile == "none",
+            f"--compile {args.compile} with --impl torch: DTensor's layers do not compile here; use --impl ours "
+            "(this chapter's layers compile, their collectives running between compiled pieces)")
     require(world % tp == 0,
             f"--tp {tp} does not divide the world size {world}; use a --tp that divides {world} "
             f"(e.g. --tp {world}) or launch a multiple of {max(tp, 1)} ranks with torchrun --nproc_per_node")
@@ -70,7 +74,7 @@ def main(argv=None) -> list[dict]:
 
     # --- the model: build the full one from the seed (or the checkpoint); the trainer keeps this
     # rank's slices. Ours or DTensor's, chosen once: the loop below is the same for both.
-    model = build_model(cfg, args.seed, rt.device, args.recompute)
+    model = build_model(cfg, args.seed, rt.device, args.recompute, args.compile)
     start = 0
     if resume:                           # the consolidated state: each rank keeps its slice
         model.load_state_dict(resume["model"], strict=True)

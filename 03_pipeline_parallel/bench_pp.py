@@ -2,13 +2,16 @@
 
     python 03_pipeline_parallel/bench_pp.py            # launches torchrun at 2 and 4 ranks, ~2 min on 2 cores
     python 03_pipeline_parallel/bench_pp.py --quick    # fewer configurations (for the notebook)
+    python 03_pipeline_parallel/bench_pp.py --v-schedules   # the V schedules beside 1F1B and ZB-H1, ~3 min
 
-Writes 03_pipeline_parallel/results/pp_bench.md, bubble.png, timelines_p2.png, timelines_p4.png.
+Writes 03_pipeline_parallel/results/pp_bench.md, bubble.png, timelines_p2.png, timelines_p4.png
+(with --v-schedules: pp_bench_v.md, timelines_v_p2.png, timelines_v_p4.png, timelines_v_simulated.png).
 Each world size is ONE torchrun launch whose ranks run every configuration in turn (train_pp.main
 joins the running process group), so start-up is paid once.
   - bubble: 1F1B with a FIXED micro-batch (1 sequence × 128 tokens), so that m micro-batches are m
     units of work, as the theory assumes; global batch = m. Measured on steps 2.. of each run.
-  - memory: peak bytes autograd kept for backward per stage, GPipe vs 1F1B vs ZB-H1, m = 8.
+  - memory: peak bytes autograd kept for backward per rank, GPipe vs 1F1B vs ZB-H1 (--v-schedules: 1F1B, ZB-H1,
+    ZB-V, DualPipeV), m = 8, measured by the meter beside the ledger's prediction.
   - throughput: each schedule, ours and torch's, m = 8, global batch 16 × 128 tokens, run back to back,
     in 3 rounds (paired ratios; the machine is noisy). Ours runs with its timeline (the measured bubble)
     but without the activation meter, which the memory runs have (breakdown_pp.py: what it costs).
@@ -26,22 +29,24 @@ from common.launch import launch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results"
-SCHEDS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
-MEMORY_SCHEDS = ("gpipe", "1f1b", "zb-h1")
+CLASSIC = {"speed": [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)],
+           "memory": ("gpipe", "1f1b", "zb-h1")}
+V_SET = {"speed": [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)],       # --v-schedules
+         "memory": ("1f1b", "zb-h1", "zb-v", "dualpipev")}
 
 
-def configs(p: int, quick: bool, tmp: Path) -> list[tuple[str, list[str]]]:
+def configs(p: int, quick: bool, tmp: Path, chosen=CLASSIC) -> list[tuple[str, list[str]]]:
     common = ["--seq-len", "128", "--quiet", "--warmup", "2"]
     out = []
-    for m in ([1, 2, 4, 8] if quick else [1, 2, 4, 8, 16]):                       # bubble sweep
+    for m in ([1, 2, 4, 8] if quick else [1, 2, 4, 8, 16]) if chosen is CLASSIC else []:    # bubble sweep
         out.append((f"bubble 1f1b m={m}", common + ["--schedule", "1f1b", "--microbatches", str(m),
                                                      "--global-batch", str(m), "--steps", "4"]))
-    for name in MEMORY_SCHEDS:                                                     # memory
+    for name in chosen["memory"]:                                                  # memory
         out.append((f"memory {name}", common + ["--schedule", name, "--microbatches", "8", "--global-batch", "8",
                                                 "--steps", "2"]))
     steps = "4" if quick else "6"
     for r in range(rounds(quick)):                    # throughput + timelines, ours and torch alternated
-        for name, v in SCHEDS:
+        for name, v in chosen["speed"]:
             for impl in ("ours", "torch"):
                 flags = common + ["--schedule", name, "--virtual-stages", str(v), "--microbatches", "8",
                                   "--global-batch", "16", "--steps", steps, "--impl", impl]
@@ -55,14 +60,14 @@ def rounds(quick: bool) -> int:
     return 1 if quick else 3
 
 
-def worker(p: int, quick: bool, tmp: Path) -> None:
+def worker(p: int, quick: bool, tmp: Path, chosen=CLASSIC) -> None:
     """Runs inside torchrun: every configuration in turn, results written by rank 0."""
     import torch.distributed as dist
     from common.distributed import init_distributed
     train_pp = import_module("03_pipeline_parallel.train_pp")
     init_distributed()
     results = {}
-    for label, argv in configs(p, quick, tmp):
+    for label, argv in configs(p, quick, tmp, chosen):
         results[label] = train_pp.main(argv)
     if dist.get_rank() == 0:
         (tmp / f"p{p}.json").write_text(json.dumps(results))
@@ -74,7 +79,9 @@ def median(rows, key, skip=1):
     return statistics.median(r[key] for r in rows[skip:])
 
 
-def report(all_results: dict, tmp: Path, quick: bool) -> None:
+def report(all_results: dict, tmp: Path, quick: bool, chosen=CLASSIC) -> None:
+    v_set = chosen is V_SET
+    stem = "_v" if v_set else ""                      # --v-schedules writes its own files beside the classic ones
     n_rounds = rounds(quick)
     pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
     plot_timeline = import_module("03_pipeline_parallel.plot_timeline")
@@ -85,10 +92,10 @@ def report(all_results: dict, tmp: Path, quick: bool) -> None:
     OUT.mkdir(exist_ok=True)
     lines = ["# Chapter 03 — pipeline benchmark", "",
              "Machine: 2-core CPU, gloo, torch CPU; `tiny` model (8 layers), 128 tokens per sequence. "
-             f"Command: `python 03_pipeline_parallel/bench_pp.py{' --quick' if quick else ''}`. "
+             f"Command: `python 03_pipeline_parallel/bench_pp.py{' --quick' if quick else ''}{' --v-schedules' if v_set else ''}`. "
              "With 4 ranks the 2 cores are oversubscribed 2×: see the README for what that does to the bubble.", ""]
     # --- bubble -----------------------------------------------------------------------------------
-    lines += ["## Bubble fraction, 1F1B, measured vs theory (p-1)/(m+p-1)", "",
+    lines += [] if v_set else ["## Bubble fraction, 1F1B, measured vs theory (p-1)/(m+p-1)", "",
               "| p | m | measured (median of steps 2..) | theory | simulated (unit costs) |", "|---|---|---|---|---|"]
     curves = {}
     for p, res in sorted(all_results.items()):
@@ -101,17 +108,21 @@ def report(all_results: dict, tmp: Path, quick: bool) -> None:
                 sim = pipeline_schedules.simulate(pipeline_schedules.build_schedule("1f1b", p, m), p)["bubble"]
                 theory = pipeline_schedules.theory_bubble("1f1b", p, m)
                 lines.append(f"| {p} | {m} | {meas[-1]:.3f} | {theory:.3f} | {sim:.3f} |")
-    plot_timeline.plot_bubble(curves, OUT / "bubble.png", "1F1B bubble (2-core CPU, gloo)")
-    lines += ["", "![bubble](bubble.png)", ""]
+    if not v_set:
+        plot_timeline.plot_bubble(curves, OUT / "bubble.png", "1F1B bubble (2-core CPU, gloo)")
+        lines += ["", "![bubble](bubble.png)", ""]
     # --- memory -----------------------------------------------------------------------------------
-    lines += ["## Peak activation memory per stage, m = 8 (bytes autograd saved for backward; for ZB-H1 also "
-              "the (x, dy) pairs its B actions leave for W)", "",
-              "| p | schedule | " + " | ".join(f"stage {i}" for i in range(4)) + " |", "|---|---|---|---|---|---|"]
+    lines += ["## Peak activation memory per rank, m = 8 (bytes autograd saved for backward; for zero bubble "
+              "also the (x, dy) pairs its B actions leave for W), measured (ledger's prediction)", "",
+              "| p | schedule | " + " | ".join(f"rank {i}" for i in range(4)) + " | max / min |",
+              "|---|---|---|---|---|---|---|"]
     for p, res in sorted(all_results.items()):
-        for name in MEMORY_SCHEDS:
-            peaks = res[f"memory {name}"][-1]["peak_activation_bytes"]
-            cells = [format_bytes(b) for b in peaks] + [""] * (4 - len(peaks))
-            lines.append(f"| {p} | {name} | " + " | ".join(cells) + " |")
+        for name in chosen["memory"]:
+            row = res[f"memory {name}"][-1]
+            peaks, predicted = row["peak_activation_bytes"], row["activation_bytes_predicted"] or [None] * p
+            cells = [format_bytes(b) + (f" ({format_bytes(q)})" if q else "") for b, q in zip(peaks, predicted)]
+            lines.append(f"| {p} | {name} | " + " | ".join(cells + [""] * (4 - len(peaks)))
+                         + f" | {max(peaks) / min(peaks):.2f} |")
     # --- throughput -------------------------------------------------------------------------------
     lines += ["", "## Throughput, ours vs torch.distributed.pipelining (m = 8, 16 × 128 tokens per step)", "",
               f"Median over {n_rounds} round(s); in each round ours and torch run back to back and each run's "
@@ -121,7 +132,7 @@ def report(all_results: dict, tmp: Path, quick: bool) -> None:
               "ours bubble (measured) | theory |",
               "|---|---|---|---|---|---|---|---|"]
     for p, res in sorted(all_results.items()):
-        for name, v in SCHEDS:
+        for name, v in chosen["speed"]:
             per_round = {impl: [res[f"speed {name} {impl} round {r}"] for r in range(n_rounds)]
                          for impl in ("ours", "torch")}
             a, b = (statistics.median(median(rows, "tokens_per_s") for rows in per_round[i]) for i in ("ours", "torch"))
@@ -139,7 +150,7 @@ def report(all_results: dict, tmp: Path, quick: bool) -> None:
               "the gradient of the tokens).", "",
               "| p | schedule | F ms | B ms | W ms | B + W ms |", "|---|---|---|---|---|---|"]
     for p in sorted(all_results):
-        for name, _ in SCHEDS:
+        for name, _ in chosen["speed"]:
             events, _ = load_trace(tmp / f"p{p}_{name}.json")
             ms = {k: [1e3 * (e["end"] - e["start"]) for e in events
                       if e["kind"] == k and e["step"] > 1 and e["rank"] > 0] for k in ("F", "B", "W")}
@@ -151,33 +162,36 @@ def report(all_results: dict, tmp: Path, quick: bool) -> None:
     lines += ["", "## Timelines (real runs, last step, m = 8)", ""]
     for p in sorted(all_results):
         panels = []
-        for name, _ in SCHEDS:
+        for name, _ in chosen["speed"]:
             events, meta = load_trace(tmp / f"p{p}_{name}.json")
             panels.append((plot_timeline.step_of(events, None), meta))
-        plot_timeline.plot(panels, OUT / f"timelines_p{p}.png", "ms", f"p = {p}, 2-core CPU, gloo")
-        lines.append(f"![timelines p={p}](timelines_p{p}.png)")
-    simulated = [plot_timeline.simulated_events(n, 4, 8, v) for n, v in SCHEDS]
-    plot_timeline.plot(simulated, OUT / "timelines_simulated.png", "units",
+        plot_timeline.plot(panels, OUT / f"timelines{stem}_p{p}.png", "ms", f"p = {p}, 2-core CPU, gloo")
+        lines.append(f"![timelines p={p}](timelines{stem}_p{p}.png)")
+    simulated = [plot_timeline.simulated_events(n, 4, 8, v) for n, v in chosen["speed"]]
+    plot_timeline.plot(simulated, OUT / f"timelines{stem}_simulated.png", "units",
                        "simulated, unit costs (F = 1, B = 2; zero-bubble B = W = 1)")
-    lines += ["", "![simulated](timelines_simulated.png)", ""]
-    (OUT / "pp_bench.md").write_text("\n".join(lines) + "\n")
+    lines += ["", f"![simulated](timelines{stem}_simulated.png)", ""]
+    (OUT / f"pp_bench{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--v-schedules", action="store_true", help="the V schedules (zb-v, dualpipev) beside 1f1b and zb-h1")
     ap.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    chosen = V_SET if args.v_schedules else CLASSIC
     if args.worker:
-        return worker(args.worker, args.quick, Path(args.tmp))
+        return worker(args.worker, args.quick, Path(args.tmp), chosen)
     tmp = Path(tempfile.mkdtemp(prefix="bench_pp_"))
     results = {}
     for p in (2, 4):
-        launch(__file__, p, ["--worker", p, "--tmp", tmp] + (["--quick"] if args.quick else []))
+        launch(__file__, p, ["--worker", p, "--tmp", tmp] + (["--quick"] if args.quick else [])
+               + (["--v-schedules"] if args.v_schedules else []))
         results[p] = json.loads((tmp / f"p{p}.json").read_text())
-    report(results, tmp, args.quick)
+    report(results, tmp, args.quick, chosen)
 
 
 if __name__ == "__main__":

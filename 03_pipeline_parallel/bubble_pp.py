@@ -4,8 +4,10 @@
     python 03_pipeline_parallel/bubble_pp.py --pp 2 4                 # also p = 4 (4 ranks on 2 cores: see README)
     python 03_pipeline_parallel/bubble_pp.py --traces runs/bubble     # keep the traces there
     python 03_pipeline_parallel/bubble_pp.py --traces runs/bubble --reuse   # re-read them, run nothing
+    python 03_pipeline_parallel/bubble_pp.py --pp 2 4 --schedules 1f1b zb-v dualpipev --ms 4 8 16   # the V's
 
-Writes 03_pipeline_parallel/results/pp_bubble.md and pp_bubble.png.
+Writes 03_pipeline_parallel/results/pp_bubble.md and pp_bubble.png (with --schedules: pp_bubble_v.md and
+pp_bubble_v.png, so the classic table stays).
 Every schedule (gpipe, 1f1b, interleaved v = 2, zb-h1) runs with m = 1, 2, 4, 8, 16 micro-batches of one
 128-token sequence (interleaved: m a multiple of p), 8 steps each with `--timeline`; one torchrun launch
 per p runs them all. Steps 2..8 of each trace are read (step 1 warms up). For each step,
@@ -34,27 +36,36 @@ from common.launch import launch  # noqa: E402
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results"
 SCHEDS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+V_SCHEDS = [("zb-v", 2), ("dualpipev", 2)]                  # two stages per rank, in a V
 MS = (1, 2, 4, 8, 16)
 STEPS = 8
 COLUMNS = ("theory", "stage costs", "+ gaps", "+ hand-overs", "own times", "measured")
 
 
-def configs(p: int) -> list[tuple[str, int, int]]:
-    """(schedule, v, m) of every run at p ranks."""
-    return [(name, v, m) for name, v in SCHEDS for m in MS if v == 1 or m % p == 0]
+def configs(p: int, scheds=SCHEDS, ms=MS) -> list[tuple[str, int, int]]:
+    """(schedule, v, m) of every run at p ranks: interleaved needs m a multiple of p, dualpipev m ≥ 2p."""
+    def runs(name, m):
+        return {"interleaved": m % p == 0, "dualpipev": m >= 2 * p}.get(name, True)
+    return [(name, v, m) for name, v in scheds for m in ms if runs(name, m)]
+
+
+def chosen(names) -> list[tuple[str, int]]:
+    """(schedule, v) of the --schedules names, in the order given (None: the classic four)."""
+    every = dict(SCHEDS + V_SCHEDS)
+    return SCHEDS if not names else [(name, every[name]) for name in names]
 
 
 def trace_path(traces: Path, p: int, name: str, m: int) -> Path:
     return traces / f"p{p}_{name}_m{m}.json"
 
 
-def worker(p: int, traces: Path) -> None:
+def worker(p: int, traces: Path, scheds=SCHEDS, ms=MS) -> None:
     """Runs inside torchrun: every configuration in turn, each leaving its trace."""
     import torch.distributed as dist
     from common.distributed import init_distributed
     train_pp = import_module("03_pipeline_parallel.train_pp")
     init_distributed()
-    for name, v, m in configs(p):
+    for name, v, m in configs(p, scheds, ms):
         train_pp.main(["--schedule", name, "--virtual-stages", str(v), "--microbatches", str(m),
                        "--global-batch", str(m), "--seq-len", "128", "--steps", str(STEPS), "--warmup", "2",
                        "--quiet", "--timeline", str(trace_path(traces, p, name, m))])
@@ -84,13 +95,15 @@ def analyse(path: Path, name: str, p: int, m: int, v: int) -> dict:
     return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
 
 
-def command(pps: list[int]) -> str:
-    return "python 03_pipeline_parallel/bubble_pp.py" + (f" --pp {' '.join(map(str, pps))}" if pps != [2] else "")
+def command(pps: list[int], names=None, ms=MS) -> str:
+    return ("python 03_pipeline_parallel/bubble_pp.py" + (f" --pp {' '.join(map(str, pps))}" if pps != [2] else "")
+            + (f" --schedules {' '.join(names)}" if names else "")
+            + (f" --ms {' '.join(map(str, ms))}" if tuple(ms) != MS else ""))
 
 
-def report(results: dict, run_s: float) -> str:
+def report(results: dict, run_s: float, names=None, ms=MS) -> str:
     lines = ["# Chapter 03 — the bubble to the millisecond", "",
-             f"Command: `{command(sorted(results))}` (the runs took {run_s:.0f} s; the simulations, a few seconds)",
+             f"Command: `{command(sorted(results), names, ms)}` (the runs took {run_s:.0f} s; the simulations, a few seconds)",
              "", "2-core CPU, gloo, fp32, one thread per rank; `tiny` model, m micro-batches of one 128-token "
              f"sequence, {STEPS} steps per run, each column the mean over steps 2..{STEPS}. Measured bubbles and "
              "milliseconds are this machine's, at the moment of the run: other jobs on the machine move them.", "",
@@ -176,14 +189,14 @@ def label(name: str, v: int) -> str:
     return name + (f" v={v}" if v > 1 else "")
 
 
-def plot(results: dict, out: Path) -> None:
+def plot(results: dict, out: Path, scheds=SCHEDS, shown_command: str = "") -> None:
     """Bubble against m, one panel per schedule and p: theory, the model, the measurement."""
     from common.plots import save_figure
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(len(results), len(SCHEDS), figsize=(3.2 * len(SCHEDS), 2.8 * len(results)),
+    fig, axes = plt.subplots(len(results), len(scheds), figsize=(3.2 * len(scheds), 2.8 * len(results)),
                              squeeze=False, sharey=True)
     for row, (p, res) in zip(axes, sorted(results.items())):
-        for ax, (name, v) in zip(row, SCHEDS):
+        for ax, (name, v) in zip(row, scheds):
             ms = [m for (n, _, m) in res if n == name]
             for col, style in (("theory", "k--"), ("+ hand-overs", "s:"), ("measured", "o-")):
                 ax.plot(ms, [res[(name, v, m)][col] for m in ms], style, label=col if col != "+ hand-overs"
@@ -195,7 +208,7 @@ def plot(results: dict, out: Path) -> None:
     axes[0][0].set_ylabel("bubble fraction")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    save_figure(fig, out, command(sorted(results)))
+    save_figure(fig, out, shown_command or command(sorted(results)))
 
 
 def main():
@@ -203,23 +216,29 @@ def main():
     ap.add_argument("--pp", type=int, nargs="+", default=[2], help="pipeline sizes to run (default: 2)")
     ap.add_argument("--traces", default=None, help="folder for the traces (default: a temporary one)")
     ap.add_argument("--reuse", action="store_true", help="read the traces already in --traces, run nothing")
+    ap.add_argument("--schedules", nargs="+", default=None, choices=[n for n, _ in SCHEDS + V_SCHEDS],
+                    help="run only these (default: gpipe 1f1b interleaved zb-h1; results then go to pp_bubble_v.*)")
+    ap.add_argument("--ms", type=int, nargs="+", default=list(MS), help="micro-batch counts (default: 1 2 4 8 16)")
     ap.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     traces = Path(args.traces) if args.traces else Path(tempfile.mkdtemp(prefix="bubble_pp_"))
+    scheds, ms = chosen(args.schedules), tuple(args.ms)
     if args.worker:
-        return worker(args.worker, traces)
+        return worker(args.worker, traces, scheds, ms)
     traces.mkdir(parents=True, exist_ok=True)
     if not args.reuse:
         start = time.perf_counter()
         for p in args.pp:
-            launch(__file__, p, ["--worker", p, "--traces", traces])
+            launch(__file__, p, ["--worker", p, "--traces", traces, "--ms", *ms]
+                   + (["--schedules", *args.schedules] if args.schedules else []))
         (traces / "run_s.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
-    results = {p: {(name, v, m): analyse(trace_path(traces, p, name, m), name, p, m, v) for name, v, m in configs(p)}
-               for p in args.pp}
+    results = {p: {(name, v, m): analyse(trace_path(traces, p, name, m), name, p, m, v)
+                   for name, v, m in configs(p, scheds, ms)} for p in args.pp}
     OUT.mkdir(exist_ok=True)
-    text = report(results, float((traces / "run_s.txt").read_text()))
-    (OUT / "pp_bubble.md").write_text(text)
-    plot(results, OUT / "pp_bubble.png")
+    stem = "pp_bubble_v" if args.schedules else "pp_bubble"
+    text = report(results, float((traces / "run_s.txt").read_text()), args.schedules, ms)
+    (OUT / f"{stem}.md").write_text(text.replace("pp_bubble.png", f"{stem}.png"))
+    plot(results, OUT / f"{stem}.png", scheds, command(sorted(results), args.schedules, ms))
     print(text)
 
 

@@ -210,8 +210,45 @@ the launcher's, not a traceback from the project's code. Why the rules: interlea
 micro-batches round in groups of p, so m must be a multiple of p; each stage needs at least one
 layer; one stage per rank is all GPipe/1F1B/ZB-H1 know how to schedule; and m micro-batches must
 each get a whole number of the rank's sequences.""")
+    v_section(key)
     key.section(*key_section("03"))      # the museum's bugs of this chapter: how each is found
     key.write()
+
+
+def v_section(key) -> None:
+    """§8: the V's bubble and memory on paper, PyTorch's lists, and the placement that is not a V."""
+    zbv = key.run("python 03_pipeline_parallel/train_pp.py --pp 4 --microbatches 8 --schedule zb-v --print-schedule").out
+    dpv = key.run("python 03_pipeline_parallel/train_pp.py --pp 4 --microbatches 8 --schedule dualpipev --print-schedule").out
+    order = key.run("python 03_pipeline_parallel/torch_order.py --pp 4 --microbatches 8").out
+    (t, s), (td, sd) = bubbles(zbv), bubbles(dpv)
+    edit = Edit(f"{CH}/v_schedules.py", "return r, 2 * p - 1 - r", "return r, r + p")
+    with key.broken(edit) as broken_root:
+        loop = key.run("python 03_pipeline_parallel/train_pp.py --pp 4 --microbatches 8 --schedule zb-v --print-schedule",
+                       root=broken_root, check=False)
+    key.section("8. The V: ZB-V and DualPipeV", f"""
+ZB-V, p = 4, m = 8: theory **{t:.3f}** = 3 / (6·8 + 3), simulated {s:.3f}: below ZB-H1 (0.111) and 1F1B
+(0.273). DualPipeV: theory {td:.3f}, simulated {sd:.3f}, the same with F = B = W. Peak in flight per rank
+(half-stages): ZB-V {in_flight(zbv)}, DualPipeV {in_flight(dpv)}.
+
+**Why:** a rank does 2 stages × m × (F + B + W) = 6m units; the turn of the V is local, so rank 3
+starts the first backward right after its own forward, and the W's fill every gap of the drain: what
+is left is the ramp-up, p-1 = 3 units per rank. **Memory:** 2p = 8 half-stage micro-batches on
+every rank, the weight of p = 4 whole-stage ones: rank 0 holds as much as rank 3, where 1F1B's rank 0
+holds four times rank 3's. DualPipeV holds one more (its pairs start a forward before the backward
+that would free one).
+
+PyTorch's lists, `torch_order.py`: {order.splitlines()[0]}; {next(l for l in order.splitlines() if l.startswith("dualpipev"))}.
+
+**Broken on purpose** (`v_stages` returns `r, r + p`, a loop): exit status {loop.code},
+`{loop.line_with("ValueError: deadlock")}`
+
+Rank r's second stage is now r + p, whose next stage lives on rank r+1, not r-1: the second half
+of the model runs down the ranks again, and the turn is no longer local (stage 3 on rank 3 feeds
+stage 4 on rank 0). The list was written for the V: rank 0 runs the backward of micro-batch 0 on its
+second stage before its next forward there. That backward waits for rank 1's, which waits for rank
+1's forward of micro-batch 1, which waits for the forward rank 0 has put after the backward: a
+cycle, and every rank waits. A V schedule is an order written for the V placement, not a schedule
+on any other.""")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ class MeasuredExecutor(pipeline_executor.PipelineExecutor):
     def receive(self, a):
         start = self.timeline.now()
         received = super().receive(a)
-        need = pipeline_executor.needed_message(a, self.n, self.p)
+        need = pipeline_executor.needed_message(a, self.n, self.p, self.rank_of)
         if need is not None and need[1] != self.me:                  # waited for another rank
             self.timeline.add("recv", start, self.timeline.now(), mb=a.mb, stage=a.stage)
         return received

@@ -42,43 +42,48 @@ import torch.nn as nn
 
 from common import comm
 
-from . import pipeline_stages, zero_bubble
+from . import pipeline_schedules, pipeline_stages, zero_bubble
 
 Key = tuple   # ("act" | "grad", micro-batch, destination stage)
 
 
-def produced_messages(actions, n_stages: int, p: int):
-    """(key, destination rank) of each message a rank's action list sends, in order."""
+def produced_messages(actions, n_stages: int, p: int, rank_of=None):
+    """(key, destination rank) of each message a rank's action list sends, in order.
+    rank_of[stage]: the rank that holds each stage (default: the loop, stage s on rank s % p; the V
+    schedules pass theirs, pipeline_schedules.placement)."""
+    rank_of = rank_of or [s % p for s in range(n_stages)]
     out = []
     for a in actions:
         if a.kind == "F" and a.stage < n_stages - 1:
-            out.append((("act", a.mb, a.stage + 1), (a.stage + 1) % p))
+            out.append((("act", a.mb, a.stage + 1), rank_of[a.stage + 1]))
         elif a.kind == "B" and a.stage > 0:
-            out.append((("grad", a.mb, a.stage - 1), (a.stage - 1) % p))
+            out.append((("grad", a.mb, a.stage - 1), rank_of[a.stage - 1]))
     return out
 
 
-def needed_message(a, n_stages: int, p: int):
-    """(key, source rank) of the message action `a` waits for, or None."""
+def needed_message(a, n_stages: int, p: int, rank_of=None):
+    """(key, source rank) of the message action `a` waits for, or None. rank_of: as produced_messages'."""
+    rank_of = rank_of or [s % p for s in range(n_stages)]
     if a.kind == "F" and a.stage > 0:
-        return ("act", a.mb, a.stage), (a.stage - 1) % p
+        return ("act", a.mb, a.stage), rank_of[a.stage - 1]
     if a.kind == "B" and a.stage < n_stages - 1:
-        return ("grad", a.mb, a.stage), (a.stage + 1) % p
+        return ("grad", a.mb, a.stage), rank_of[a.stage + 1]
     return None
 
 
-def message_count(actions, n_stages: int, p: int) -> int:
+def message_count(actions, n_stages: int, p: int, rank_of=None) -> int:
     """Messages a rank's action list sends and receives in one step, each one micro-batch's activation
     (forward) or its gradient (backward), act_shape's bytes: their bytes are the step's comm_bytes_pp."""
-    return len(produced_messages(actions, n_stages, p)) + sum(needed_message(a, n_stages, p) is not None
-                                                              for a in actions)
+    return len(produced_messages(actions, n_stages, p, rank_of)) + sum(
+        needed_message(a, n_stages, p, rank_of) is not None for a in actions)
 
 
 def incoming_order(schedule, me: int, n_stages: int) -> dict[int, list[Key]]:
     """For each source rank, the keys it sends to `me`, in the order it sends them."""
+    rank_of = pipeline_schedules.placement(schedule)    # where each stage lives (a loop, or a V)
     # >>> exercise 03.receive_order
     p = len(schedule)
-    return {src: [k for k, dst in produced_messages(schedule[src], n_stages, p) if dst == me]
+    return {src: [k for k, dst in produced_messages(schedule[src], n_stages, p, rank_of) if dst == me]
             for src in range(p) if src != me}
     # <<< exercise 03.receive_order
 
@@ -122,7 +127,8 @@ class PipelineExecutor:
         self.p, self.n = len(pp_ranks), len(specs)
         self.act_shape, self.dtype, self.device = tuple(act_shape), dtype, torch.device(device)
         self.loss_fn, self.loss_scale, self.autocast_dtype = loss_fn, loss_scale, autocast_dtype
-        self.stage_params = {s.index: stage_parameters(model, s) for s in specs if s.index % self.p == pp_rank}
+        self.rank_of = [s.rank for s in specs]    # where each stage lives: a loop (s % p) or a V
+        self.stage_params = {s.index: stage_parameters(model, s) for s in specs if s.rank == pp_rank}
         self.store, self.b_params = None, None    # set up by the first schedule with W actions
         self.post_all_at_start = dist.get_backend(group) == "gloo"     # see "When to post" above
 
@@ -177,17 +183,17 @@ class PipelineExecutor:
 
     def post_ahead(self, a) -> None:
         """Post the irecv of the message action `a` will wait for (and of those sent before it)."""
-        need = needed_message(a, self.n, self.p)
+        need = needed_message(a, self.n, self.p, self.rank_of)
         if need and need[1] != self.me:
             self._post_until(*need)
 
     def receive(self, a):
         """The message action `a` waits for (None if it needs none), waited for."""
-        need = needed_message(a, self.n, self.p)
+        need = needed_message(a, self.n, self.p, self.rank_of)
         if need is None:
             return None
         key, src = need
-        if src == self.me:                              # neighbour stage on this same rank (p = 1)
+        if src == self.me:                              # neighbour stage on this same rank (p = 1, the V's turn)
             return self.local.pop(key)
         self._post_until(key, src)
         buf, work = self.posted.pop(key)
@@ -231,7 +237,7 @@ class PipelineExecutor:
         if spec.last:
             self.loss += out.detach().float()
             return None
-        return ("act", a.mb, a.stage + 1), (a.stage + 1) % self.p, out
+        return ("act", a.mb, a.stage + 1), self.rank_of[a.stage + 1], out
 
     def _backward(self, a, grad_out):
         spec, held = self.specs[a.stage], self.in_flight[(a.mb, a.stage)]
@@ -247,7 +253,7 @@ class PipelineExecutor:
             held.pending = pending    # the graph is freed; what stays until W is each linear layer's (x, dy)
         if spec.first:
             return None
-        return ("grad", a.mb, a.stage - 1), (a.stage - 1) % self.p, held.inp.grad    # (mb, S, D)
+        return ("grad", a.mb, a.stage - 1), self.rank_of[a.stage - 1], held.inp.grad    # (mb, S, D)
 
     def _weights(self, a):
         held = self.in_flight.pop((a.mb, a.stage))
@@ -259,30 +265,32 @@ class PipelineExecutor:
 
 @torch.no_grad()
 def forward_only_loss_sum(model, my_specs, pp_rank: int, pp_ranks: list[int], group, inputs: list,
-                          targets: list, loss_fn, act_shape, device):
+                          targets: list, loss_fn, act_shape, device, rank_of=None):
     """Forward only, through the whole pipeline (validation): the summed loss of the micro-batches
     on the last stage, 0 elsewhere. No backward, so no schedule is needed: every rank runs its
     stages in order, micro-batch after micro-batch (GPipe's forward half). Receives block, sends do
-    not, and both ends of every channel see the messages in the same order, so this cannot deadlock."""
+    not, and both ends of every channel see the messages in the same order, so this cannot deadlock.
+    rank_of[stage]: where each stage lives (default the loop, stage s on rank s % p; a V passes its own)."""
     p = len(pp_ranks)
+    rank_of = rank_of or [s % p for s in range(max(s.index for s in my_specs) + 2)]
     total = torch.zeros((), device=device)
     local, sends = {}, []
     for spec in my_specs:                                   # increasing stage index
         for mb, (x, y) in enumerate(zip(inputs, targets)):
             if spec.first:
                 inp = x                                     # (mb, S) tokens
-            elif (spec.index - 1) % p == pp_rank:
+            elif rank_of[spec.index - 1] == pp_rank:
                 inp = local.pop((mb, spec.index))           # the previous stage lives on this rank too
             else:
                 inp = torch.empty(act_shape, device=device)  # (mb, S, D), or (mb, S/tp, D) with SP
-                comm.recv(inp, src=pp_ranks[(spec.index - 1) % p], group=group, name="pp").wait()
+                comm.recv(inp, src=pp_ranks[rank_of[spec.index - 1]], group=group, name="pp").wait()
             out = pipeline_stages.stage_forward(model, spec, inp)
             if spec.last:
                 total += loss_fn(out, y)
-            elif (spec.index + 1) % p == pp_rank:
+            elif rank_of[spec.index + 1] == pp_rank:
                 local[(mb, spec.index + 1)] = out
             else:
-                sends.append((out, comm.send(out, dst=pp_ranks[(spec.index + 1) % p], group=group, name="pp")))
+                sends.append((out, comm.send(out, dst=pp_ranks[rank_of[spec.index + 1]], group=group, name="pp")))
     for _, work in sends:
         work.wait()
     return total

@@ -18,6 +18,9 @@ forward slots, and the last backward leaves the first rank p-1 backward slots af
 finished: every rank idles p-1 slots of (F+B) per step while doing m of them. Bubble fraction
     (p-1) / (m + p-1)               GPipe and 1F1B (1F1B only lowers memory, not the bubble)
     (p-1) / (v·m + p-1)             interleaved: each slot is 1/v as long
+    (p-1) / (6m + p-1)              ZB-V and DualPipeV (v_schedules.py), m ≥ 2p-1, F = B = W of a half-stage
+The V schedules place their 2p stages differently (rank r holds r and 2p-1-r): `stage_ranks` says
+where each stage lives, and the executor sends each message to the rank that holds its stage.
 """
 from functools import lru_cache
 from collections import namedtuple
@@ -26,7 +29,8 @@ from common.errors import require
 
 Action = namedtuple("Action", "kind mb stage")   # kind "F" | "B" | "W"; stage = global (virtual) stage index
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")      # stage s on rank s % p (a loop)
+V_SCHEDULES = ("zb-v", "dualpipev")                         # two stages per rank, in a V (v_schedules.py)
 
 
 def gpipe(p: int, m: int, v: int = 1) -> list[list[Action]]:
@@ -141,19 +145,47 @@ def zb_h1(p: int, m: int, v: int = 1) -> list[list[Action]]:
     return out
 
 
+def stages_per_rank(name: str, v: int = 1) -> int:
+    """How many stages each rank holds: 2 for a V schedule (whatever --virtual-stages says), else v."""
+    return 2 if name in V_SCHEDULES else v
+
+
+def stage_ranks(name: str, p: int, v: int = 1) -> tuple[int, ...]:
+    """rank_of[stage] for every stage of the pipeline: where the schedule expects each stage to live.
+        loop (gpipe, 1f1b, interleaved, zb-h1)   stage s on rank s % p: rank r holds r, r+p, r+2p, ...
+        V    (zb-v, dualpipev)                   rank r holds r and 2p-1-r (v_schedules.v_placement)"""
+    if name in V_SCHEDULES:
+        return v_schedules.v_placement(p)
+    return tuple(s % p for s in range(p * v))
+
+
+def placement(schedule: list[list[Action]]) -> tuple[int, ...]:
+    """rank_of[stage], read off a schedule: a stage lives on the rank whose list runs its actions."""
+    rank_of = {a.stage: r for r, acts in enumerate(schedule) for a in acts}
+    return tuple(rank_of[s] for s in range(len(rank_of)))
+
+
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     """The schedule by its command-line name; checks what every schedule needs."""
-    require(name in SCHEDULES, f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    names = SCHEDULES + V_SCHEDULES
+    require(name in names, f"unknown schedule {name!r}; choose one of {', '.join(names)}")
     require(m >= 1, "--microbatches must be at least 1")
-    require(v == 1 or name == "interleaved",
-            f"--virtual-stages {v} only works with --schedule interleaved (the {name} schedule holds one "
-            "stage per rank); use --schedule interleaved or --virtual-stages 1")
+    if name in V_SCHEDULES:
+        require(v == 2, f"the {name} schedule holds two stages per rank (the V): pass v = 2, "
+                        f"stages_per_rank({name!r}) (on the command line: leave out --virtual-stages)")
+        require(name != "dualpipev" or m >= 2 * p,
+                f"dualpipev needs --microbatches ≥ 2 × --pp ({2 * p}), got {m}; use --microbatches {2 * p}")
+    else:
+        require(v == 1 or name == "interleaved",
+                f"--virtual-stages {v} only works with --schedule interleaved (the {name} schedule holds one "
+                "stage per rank); use --schedule interleaved or --virtual-stages 1")
     return [list(actions) for actions in _built(name, p, m, v)]      # a fresh list per rank: the caller's
 
 
 @lru_cache(maxsize=None)    # chapter 07's planner asks for the same schedules thousands of times
 def _built(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
-    fn = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb-h1": zb_h1}[name]
+    fn = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb-h1": zb_h1,
+          "zb-v": v_schedules.zb_v, "dualpipev": v_schedules.dualpipe_v}[name]
     return tuple(tuple(actions) for actions in fn(p, m, v))
 
 
@@ -161,6 +193,14 @@ def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     """The textbook bubble fraction (equal F, B costs per stage; zero-bubble: B = W = F)."""
     if name == "interleaved":
         return (p - 1) / (v * m + p - 1)
+    if name in V_SCHEDULES:
+        # Unit = one F of a half-stage (a V stage holds half the layers of a 1F1B stage), B = W = 1:
+        # a rank's work is 2 stages × m × (F + B + W) = 6m units. The only idle time left is the
+        # ramp-up: the first micro-batch reaches rank r after r forwards, and every rank waits p-1
+        # units in all (the tail is filled with W's). With fewer than 2p-1 micro-batches the V is
+        # never full: 2 units more idle per missing micro-batch. Both, per rank: max(p-1, 2(2p-1-m)).
+        idle = max(p - 1, 2 * (2 * p - 1 - m))
+        return idle / (6 * m + idle)
     if name == "zb-h1":
         # m ≥ p: rank 0 idles (p-1)·(F+B-W) = p-1 slots of a 3m + (p-1) slot step.
         # m < p: the pipe never fills. The last rank alternates F and B, so the backwards reach rank 0
@@ -266,3 +306,6 @@ def format_schedule(schedule: list[list[Action]], n_stages: int, cost=None, widt
     lines = [f"rank {r} | " + "".join(c.ljust(w) for c in row) for r, row in enumerate(grid)]
     lines.append(f"simulated bubble {sim['bubble']:.3f}   peak micro-batches in flight per rank {sim['in_flight']}")
     return "\n".join(lines)
+
+
+from . import v_schedules  # noqa: E402  (the V schedules build on Action, above)

@@ -2,7 +2,9 @@
 
 A pipeline stage is a contiguous run of decoder layers; the first stage also owns the token
 embedding, the last one the final norm, the LM head and the loss. With v virtual stages per rank
-the model is cut into p·v chunks and rank r holds chunks r, r+p, r+2p, ... (interleaving).
+the model is cut into p·v chunks and rank r holds chunks r, r+p, r+2p, ... (interleaving), or, for
+the V schedules, the 2p chunks r and 2p-1-r (v_schedules.py): the schedule says where
+(pipeline_schedules.stage_ranks), each StageSpec records it.
 
 Balancing. The step time of a pipeline is set by its slowest stage, so stages should cost the same.
 Cost here = forward FLOPs per token (2 per weight of a matmul, plus the attention scores
@@ -30,6 +32,7 @@ class StageSpec:
     layers: tuple[int, ...]
     first: bool                # runs model.embed(tokens)
     last: bool                 # runs model.head(h) and the loss
+    rank: int                  # the pipeline rank that holds it: index % p (a loop) or the V's
 
 
 def layer_costs(cfg: ModelConfig, seq_len: int) -> dict:
@@ -72,15 +75,17 @@ def _partition(cfg: ModelConfig, n_stages: int, seq_len: int) -> tuple[tuple[int
     return tuple(tuple(range(bounds[k], bounds[k + 1])) for k in range(n_stages))
 
 
-def stage_specs(cfg: ModelConfig, pp: int, v: int, seq_len: int) -> list[StageSpec]:
-    """All p·v stages of the pipeline (every rank computes the same list)."""
+def stage_specs(cfg: ModelConfig, pp: int, v: int, seq_len: int, rank_of=None) -> list[StageSpec]:
+    """All p·v stages of the pipeline (every rank computes the same list). rank_of[stage]: where each
+    lives (pipeline_schedules.stage_ranks; default the loop, stage k on rank k % pp)."""
     n = pp * v
-    return [StageSpec(k, layers, k == 0, k == n - 1) for k, layers in enumerate(partition(cfg, n, seq_len))]
+    rank_of = rank_of or [k % pp for k in range(n)]
+    return [StageSpec(k, layers, k == 0, k == n - 1, rank_of[k]) for k, layers in enumerate(partition(cfg, n, seq_len))]
 
 
 def rank_stages(specs: list[StageSpec], pp: int, pp_rank: int) -> list[StageSpec]:
-    """The stages a rank holds: r, r+p, r+2p, ... (one per virtual stage)."""
-    return [s for s in specs if s.index % pp == pp_rank]
+    """The stages a rank holds, by index: r, r+p, r+2p, ... (a loop), or r and 2p-1-r (a V)."""
+    return [s for s in specs if s.rank == pp_rank]
 
 
 def partition_table(cfg: ModelConfig, specs: list[StageSpec], pp: int, seq_len: int) -> list[dict]:
@@ -94,7 +99,7 @@ def partition_table(cfg: ModelConfig, specs: list[StageSpec], pp: int, seq_len: 
         params = len(s.layers) * layer_params + (V * D if s.first else 0) + (V * D + D if s.last else 0)
         parts = (["embed"] if s.first else []) + [f"layers {s.layers[0]}-{s.layers[-1]}"] + (
             ["norm+head+loss"] if s.last else [])
-        rows.append({"stage": s.index, "rank": s.index % pp, "holds": " + ".join(parts), "params": params,
+        rows.append({"stage": s.index, "rank": s.rank, "holds": " + ".join(parts), "params": params,
                      "cost": cost / sum(costs)})
     return rows
 

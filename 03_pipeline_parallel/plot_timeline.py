@@ -5,6 +5,7 @@
     python 03_pipeline_parallel/plot_timeline.py runs/gpipe.json runs/1f1b.json --out runs/compare.png
     # on paper: unit costs F=1, B=2 (zero-bubble: B=1, W=1); nothing runs
     python 03_pipeline_parallel/plot_timeline.py --simulate gpipe:4:8 1f1b:4:8 interleaved:4:8:2 zb-h1:4:8 --out sim.png
+    python 03_pipeline_parallel/plot_timeline.py --simulate 1f1b:4:8 zb-h1:4:8 zb-v:4:8 dualpipev:4:8 --out v.png
 
 Each box is one action with its micro-batch number (F blue, B green, W orange); grey is idle time
 inside the step (no F, B or W running). Real runs also show, as thin strips under the boxes, the
@@ -37,6 +38,7 @@ MESSAGES = ("send", "recv")
 
 def simulated_events(name: str, p: int, m: int, v: int = 1) -> tuple[list[dict], dict]:
     """A schedule's timeline on paper (unit costs), as timeline events + metadata."""
+    v = pipeline_schedules.stages_per_rank(name, v)            # the V schedules: always two stages per rank
     sim = pipeline_schedules.simulate(pipeline_schedules.build_schedule(name, p, m, v), p * v)
     scale = 1 / v                                  # a chunk is 1/v of a stage: same total work for any v
     events = [{"rank": r, "step": 1, "kind": a.kind, "mb": a.mb, "stage": a.stage,

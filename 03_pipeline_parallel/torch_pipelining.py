@@ -4,7 +4,9 @@ We hand it the very modules our executor runs (sharing the parameters, so our op
 all-reduce, clipping and checkpoints work unchanged) and pick the schedule class that matches ours:
     gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B, interleaved -> ScheduleInterleaved1F1B,
     zb-h1 -> ScheduleInterleavedZeroBubble (its zero-bubble schedule; with one stage per rank it is
-    the ZB-H1 idea: backward split into input- and weight-gradient).
+    the ZB-H1 idea: backward split into input- and weight-gradient), zb-v -> ScheduleZBVZeroBubble,
+    dualpipev -> ScheduleDualPipeV (both place the 2p stages in a V, as ours: torch_order.py compares
+    their action lists with ours, rank by rank).
 Its loss is ours: summed cross-entropy / global tokens, with scale_grads=False (by default it would
 divide the gradients by the number of micro-batches, which our normalisation already accounts for).
 Its messages do not go through common/comm.py, so its pp bytes are not counted, and it records no
@@ -31,7 +33,9 @@ from . import pipeline_executor, pipeline_stages, pipeline_trainer
 data_parallel = import_module("01_data_parallel.data_parallel")
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                   "zb-h1": "ScheduleInterleavedZeroBubble"}
+                   "zb-h1": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}
+MULTI_STAGE = ("interleaved", "zb-h1", "zb-v", "dualpipev")      # these classes take a list of stages
 
 
 class ChunkModule(nn.Module):
@@ -74,7 +78,7 @@ class TorchPipelineTrainer(OptimizerVerbs):
         stages = [tpp.PipelineStage(ChunkModule(model, s), s.index, n_stages, device, group=pp_group)
                   for s in my_specs]
         cls = getattr(tpp, TORCH_SCHEDULES[schedule])
-        self.runtime = cls(stages if schedule in ("interleaved", "zb-h1") else stages[0], m, loss_fn=loss_fn,
+        self.runtime = cls(stages if schedule in MULTI_STAGE else stages[0], m, loss_fn=loss_fn,
                            scale_grads=False)
         self.dp_sync, self.replicated = data_parallel.AsyncGradAllReduce(dp_group), dist.get_world_size(dp_group) > 1
 

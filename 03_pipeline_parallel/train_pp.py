@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=4 03_pipeline_parallel/train_pp.py --schedule 1f1b --microbatches 8
     torchrun --nproc_per_node=4 03_pipeline_parallel/train_pp.py --schedule interleaved --virtual-stages 2
     torchrun --nproc_per_node=4 03_pipeline_parallel/train_pp.py --schedule zb-h1 --timeline runs/zb.json
+    torchrun --nproc_per_node=4 03_pipeline_parallel/train_pp.py --schedule zb-v --microbatches 8
     python 03_pipeline_parallel/train_pp.py --pp 4 --microbatches 8 --schedule 1f1b --print-schedule
 
 --pp defaults to the world size; with fewer, the remaining factor is data parallelism
@@ -54,13 +55,15 @@ def parse_args(argv=None, schedule=None):
     p.add_argument("--pp", type=POSITIVE_INT, default=None,
                    help="pipeline stages (ranks) (default: the world size; 4 with --print-schedule)")
     if schedule is None:
-        p.add_argument("--schedule", default="1f1b", choices=pipeline_schedules.SCHEDULES,
+        p.add_argument("--schedule", default="1f1b", choices=pipeline_schedules.SCHEDULES + pipeline_schedules.V_SCHEDULES,
                        help="gpipe: all forwards, then all backwards; 1f1b: one forward, one backward; interleaved: "
-                            "1f1b over --virtual-stages chunks per rank; zb-h1: backward split into B and W")
+                            "1f1b over --virtual-stages chunks per rank; zb-h1: backward split into B and W; "
+                            "zb-v, dualpipev: two stages per rank placed in a V (rank r: stages r and 2p-1-r)")
     else:            # train_gpipe.py / train_1f1b.py: the schedule is the script's name
         p.add_argument("--schedule", default=schedule, choices=[schedule],
                        help=f"fixed to {schedule} by this script; train_pp.py --schedule runs the others")
-    p.add_argument("--virtual-stages", type=POSITIVE_INT, default=1, help="model chunks per rank (interleaved only)")
+    p.add_argument("--virtual-stages", type=POSITIVE_INT, default=1,
+                   help="model chunks per rank (interleaved only; zb-v and dualpipev always hold 2)")
     p.add_argument("--impl", default="ours", choices=["ours", "torch"],
                    help="ours: pipeline_executor.py; torch: torch.distributed.pipelining, same stages")
     p.add_argument("--timeline", type=OUTPUT_FILE, default=None,
@@ -81,14 +84,17 @@ def pipeline_layout(args, world: int) -> Layout:
             f"or launch with --nproc_per_node={pp}")
     dp = 1 if args.print_schedule else world // pp
     m = pipeline_microbatches(args, dp, pp)
+    v = pipeline_schedules.stages_per_rank(args.schedule, args.virtual_stages)     # the V: always 2
+    require(args.schedule not in pipeline_schedules.V_SCHEDULES or args.virtual_stages in (1, 2),
+            f"the {args.schedule} schedule holds two stages per rank (the V); drop --virtual-stages")
     check_common(args, dp=dp, microbatches=m)
     if args.impl == "torch":
         require(not args.no_activation_meter, "--no-activation-meter is for --impl ours: "
                 "torch.distributed.pipelining's runs meter no activations; drop the flag")
-        require(m >= pp * args.virtual_stages or args.schedule == "gpipe",
+        require(m >= pp * v or args.schedule == "gpipe",
                 f"torch.distributed.pipelining's {args.schedule} needs --microbatches ≥ the number of stages "
-                f"({pp * args.virtual_stages}); use --microbatches {pp * args.virtual_stages}")
-    return Layout(dp, pp, m, args.virtual_stages)
+                f"({pp * v}); use --microbatches {pp * v}")
+    return Layout(dp, pp, m, v)
 
 
 def main(argv=None, schedule=None) -> list[dict]:
@@ -97,7 +103,8 @@ def main(argv=None, schedule=None) -> list[dict]:
     # Pure functions of the flags, identical on every rank, before any communication: bad layouts fail here.
     layout = pipeline_layout(args, env_world_size())
     plan = pipeline_schedules.build_schedule(args.schedule, layout.pp, layout.m, layout.v)   # every rank's actions
-    specs = pipeline_stages.stage_specs(cfg, layout.pp, layout.v, args.seq_len)              # all p·v stages
+    rank_of = pipeline_schedules.stage_ranks(args.schedule, layout.pp, layout.v)             # a loop, or a V
+    specs = pipeline_stages.stage_specs(cfg, layout.pp, layout.v, args.seq_len, rank_of)     # all p·v stages
     if args.print_schedule:
         return print_schedule(args.schedule, layout, plan, specs)
     rt = init_distributed(args.device, args.timeout)
@@ -107,7 +114,7 @@ def main(argv=None, schedule=None) -> list[dict]:
     resume = resume_state(args)
     # --- the stage model: the full model built from the seed, pruned to this rank's layers ---------
     my_specs = pipeline_stages.rank_stages(specs, layout.pp, mesh.coord("pp"))
-    model = pipeline_stages.prune_to_stages(build_model(cfg, args.seed, rt.device, args.recompute), my_specs)
+    model = pipeline_stages.prune_to_stages(build_model(cfg, args.seed, rt.device, args.recompute, args.compile), my_specs)
     named = list(model.named_parameters())
     optimizer = build_adamw(named, args.lr, args.weight_decay)
     start = load_stage_state(model, optimizer, named, resume)

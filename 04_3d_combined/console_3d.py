@@ -23,13 +23,14 @@ def config_rows(args, cfg, layout, rt, data, start: int) -> dict:
     """The configuration table printed at start."""
     m = layout.microbatches
     mb_rows = args.global_batch // layout.dp // m
-    theory = pipeline_schedules.theory_bubble(args.schedule, layout.pp, m, args.virtual_stages)
+    v = pipeline_schedules.stages_per_rank(args.schedule, args.virtual_stages)     # the V schedules hold 2
+    theory = pipeline_schedules.theory_bubble(args.schedule, layout.pp, m, v)
     return {
         "world size": f"{rt.world_size} = {layout.describe()}" + (" (+ sequence parallel)" if args.sequence_parallel else ""),
         "device / backend": f"{rt.device} / {rt.backend}", "data": data.describe(),
         "model": f"{args.model}: {describe_size(cfg)}, {cfg.n_layers} layers",
         "optimizer": describe_optimizer(args, layout),
-        "pipeline": f"{args.schedule}, {m} micro-batch(es) of {mb_rows} seq, {args.virtual_stages} virtual stage(s), "
+        "pipeline": f"{args.schedule}, {m} micro-batch(es) of {mb_rows} seq, {v} virtual stage(s), "
                     f"theory bubble {theory:.3f} (measured: `bubble_fraction` of every step)",
         "global batch": f"{args.global_batch} seq × {args.seq_len} tokens, warmup {args.warmup} + cosine, clip {args.clip}",
         "resumed from step": start or "-"}
@@ -76,7 +77,8 @@ def group_table(mesh) -> Group:
 def bubble_row(history: list[dict], args, layout) -> dict:
     """For the summary: the measured bubble (median over the steps) beside the theory."""
     measured = sorted(r["bubble_fraction"] for r in history)
-    theory = pipeline_schedules.theory_bubble(args.schedule, layout.pp, layout.microbatches, args.virtual_stages)
+    theory = pipeline_schedules.theory_bubble(args.schedule, layout.pp, layout.microbatches,
+                                              pipeline_schedules.stages_per_rank(args.schedule, args.virtual_stages))
     median = f"{measured[len(measured) // 2]:.3f}" if measured else "-"
     return {"pipeline bubble: measured (median) / theory": f"{median} / {theory:.3f}"}
 
@@ -85,11 +87,11 @@ def write_timeline(path, timeline, rt, log, args, layout) -> None:
     """Every rank's pipeline events, gathered on rank 0 into one Chrome trace (a collective)."""
     events = timeline.gather()
     if rt.is_main:
-        m = layout.microbatches
+        m, v = layout.microbatches, pipeline_schedules.stages_per_rank(args.schedule, args.virtual_stages)
         write_chrome_trace(path, events, {
             "schedule": args.schedule, **layout.grid(), "dp": layout.dp, "microbatches": m,
-            "virtual_stages": args.virtual_stages,
-            "theory_bubble": pipeline_schedules.theory_bubble(args.schedule, layout.pp, m, args.virtual_stages),
+            "virtual_stages": v,
+            "theory_bubble": pipeline_schedules.theory_bubble(args.schedule, layout.pp, m, v),
             **timeline.clock_metadata()})
         log.note(f"timeline written: {path} (plot: python 03_pipeline_parallel/plot_timeline.py)")
 

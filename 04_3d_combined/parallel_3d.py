@@ -65,7 +65,8 @@ def add_layout_args(p) -> None:
     p.add_argument("--dp", type=POSITIVE_INT, default=None, help="data-parallel degree (default: what is left)")
     p.add_argument("--tp", type=POSITIVE_INT, default=None, help="tensor-parallel degree (default: 2 if possible)")
     p.add_argument("--pp", type=POSITIVE_INT, default=None, help="pipeline stages (default: 2 if possible)")
-    p.add_argument("--schedule", default="1f1b", choices=pipeline_schedules.SCHEDULES, help="pipeline schedule")
+    p.add_argument("--schedule", default="1f1b", choices=pipeline_schedules.SCHEDULES + pipeline_schedules.V_SCHEDULES,
+                   help="pipeline schedule (zb-v, dualpipev: two stages per rank, placed in a V)")
     p.add_argument("--virtual-stages", type=POSITIVE_INT, default=1, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--sequence-parallel", action="store_true", help="TP with sequence parallelism")
     p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3],
@@ -109,8 +110,10 @@ def decide_layout(args, cfg, world: int, degrees=None) -> Layout:
 def plan_pipeline(args, cfg, layout: Layout) -> tuple[list, list]:
     """Chapter 03's plan for this layout: all p·v stages (stage_specs, which checks the model has
     enough layers) and every rank's actions (build_schedule)."""
-    specs = pipeline_stages.stage_specs(cfg, layout.pp, args.virtual_stages, args.seq_len)
-    actions = pipeline_schedules.build_schedule(args.schedule, layout.pp, layout.microbatches, args.virtual_stages)
+    v = pipeline_schedules.stages_per_rank(args.schedule, args.virtual_stages)          # the V schedules: 2
+    rank_of = pipeline_schedules.stage_ranks(args.schedule, layout.pp, v)                # a loop, or a V
+    specs = pipeline_stages.stage_specs(cfg, layout.pp, v, args.seq_len, rank_of)
+    actions = pipeline_schedules.build_schedule(args.schedule, layout.pp, layout.microbatches, v)
     return specs, actions
 
 
@@ -118,7 +121,7 @@ def build_local_model(cfg, args, layout: Layout, specs, mesh, device, full_state
     """This rank's piece of the model: the full reference model (from the seed, or a checkpoint's
     consolidated weights: any layout can resume any other's), pruned to its stages, then TP-sharded,
     then `then(model, mesh)`: the step a later chapter inserts (None here)."""
-    model = build_model(cfg, args.seed, device, args.recompute)
+    model = build_model(cfg, args.seed, device, args.recompute, args.compile)
     if full_state is not None:
         model.load_state_dict(full_state, strict=True)
     my_specs = pipeline_stages.rank_stages(specs, layout.pp, mesh.coord("pp"))

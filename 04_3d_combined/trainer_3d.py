@@ -219,6 +219,7 @@ def validation_loss(trainer, my_specs, data, step: int, args, layout, mesh, loss
         x, y = x.to(device), y.to(device)
         total += pipeline_executor.forward_only_loss_sum(
             trainer.model, my_specs, mesh.coord("pp"), mesh.group_ranks["pp"], mesh.group("pp"),
-            [shard_rows(x, k, m) for k in range(m)], [shard_rows(y, k, m) for k in range(m)], loss_fn, act_shape, device)
+            [shard_rows(x, k, m) for k in range(m)], [shard_rows(y, k, m) for k in range(m)], loss_fn, act_shape, device,
+            rank_of=trainer.executor.rank_of)                    # where each stage lives: a loop, or a V
     mine = total if counted_here({"tp": layout.tp}, mesh.coords) else torch.zeros_like(total)
     return global_sum(mine, torch.distributed.group.WORLD) / (args.global_batch * args.seq_len * args.val_batches)

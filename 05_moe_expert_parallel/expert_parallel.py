@@ -76,6 +76,7 @@ class ExpertParallelMoE(nn.Module):
         self.register_buffer("selection_bias", moe.selection_bias)
         self.options, self.stats = moe.options, moe.stats
 
+    @torch.compiler.disable               # --compile: eager, like the single-device MoE (common/model.py)
     def forward(self, x):                                     # (B, S, D): this rank's rows (S/tp positions under SP)
         B, S, D = x.shape
         routing = route(x, self.router, self.selection_bias, self.top_k, self.options.capacity_factor,

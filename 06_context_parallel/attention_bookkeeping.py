@@ -10,6 +10,7 @@ None of it changes a number of the attention (ring_attention.py, allgather_atten
     cp_bytes    the bytes one attention call sends and receives under "cp", for each of the four variants
                 (ring, allgather, alltoall, alltoall+ring): what common/comm.py must count, to the byte.
 """
+import time
 from contextlib import contextmanager
 
 import torch
@@ -53,9 +54,12 @@ class RingTrace:
     @contextmanager
     def span(self, kind: str, t: int):
         start = self.timeline.now() if self.timeline is not None else None
+        cpu = time.thread_time()
         yield
         if self.timeline is not None:
-            self.timeline.add(kind, start, self.timeline.now(), ring_step=t)
+            # cpu_s: this thread's CPU seconds inside the span, the work itself: ranks that share cores are
+            # descheduled mid-span, which the wall-clock span counts and cpu_s does not
+            self.timeline.add(kind, start, self.timeline.now(), ring_step=t, cpu_s=time.thread_time() - cpu)
 
 
 TRACE = RingTrace()

@@ -8,6 +8,7 @@
     torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --cp-attention alltoall      # Ulysses
     torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --cp-attention alltoall+ring --cp-alltoall 2
     torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --cp 2 --tp 2  # CP=2 × TP=2
+    torchrun --nproc_per_node=4 06_context_parallel/train_cp.py --cp-split contiguous --timeline runs/cp.json
 
 The CP degree defaults to what --dp and --tp leave of the world size (both default to 1); with --cp
 given, DP takes what is left. The grid is
@@ -23,7 +24,7 @@ import torch
 
 from common import activation_ledger, checkpoint, comm
 from common.activation_meter import MeasuredActivations
-from common.cli import POSITIVE_INT, base_parser, check_common
+from common.cli import OUTPUT_FILE, POSITIVE_INT, base_parser, check_common
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import require, run_main
@@ -38,6 +39,7 @@ tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")     # chap
 context_parallel = import_module("06_context_parallel.context_parallel")  # this chapter: CP's pieces
 cp_trainer = import_module("06_context_parallel.cp_trainer")              # this chapter: the step verbs
 attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # this chapter: bytes formula, work
+cp_timeline = import_module("06_context_parallel.cp_timeline")            # this chapter: --timeline
 
 
 def parse_args(argv=None):
@@ -46,6 +48,9 @@ def parse_args(argv=None):
                    help="data-parallel degree (default: what --cp and --tp leave of the world if --cp is given, else 1)")
     p.add_argument("--tp", type=POSITIVE_INT, default=1, help="tensor-parallel degree (default 1)")
     context_parallel.add_cp_args(p, "context-parallel degree (default: what --dp and --tp leave of the world)")
+    p.add_argument("--timeline", type=OUTPUT_FILE, default=None,
+                   help="write every rank's ring attention spans (compute, wait, post) as a Chrome trace JSON here, "
+                        "and print each rank's totals (default: none)")
     return p.parse_args(argv)
 
 
@@ -78,7 +83,7 @@ def main(argv=None) -> list[dict]:
 
     # --- the model: the full one from the seed (or the checkpoint); the trainer keeps this rank's TP
     # slices, then puts the context-parallel core into every attention
-    model = build_model(cfg, args.seed, rt.device, args.recompute)
+    model = build_model(cfg, args.seed, rt.device, args.recompute, args.compile)
     start = 0
     if resume:
         model.load_state_dict(resume["model"], strict=True)
@@ -101,9 +106,11 @@ def main(argv=None) -> list[dict]:
         log.print("world size 1: the single-device reference. More ranks: "
                   "torchrun --nproc_per_node=4 06_context_parallel/train_cp.py [--cp-split contiguous]")
 
+    timeline = cp_timeline.start(args.timeline, rt.rank)     # records only with --timeline
     start_rng(args, resume)                   # torch's generator: seeded, or as the checkpoint left it
     log.start(start + 1)
     for step in range(start + 1, args.steps + 1):
+        timeline.begin_step(step)
         comm.COUNTER.reset()
         attention_bookkeeping.WORK.reset()
         lr = lr_at(step, args.lr, args.warmup, args.steps)
@@ -134,6 +141,8 @@ def main(argv=None) -> list[dict]:
             if rt.is_main:
                 path = checkpoint.save(args.checkpoint_dir, step, full_model, full_optim, run_identity(args))
                 log.note(f"checkpoint saved: {path}")
+    cp_timeline.finish(timeline, args.timeline, rt, log, {"cp": cp, "dp": dp, "tp": tp, "cp_split": args.cp_split,
+                                                           "cp_attention": args.cp_attention})
     log.finish(summary_rows(log.history))
     shutdown(rt)
     return log.history

@@ -19,8 +19,9 @@ import shlex
 import tempfile
 from pathlib import Path
 
-from common import checkpoint
+from common import checkpoint, preset_training
 from common.data import DEFAULT_CORPUS, check_length
+from common.compile import BACKENDS as COMPILE_BACKENDS, check_compile
 from common.errors import ConfigError, require
 from common.model import PRESETS, describe_size
 from common.recompute import MODES as RECOMPUTE_MODES
@@ -204,10 +205,21 @@ class Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
 
+class TrainingParser(Parser):
+    """The parser of a training script: `--lr` and `--warmup` left out take the --model preset's values."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        lr, warmup = preset_training.training_defaults(parsed.model)
+        parsed.lr = lr if parsed.lr is None else parsed.lr
+        parsed.warmup = warmup if parsed.warmup is None else parsed.warmup
+        return parsed, rest
+
+
 def base_parser(description: str, pipeline: bool = False) -> Parser:
     """The shared flags. `pipeline`: the script runs a pipeline, whose --microbatches default is a rule."""
     presets = ", ".join(f"{n} ({describe_size(c)})" for n, c in PRESETS.items())
-    p = Parser(description=description)
+    p = TrainingParser(description=description)
     p.add_argument("--steps", type=POSITIVE_INT, default=50, help="optimizer steps to run")
     p.add_argument("--seed", type=whole(0, 2**32 - 1), default=1337, help="seed for weights and batches")
     p.add_argument("--model", type=PRESET, default="tiny", help=f"model preset: {presets}")
@@ -221,8 +233,11 @@ def base_parser(description: str, pipeline: bool = False) -> Parser:
     else:
         p.add_argument("--microbatches", type=POSITIVE_INT, default=1,
                        help="micro-batches per step on each data-parallel rank (gradient accumulation)")
-    p.add_argument("--lr", type=POSITIVE_REAL, default=3e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup", type=NON_NEGATIVE_INT, default=10, help="linear warmup steps before the cosine decay")
+    p.add_argument("--lr", type=POSITIVE_REAL, default=None,
+                   help="peak learning rate (AdamW); default: the preset's (common/preset_training.py): "
+                        f"{preset_training.describe()} (lr/warm-up)")
+    p.add_argument("--warmup", type=NON_NEGATIVE_INT, default=None,
+                   help="linear warmup steps before the cosine decay (default: the preset's, as for --lr)")
     p.add_argument("--weight-decay", type=NON_NEGATIVE_REAL, default=0.1, help="AdamW weight decay (matrices only)")
     p.add_argument("--clip", type=NON_NEGATIVE_REAL, default=1.0, help="clip gradients to this global norm (0: off)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype (bf16 = autocast)")
@@ -230,6 +245,9 @@ def base_parser(description: str, pipeline: bool = False) -> Parser:
                    help="activation recomputation in every block: none; selective (the norms and SwiGLU's "
                         "silu rebuilt in backward); full (only each block's input kept, its forward rerun "
                         "in backward)")
+    p.add_argument("--compile", nargs="?", const="inductor", default="none", choices=list(COMPILE_BACKENDS),
+                   help="torch.compile each transformer block (common/compile.py): --compile alone is inductor; "
+                        "--compile aot_eager compiles in seconds with no speed-up, to check the losses")
     p.add_argument("--data", type=TEXT_FILE, default=None,
                    help=f"the text to train on (default: the bundled corpus, common/corpus/{DEFAULT_CORPUS.name})")
     p.add_argument("--metrics", type=OUTPUT_FILE, default=None,
@@ -257,6 +275,7 @@ def check_common(args, dp: int = 1, microbatches: int | None = None, cfg=None) -
             f"--global-batch {args.global_batch} does not split over {dp} data-parallel rank(s) × "
             f"{m} micro-batch(es); use a multiple of {dp * m}")
     require(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir")
+    check_compile(args)
     if args.checkpoint_dir and not args.resume:
         checkpoint.refuse_fresh_run_over(args.checkpoint_dir)     # another run's checkpoints are kept
     data = Path(args.data) if args.data else DEFAULT_CORPUS

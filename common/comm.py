@@ -47,6 +47,12 @@ class CommCounter:
 
 COUNTER = CommCounter()
 
+# Every collective below runs as written, never traced by `--compile` (common/compile.py): the compiler
+# cuts a block's graph at the call, compiles the pieces on each side, and runs the call itself eagerly,
+# counter and all. A chapter's autograd Function that calls one (TP's f and g, the ring's exchange) then
+# runs eagerly as a whole, between two compiled pieces.
+eager = torch.compiler.disable
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -65,6 +71,7 @@ def collective_bytes(kind: str, n: int, N: int) -> int:
     return 2 * int(RING_SHARE[kind](N) * n)
 
 
+@eager
 def all_reduce(t, group=None, name="dp", async_op=False, op=dist.ReduceOp.SUM):
     n, N = _nbytes(t), dist.get_world_size(group)
     COUNTER.add(name, RING_SHARE["all_reduce"](N) * n, RING_SHARE["all_reduce"](N) * n)
@@ -73,6 +80,7 @@ def all_reduce(t, group=None, name="dp", async_op=False, op=dist.ReduceOp.SUM):
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
 
+@eager
 def all_gather_into(output, shard, group=None, name="dp", async_op=False):
     """Gather every rank's `shard` (equal sizes) into `output` = concatenation along dim 0."""
     n, N = _nbytes(output), dist.get_world_size(group)
@@ -83,6 +91,7 @@ def all_gather_into(output, shard, group=None, name="dp", async_op=False):
     return dist.all_gather_single(output, shard, group=group, async_op=async_op)
 
 
+@eager
 def reduce_scatter_into(output, full, group=None, name="dp", async_op=False, op=dist.ReduceOp.SUM):
     """Sum `full` over the group; rank i keeps the i-th equal chunk (along dim 0) in `output`."""
     n, N = _nbytes(full), dist.get_world_size(group)
@@ -93,6 +102,7 @@ def reduce_scatter_into(output, full, group=None, name="dp", async_op=False, op=
     return dist.reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
 
 
+@eager
 def broadcast(t, src: int, group=None, name="dp"):
     """`src` is a global rank, as in torch.distributed."""
     N = dist.get_world_size(group)
@@ -103,16 +113,19 @@ def broadcast(t, src: int, group=None, name="dp"):
     dist.broadcast(t, src=src, group=group)
 
 
+@eager
 def send(t, dst: int, group=None, name="pp"):
     COUNTER.add(name, _nbytes(t), 0)
     return dist.isend(t.contiguous(), dst=dst, group=group)
 
 
+@eager
 def recv(t, src: int, group=None, name="pp"):
     COUNTER.add(name, 0, _nbytes(t))
     return dist.irecv(t, src=src, group=group)
 
 
+@eager
 def exchange(pairs: list, dst: int, src: int, group=None, name="pp") -> list:
     """One hop of a ring: each (outgoing, incoming) pair sends `outgoing` to global rank `dst` and receives
     `incoming` from global rank `src`. All are posted together as one batch and the works returned: wait on
@@ -128,6 +141,7 @@ def exchange(pairs: list, dst: int, src: int, group=None, name="pp") -> list:
     return dist.batch_isend_irecv(ops) if ops else []
 
 
+@eager
 def all_to_all_single(output, inp, output_splits, input_splits, group=None, name="ep"):
     """Rows of `inp` go to ranks by `input_splits`; rows arrive by `output_splits`."""
     me = dist.get_rank(group)

@@ -1,7 +1,8 @@
 """What a run reports: the JSON Lines metrics file and the rich console, both from global rank 0.
 
 One object per optimizer step, at least: step (1 for the first), loss (mean cross-entropy over every
-token of the step's global batch, before the update), lr, tokens, step_time_s, tokens_per_s, and
+token of the step's global batch, before the update), lr, tokens, step_time_s, tokens_per_s,
+peak_memory_bytes (the CUDA allocator's peak during the step on rank 0; null off a GPU), and
 mfu (model FLOPs utilisation, common/mfu.py) once the script has called `track_mfu`.
 Chapters add their own keys through `log_step(**extra)`.
 """
@@ -10,6 +11,7 @@ import os
 import time
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -85,7 +87,8 @@ class RunLog:
 
     def log_step(self, step: int, loss: float, lr: float, tokens: int, step_time_s: float, **extra) -> dict:
         row = {"step": step, "loss": loss, "lr": lr, "tokens": tokens, "step_time_s": step_time_s,
-               "tokens_per_s": tokens / step_time_s if step_time_s > 0 else 0.0, **extra}
+               "tokens_per_s": tokens / step_time_s if step_time_s > 0 else 0.0,
+               "peak_memory_bytes": gpu_peak_memory_bytes(), **extra}
         if self.peak_flops:
             row["mfu"] = self.flops_per_token * row["tokens_per_s"] / self.peak_flops
         self.history.append(row)
@@ -121,10 +124,25 @@ class RunLog:
         if self.peak_flops:
             table.add_row("median MFU", f"{self.flops_per_token * self.history[0]['tokens'] / median / self.peak_flops:.2%}"
                           f" of {self.peak_flops / 1e9:,.0f} GFLOP/s peak")
+        peaks = [r["peak_memory_bytes"] for r in self.history if r.get("peak_memory_bytes") is not None]
+        if peaks:
+            table.add_row("peak GPU memory", f"{format_bytes(max(peaks))} (the allocator's, on rank 0)")
         table.add_row("wall time", f"{time.perf_counter() - self.t0:.1f} s")
         for k, v in (extra_rows or {}).items():
             table.add_row(str(k), str(v))
         self.console.print(table)
+
+
+def gpu_peak_memory_bytes() -> int | None:
+    """The most bytes the CUDA allocator held at once since the previous row (then its peak is reset):
+    weights, gradients, optimizer state, activations and the allocator's own workspace, all of it.
+    None (null in the file: not measured) when this process does not use a GPU. On a CPU there is no
+    such counter; the activation meter's `peak_activation_bytes` is the course's own measure there."""
+    if not torch.cuda.is_initialized():
+        return None
+    peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    return peak
 
 
 def read_metrics(path) -> list[dict]:

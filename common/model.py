@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import recompute
+from common.compile import compile_blocks
 from common.errors import require
 from common.moe_routing import (AddRouterLoss, RoutingOptions, RoutingTally, combine_experts, group_by_expert,
                                 route, router_loss)
@@ -203,6 +204,10 @@ class MoEFeedForward(nn.Module):
         self.options = RoutingOptions()         # dropless, no balancing terms, until a training run sets them
         self.stats = RoutingTally(cfg.n_experts)   # this step's routing on this rank: metrics, bias update
 
+    # --compile runs this layer eagerly, between the compiled halves of its block (common/compile.py): how
+    # many rows each expert gets is known only once the router has run (`counts.tolist()`), and a graph
+    # traced for one step's counts would be traced again for the next step's.
+    @torch.compiler.disable
     def forward(self, x):                                    # (B, S, D) -> (B, S, D)
         B, S, D = x.shape
         routing = route(x, self.router, self.selection_bias, self.top_k, self.options.capacity_factor,
@@ -239,7 +244,9 @@ class Block(nn.Module):
     def forward(self, x, cos, sin):                          # (B, S, D) -> (B, S, D)
         if self.recompute_mode == "full":         # keep x (cos, sin are the model's tables): rerun all in backward
             return recompute.recomputed(self.body, x, cos, sin)
-        with recompute.selective(self.recompute_mode == "selective"):
+        if self.recompute_mode == "none":         # (no context to enter: the compiler could not trace it)
+            return self.body(x, cos, sin)
+        with recompute.selective(True):
             return self.body(x, cos, sin)
 
     def body(self, x, cos, sin):                             # (B, S, D) -> (B, S, D)
@@ -302,10 +309,13 @@ def _stable_hash(name: str) -> int:
     return h
 
 
-def build_model(cfg: ModelConfig, seed: int, device="cpu", recompute_mode: str = "none") -> Transformer:
-    """The reference model from the seed; `recompute_mode`: every block's --recompute (common/recompute.py)."""
+def build_model(cfg: ModelConfig, seed: int, device="cpu", recompute_mode: str = "none",
+                compile_backend: str = "none") -> Transformer:
+    """The reference model from the seed; `recompute_mode`: every block's --recompute (common/recompute.py);
+    `compile_backend`: --compile, each block compiled at its first call (common/compile.py)."""
     require(recompute_mode in recompute.MODES, f"recompute mode {recompute_mode!r} is not one of {recompute.MODES}")
-    return init_weights(Transformer(cfg, recompute_mode), seed).to(device)
+    model = init_weights(Transformer(cfg, recompute_mode), seed).to(device)
+    return compile_blocks(model, compile_backend)
 
 
 def loss_sum(logits, targets):

@@ -25,10 +25,36 @@ def build_adamw(named_params, lr: float, weight_decay: float) -> torch.optim.Ada
         {"params": [p for n, p in named_params if decays(n)], "weight_decay": weight_decay},
         {"params": [p for n, p in named_params if not decays(n)], "weight_decay": 0.0},
     ]
-    # foreach=False: the plain per-tensor loop, whose arithmetic is identical whatever the tensor
-    # shapes, so a shard's update matches the corresponding slice of the full update bit for bit.
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95), eps=1e-8,
-                             foreach=False)
+                             **adamw_kernel(named_params))
+
+
+def adamw_kernel(named_params) -> dict:
+    """How AdamW runs its arithmetic: the trade between speed and bits.
+
+    torch.optim.AdamW has three implementations of the same formula:
+      foreach=False  a Python loop over the tensors, ~10 elementwise ops each: every element goes through
+                     the same ops whatever the tensor's shape, so a shard's update (TP, ZeRO) is the slice
+                     of the full update *bit for bit*. On a GPU it launches ~10 kernels per tensor: for a
+                     1 B model (219 tensors) ~2,000 launches a step, whose launch time shows in the step
+                     time when the step is short. On a CPU it is what torch picks by itself.
+      foreach=True   the same ops, each over a list of tensors at once: fewer launches, but its ops regroup
+                     the arithmetic (a step size computed once per list), so a shard's bits can differ
+                     from the slice's in the last place; we do not use it.
+      fused=True     one kernel over every tensor (a GPU's, or a CPU's), each element on its own: one
+                     launch per list instead of thousands, the same formula element by element, so a
+                     shard is updated as its slice of the whole would be.
+    The course takes fused on a GPU (launches, not arithmetic, are what a GPU waits for; every layout
+    still updates each element with the same arithmetic) and the plain loop on a CPU (bit for bit with the
+    reference, and no slower there: one CPU thread runs one op after another either way)."""
+    on_gpu = any(p.is_cuda for _, p in named_params)
+    return {"fused": True} if on_gpu else {"foreach": False}
+
+
+def saved_step(optimizer: torch.optim.Optimizer, step: torch.Tensor, device) -> torch.Tensor:
+    """A checkpoint's step count as `optimizer` keeps it: beside the weights (`device`) for the fused
+    kernel, on the CPU for the per-tensor loop."""
+    return step.clone().to(device if optimizer.defaults.get("fused") else "cpu")
 
 
 def lr_at(step: int, peak: float, warmup: int, total: int, floor_ratio: float = 0.1) -> float:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from common import checkpoint
 from common.errors import ConfigError, require
 from common.moe_args import moe_model_config
+from common.optim import saved_step
 
 
 def run_identity(args) -> dict:
@@ -66,7 +67,7 @@ def load_optim_state_by_name(optimizer, named_params, states: dict, to_local=lam
     for name, p in named_params:
         if name in states:
             s = states[name]
-            optimizer.state[p] = {"step": s["step"].clone(),
+            optimizer.state[p] = {"step": saved_step(optimizer, s["step"], p.device),
                                   "exp_avg": to_local(name, s["exp_avg"]).to(p.device, p.dtype).clone(),
                                   "exp_avg_sq": to_local(name, s["exp_avg_sq"]).to(p.device, p.dtype).clone()}
 

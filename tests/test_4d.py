@@ -7,7 +7,7 @@ within 1e-5 relative, the same expert loads. One spawned group per world size (1
 
     8 ranks  dp 2 = edp 1 × ep 2, tp 2, pp 2, saving checkpoints; dp 4 = edp 1 × ep 4, pp 2; the first's
              checkpoint of step 1 resumed as the second (dropless, balancing terms 10× the defaults)
-    4 ranks  dp 2 = edp 1 × ep 2, pp 2 under ZB-H1; dp 4 = edp 2 × ep 2 (two ranks hold each expert: the
+    4 ranks  dp 2 = edp 1 × ep 2, pp 2 under ZB-H1 and under DualPipeV; dp 4 = edp 2 × ep 2 (two ranks hold each expert: the
              edp all-reduce); dp 2 = edp 1 × ep 2, tp 2 (the selection biases must stay equal over each
              TP group); all with bias balancing and a capacity factor; bad 4D layouts refused on every rank
 (Layout names below: "dp2·ep2" is dp 2 with ep 2 inside it, so edp = dp/ep.)
@@ -30,6 +30,8 @@ MODES = {"strong aux": ["--aux-loss-coef", "0.1", "--z-loss-coef", "0.01"],
 RUNS = {8: {"dp2·ep2 × tp2 × pp2": ("strong aux", (2, 2, 2, 2), []),
             "dp4·ep4 × pp2": ("strong aux", (4, 4, 1, 2), [])},
         4: {"dp2·ep2 × pp2 zb-h1": ("bias + capacity", (2, 2, 1, 2), ["--schedule", "zb-h1", "--microbatches", "2"]),
+            # DualPipeV (two stages per rank, in a V) with the experts' all-to-all inside each stage
+            "dp2·ep2 × pp2 dualpipev": ("bias + capacity", (2, 2, 1, 2), ["--schedule", "dualpipev", "--microbatches", "4"]),
             "dp4·ep2": ("bias + capacity", (4, 2, 1, 1), []),
             # TP with bias balancing: every TP rank must update its copy of the selection bias alike
             "dp2·ep2 × tp2": ("bias + capacity", (2, 2, 2, 1), [])}}

@@ -21,7 +21,9 @@ One spawned group per world size: 1 (the references) and 4 (train_cp's layouts, 
 input). All five dimensions at once (dp 2 = edp 1 × ep 2, pp 2, cp 2, tp 2, 16 ranks) run in
 tests/test_compose.py's group of 16, with the Llama 3 miniature.
 """
+import json
 from importlib import import_module
+from pathlib import Path
 
 import pytest
 
@@ -74,14 +76,20 @@ HEADS = {"alltoall cp 8": ("alltoall", None, 8, 1, "splits this rank's 8 heads a
 
 @pytest.fixture(scope="module")
 def reference():
-    jobs = {"cp": (CP, BASE), "5d": (FIVE, BASE + MOE), "flat": (CP, ["--steps", "1", "--quiet"] + BASE[2:6])}
+    # one rank holds the whole sequence in order with either split; contiguous needs no exercise 06.zigzag
+    one = ["--cp-split", "contiguous"]
+    jobs = {"cp": (CP, BASE + one), "5d": (FIVE, BASE + MOE + one), "flat": (CP, ["--steps", "1", "--quiet"] + BASE[2:6] + one)}
     return dict(zip(jobs, (ok(r) for r in run_group(1, list(jobs.values()), timeout_s=600))))
 
 
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("cp_ckpt"))
-    jobs = {name: (CP, BASE + flags) for name, flags in CP_RUNS.items()}
+    # The contiguous runs first: they need exercise 06.merge but not 06.zigzag, and a rank stops at its first
+    # failing job, so a student's unwritten zig-zag does not stop the run that grades the merge.
+    jobs = {name: (CP, BASE + CP_RUNS[name]) for name in sorted(CP_RUNS, key=lambda name: "zigzag" in name)}
+    timeline = str(tmp_path_factory.mktemp("cp_timeline") / "contiguous.json")      # train_cp.py --timeline
+    jobs["cp2 × dp2 ring contiguous, selective recompute"][1].extend(["--timeline", timeline])
     jobs["cp4 ring zigzag"] = (CP, BASE + CP_RUNS["cp4 ring zigzag"] + ["--checkpoint-dir", ckpt,
                                                                         "--checkpoint-every", "1", "--steps", "2"])   # step 1's checkpoint stays
     jobs["point"] = ("test_3d:point_latest_at", ckpt, "step_000001.pt")
@@ -90,7 +98,7 @@ def groups(tmp_path_factory):
     jobs.update({name: (FIVE, BASE + MOE + flags) for name, flags in FIVE_RUNS[4].items()})
     jobs.update({name: (CP, ["--steps", "1", "--quiet", "--global-batch", "8"] + flags) for name, flags in FLAT.items()})
     jobs.update({f"bad {k}": (main, ["--steps", "1", "--quiet"] + argv) for k, (main, argv, _) in BAD.items()})
-    return {4: dict(zip(jobs, run_group(4, list(jobs.values()), timeout_s=900)))}
+    return {4: dict(zip(jobs, run_group(4, list(jobs.values()), timeout_s=900))), "timeline": timeline}
 
 
 def cp_bytes_per_step(history_row, recompute: str = "none") -> int:
@@ -120,6 +128,15 @@ def test_every_cp_layout_matches_one_device(groups, reference, name):
     for rank, rows in enumerate(every_rank(groups[4][name])):      # the ledger for S/cp positions (common/)
         for row in rows:
             assert abs(row["peak_activation_bytes"] / row["activation_bytes_predicted"] - 1) <= 0.02, (name, rank)
+
+
+def test_timeline_records_every_ranks_ring_steps(groups):
+    """--timeline: one Chrome trace, every rank's ring forward spans (compute with its CPU seconds, wait, post)."""
+    events = json.loads(Path(groups["timeline"]).read_text())["traceEvents"]
+    compute = [e for e in events if e.get("cat") == "compute"]
+    assert {e["tid"] for e in compute} == {0, 1, 2, 3} and all(e["args"]["cpu_s"] >= 0 for e in compute)
+    assert {e["args"]["step"] for e in compute} == set(range(1, STEPS + 1))
+    assert {e["cat"] for e in events if e["ph"] == "X"} >= {"compute", "wait", "post"}
 
 
 def test_resume_from_cp4_into_cp2_with_the_other_attention(groups, reference):

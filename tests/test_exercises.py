@@ -1,6 +1,7 @@
 """Exercise mode (common/exercises): the markers in the code and the catalog agree; `make` gives a copy
-that compiles and whose marked bodies raise; `grade` passes the reference, calls an untouched copy's
-exercises "not done", and sees one solved exercise as "done" (chapter 03, --quick: its unit tests)."""
+that compiles, whose marked bodies raise, and that holds no answer key; `grade` passes the reference, calls
+an untouched copy's exercises "not done", sees one solved exercise as "done" (chapter 03, --quick: its unit
+tests), and grades planted wrong answers `wrong:` (a cheap few here; `make wrong-answers` plants them all)."""
 import ast
 import re
 import subprocess
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from common.exercises import catalog, grader, student_copy
+from common.exercises import answer_keys, catalog, grader, repo_copy, student_copy, wrong_answers
 from common.exercises.__main__ import main as exercises_main
 from harness import ROOT
 
@@ -68,11 +69,35 @@ def test_verdicts_read_the_failures():
            "E     File \"t.py\", line 54, in check\nE       assert torch.equal(x.grad, want)\nE   AssertionError\n"
     assert grader.first_failure({"line": "AssertionError: expected 'ok' on every rank; got:", "text": bare}) == \
         "AssertionError: assert torch.equal(x.grad, want)"
+    carets = bare.replace("want)\n", "want)\nE              ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n")   # Python 3.11's markers
+    assert grader.first_failure({"line": "AssertionError: expected 'ok' on every rank; got:", "text": carets}) == \
+        "AssertionError: assert torch.equal(x.grad, want)"
     # 02.f_g's own test passes, the layout run it shares with 02.row_parallel fails: the wrong one is blamed
     f_g, row = catalog.BY_ID["02.f_g"], catalog.BY_ID["02.row_parallel"]
     shared = {f_g.units[0]: {"status": "passed", "line": "", "text": ""}, f_g.layout: wrong[node]}
     assert grader.verdict(f_g, ROOT, shared, False, {row.id}).line().endswith("waits on 02.row_parallel")
     assert grader.verdict(f_g, ROOT, shared, False).line().split()[1] == "wrong:"
+    # where the failing line tells where to look, one hint follows it
+    merge = catalog.BY_ID["06.merge"]
+    at_cp1 = {n: {"status": "failed", "line": "AssertionError: cp 1 ring contiguous float32 MHA: relative errors",
+                  "text": ""} for n in merge.node_ids()}
+    assert grader.verdict(merge, ROOT, at_cp1, False).line().endswith(
+        "(hint: fails already at cp 1: the local math, not the ring)")
+
+
+def test_every_exercise_lists_three_wrong_answers_planted_inside_its_own_lines():
+    """Each listed wrong answer is one edit of the reference inside the exercise's marked lines (so a student
+    could write it), that still compiles; `wrong --check` grades them all."""
+    from common.exercises.wrong_answers_key import WRONG_EDITS
+    for ex in catalog.EXERCISES:
+        assert len(ex.wrong) >= 3 and [name for name, _ in ex.wrong] == list(WRONG_EDITS[ex.id]), ex.id
+        text = (ROOT / ex.file).read_text()
+        lines = text.splitlines(keepends=True)
+        body = "".join("".join(lines[first:stop]) for ex_id, first, stop in catalog.regions(text) if ex_id == ex.id)
+        for name, _ in ex.wrong:
+            old, new = WRONG_EDITS[ex.id][name]
+            assert old in body and old != new, f"{ex.id}.{name}: its edit is not inside the exercise's lines"
+            compile(wrong_answers.planted_text(ex, name, text), ex.file, "exec")
 
 
 def _run(*args, cwd=ROOT):
@@ -102,18 +127,41 @@ def test_make_gives_a_copy_that_compiles_and_raises(student):
 
 
 def test_grade_reference_fresh_copy_and_one_solved(student, tmp_path):
+    n = len(catalog.for_chapter("03"))
     ref = _run("-m", "common.exercises", "grade", "--chapter", "03", "--quick")
-    assert ref.returncode == 0 and "2 of 2 done" in ref.stdout, ref.stdout + ref.stderr
+    assert ref.returncode == 0 and f"{n} of {n} done" in ref.stdout, ref.stdout + ref.stderr
 
     fresh = _run("-m", "common.exercises", "grade", "--chapter", "03", "--quick", "--repo", str(student))
     assert fresh.returncode == 1, fresh.stdout + fresh.stderr
     assert re.search(r"^03\.one_f_one_b +not done$", fresh.stdout, re.M), fresh.stdout
     assert re.search(r"^03\.receive_order +not done$", fresh.stdout, re.M), fresh.stdout
-    assert "0 of 2 done" in fresh.stdout
+    assert f"0 of {n} done" in fresh.stdout
 
     student_copy.restore(student, catalog.BY_ID["03.one_f_one_b"])      # the student writes one of the two
     one = _run("-m", "common.exercises", "grade", "--chapter", "03", "--quick", "--repo", str(student))
     assert one.returncode == 1, one.stdout + one.stderr
     assert re.search(r"^03\.one_f_one_b +done$", one.stdout, re.M), one.stdout
     assert re.search(r"^03\.receive_order +not done$", one.stdout, re.M), one.stdout
-    assert "1 of 2 done" in one.stdout
+    assert f"1 of {n} done" in one.stdout
+
+
+def test_the_copy_holds_no_answer(student):
+    """No LAB_ANSWERS.md, no lab_answers.py, no museum key or wrong answers' key: only the public catalog."""
+    assert answer_keys.answers_in(student) == []
+    assert not list(student.glob("0*/LAB_ANSWERS.md")) and list(student.glob("0*/LAB.md"))
+
+
+# A cheap few of the listed wrong answers (unit tests in one process); `make wrong-answers` plants them all.
+PLANTED = ("06.merge.no_max", "03.one_f_one_b.warmup_off_by_one")
+
+
+def test_planted_wrong_answers_are_graded_wrong(tmp_path):
+    """In a copy of the reference (every other exercise right), each wrong answer written in its file."""
+    copy = repo_copy.copy_repo(tmp_path / "course")
+    chosen = [wrong_answers.ALL[wid][:2] for wid in PLANTED]
+    for ex, name in chosen:
+        (copy / ex.file).write_text(wrong_answers.planted_text(ex, name, (ROOT / ex.file).read_text()))
+    verdicts = grader.grade([ex for ex, _ in chosen], copy, quick=True, log=lambda *a, **k: None)
+    for wid, v in zip(PLANTED, verdicts):
+        assert v.status == "wrong", f"{wid}: {v.line()}"
+    assert "not finite" in verdicts[0].detail, verdicts[0].detail      # the merge test says why

@@ -10,7 +10,7 @@ from pathlib import Path
 from common.exercises import catalog, grader, run_tests
 from harness import ROOT
 
-CHEAPEST_BUG = "06.stale_kv"
+CHEAPEST_BUG = "06.bug1"
 
 
 def _cli(*args):

@@ -1,23 +1,29 @@
 """The museum of real bugs (common/exercises/museum.py): every exhibit still fits the code it breaks,
 planting changes exactly that code and leaves Python that compiles, its catching tests exist, the
-command line refuses what it cannot do with one line, and one bug is planted and caught end to end.
-(`python -m common.exercises bug --check` runs every exhibit's tests; MUSEUM.md holds its table.)"""
+command line refuses what it cannot do with one line, and one bug is planted and caught end to end, in a
+copy that holds no answer. (`python -m common.exercises bug --check` runs every exhibit's tests; MUSEUM.md
+holds its table.) In a student's copy the museum has no key: the tests that need it are skipped there."""
+import re
 import subprocess
 import sys
 
 import pytest
 
-from common.exercises import museum
+from common.exercises import answer_keys, museum
 from common.exercises.__main__ import main as cli
 from common.exercises.museum_catalog import EXHIBITS
 from harness import ROOT
 
-CHEAPEST = "06.stale_kv"          # caught by one 4-rank group of attention checks
+CHEAPEST = "06.bug1"          # caught by one 4-rank group of attention checks
+pytestmark = pytest.mark.skipif(not all(e.has_key for e in EXHIBITS),
+                                reason="a student's copy of the course: the museum's key stays with the instructor")
 
 
 def test_every_chapter_has_an_exhibit_and_ids_are_unique():
     assert sorted({e.chapter for e in EXHIBITS}) == ["01", "02", "03", "04", "05", "06"]
     assert len({e.id for e in EXHIBITS}) == len(EXHIBITS)
+    # an id names no cause: the chapter, then a number ("you get the symptom, never the cause")
+    assert all(re.fullmatch(r"\d\d\.bug\d+", e.id) for e in EXHIBITS), [e.id for e in EXHIBITS]
     assert all(e.id.startswith(e.chapter + ".") and e.catch and e.see and e.key for e in EXHIBITS)
 
 
@@ -39,7 +45,7 @@ def test_a_stale_exhibit_says_so(tmp_path):
     ex = museum.exhibit(CHEAPEST)
     (tmp_path / ex.file).parent.mkdir(parents=True)
     (tmp_path / ex.file).write_text("nothing of the kind")
-    with pytest.raises(museum.ConfigError, match="exhibit 06.stale_kv is stale: its snippet occurs 0 times"):
+    with pytest.raises(museum.ConfigError, match="exhibit 06.bug1 is stale: its snippet occurs 0 times"):
         museum.plant(ex, tmp_path)
 
 
@@ -72,7 +78,13 @@ def test_a_planted_bug_is_caught_end_to_end(capsys, tmp_path):
     out = tmp_path / "copy"
     assert cli(["bug", CHEAPEST, "--out", str(out)]) == 0
     shown = capsys.readouterr().out
-    assert f"grade --bug {CHEAPEST} --repo {out}" in shown and "kv = kv_next" not in shown   # the symptom, not the cause
+    ex = museum.exhibit(CHEAPEST)
+    assert f"grade --bug {CHEAPEST} --repo {out}" in shown and ex.bug_class not in shown   # the symptom, not the cause
+    assert answer_keys.answers_in(out) == []        # no lab key, no museum key: the copy can be handed out
+    assert ex.title in (out / answer_keys.PUBLIC_CATALOG).read_text()
+    inside = subprocess.run([sys.executable, "-m", "common.exercises", "bug", CHEAPEST, "--out", str(tmp_path / "again")],
+                            cwd=out, capture_output=True, text=True, timeout=120)    # the copy cannot plant bugs
+    assert inside.returncode == 2 and "holds each bug's symptom, not the bug itself" in inside.stderr, inside.stderr
     assert cli(["grade", "--bug", CHEAPEST, "--repo", str(out)]) == 1
     verdict = capsys.readouterr().out.strip()
     assert verdict.startswith(f"{CHEAPEST}: still broken: tests/test_ring_attention.py::"), verdict

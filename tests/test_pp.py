@@ -56,6 +56,10 @@ def test_world_2(reference, tmp_path):
         "zb-h1 m=4": ["--schedule", "zb-h1", "--microbatches", "4"],
         "dp=2 pp=1": ["--pp", "1", "--microbatches", "2"],
         "torch 1f1b m=2": ["--impl", "torch", "--schedule", "1f1b", "--microbatches", "2"],
+        # the V at p = 2: rank 0 holds stages 0 and 3 (embedding and loss), rank 1 stages 1 and 2
+        "zb-v m=4": ["--schedule", "zb-v", "--microbatches", "4"],
+        "dualpipev m=4": ["--schedule", "dualpipev", "--microbatches", "4"],
+        "torch dualpipev m=4": ["--impl", "torch", "--schedule", "dualpipev", "--microbatches", "4"],
     }
     ck = {label: tmp_path / label.replace(" ", "_") for label in ("interleaved v=2 m=4", "zb-h1 m=4")}
     jobs = [(PP, BASE + flags + (["--checkpoint-dir", str(ck[label])] if label in ck else []))
@@ -96,6 +100,11 @@ def test_world_4(reference, tmp_path):
         # zero bubble under data parallelism: a stage's all-reduce must wait for its last W, not its last B
         "dp=2 × pp=2 zb-h1 m=2": ["--pp", "2", "--schedule", "zb-h1", "--microbatches", "2"],
         "torch zb-h1": ["--impl", "torch", "--schedule", "zb-h1", "--microbatches", "4"],
+        "zb-v m=8": ["--schedule", "zb-v", "--microbatches", "8"],
+        "dualpipev m=8": ["--schedule", "dualpipev", "--microbatches", "8"],
+        "dp=2 × pp=2 zb-v m=2": ["--pp", "2", "--schedule", "zb-v", "--microbatches", "2"],     # fewer than 2p-1
+        "dp=2 × pp=2 dualpipev m=4": ["--pp", "2", "--schedule", "dualpipev", "--microbatches", "4"],
+        "torch zb-v m=8": ["--impl", "torch", "--schedule", "zb-v", "--microbatches", "8"],
     }
     trace, ck = tmp_path / "trace.json", tmp_path / "ck"
     extra = {"1f1b m=8": ["--timeline", str(trace), "--checkpoint-dir", str(ck)]}
@@ -118,6 +127,17 @@ def test_world_4(reference, tmp_path):
     assert 0 < bubble_fraction(last) < 1
     history = ok(results[2])
     assert len(history[-1]["peak_activation_bytes"]) == 4 and history[-1]["comm_bytes_pp"] > 0
+    # The V balances the activations: every rank holds one stage near the input and one near the output,
+    # so its peaks are equal within the head's share, where 1F1B's fall from p micro-batches to one; the
+    # ledger (activation_bytes_predicted) predicts each rank's peak as it does for the other schedules.
+    labels = list(configs)
+    for label in ("zb-v m=8", "dualpipev m=8"):
+        row = ok(results[labels.index(label)])[-1]
+        peaks, predicted = row["peak_activation_bytes"], row["activation_bytes_predicted"]
+        assert max(peaks) < 1.05 * min(peaks), (label, peaks)
+        assert all(abs(a - b) <= 0.01 * b for a, b in zip(peaks, predicted)), (label, peaks, predicted)
+    one_f_one_b_peaks = history[-1]["peak_activation_bytes"]
+    assert max(one_f_one_b_peaks) > 3 * min(one_f_one_b_peaks)
     torch_row = ok(results[list(configs).index("torch zb-h1")])[-1]          # torch's runtime: no timeline, no activation meter
     assert torch_row["bubble_fraction"] is None and torch_row["peak_activation_bytes"] is None, \
         "a quantity torch's runtime does not measure is null, never a number"

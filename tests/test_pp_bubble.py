@@ -52,7 +52,7 @@ def synthetic_trace(name, p, m, v, cost, overhead):
                   "end": 5.0 + e} for r, a, s, e in sim["events"]]
 
 
-@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)])
 def test_fit_recovers_the_costs_of_a_synthetic_trace(name, v):
     """Stage costs by kind, and each rank's gap and hand-over, read back from the spans alone; fed back
     into simulate they give the trace's bubble. (Gap = hand-over per rank here: when a message arrives

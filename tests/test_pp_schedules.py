@@ -23,17 +23,37 @@ def cases():
                     yield name, p, m, v
 
 
-CASES = list(cases())
+def v_cases():
+    for p in (1, 2, 3, 4):
+        for m in (1, 2, 3, 4, 5, 8, 12):
+            yield "zb-v", p, m, 2                      # the V: two stages per rank, any m
+            if m >= 2 * p:
+                yield "dualpipev", p, m, 2             # needs m ≥ 2p
+
+
+# the V's cases are tests of their own: an exercise graded on the loop schedules' tests never waits on
+# the V's exercise (03.zbv)
+CASES, V_CASES = list(cases()), list(v_cases())
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
 def test_every_forward_has_its_backward_once(name, p, m, v):
+    every_forward_has_its_backward_once(name, p, m, v)
+
+
+@pytest.mark.parametrize("name,p,m,v", V_CASES)
+def test_v_every_forward_has_its_backward_once(name, p, m, v):
+    every_forward_has_its_backward_once(name, p, m, v)
+
+
+def every_forward_has_its_backward_once(name, p, m, v):
     sched = pipeline_schedules.build_schedule(name, p, m, v)
     for r, acts in enumerate(sched):
         counts = Counter(acts)
         assert all(c == 1 for c in counts.values()), f"rank {r} repeats an action"
-        stages = [r + k * p for k in range(v)]
-        kinds = ("F", "B", "W") if name == "zb-h1" else ("F", "B")
+        stages = [s for s, rank in enumerate(pipeline_schedules.stage_ranks(name, p, v)) if rank == r]
+        assert stages == ([r, 2 * p - 1 - r] if name in pipeline_schedules.V_SCHEDULES else stages)   # the V
+        kinds = ("F", "B", "W") if name in ("zb-h1", "zb-v", "dualpipev") else ("F", "B")
         assert set(counts) == {pipeline_schedules.Action(k, mb, s) for k in kinds for mb in range(m) for s in stages}
         for a in acts:                               # B after its F, W after its B, on this rank
             if a.kind != "F":
@@ -43,10 +63,21 @@ def test_every_forward_has_its_backward_once(name, p, m, v):
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
 def test_dependencies_and_in_flight_limit(name, p, m, v):
+    dependencies_and_in_flight_limit(name, p, m, v)
+
+
+@pytest.mark.parametrize("name,p,m,v", V_CASES)
+def test_v_dependencies_and_in_flight_limit(name, p, m, v):
+    dependencies_and_in_flight_limit(name, p, m, v)
+
+
+def dependencies_and_in_flight_limit(name, p, m, v):
     # raises on deadlock / missing input
     sim = pipeline_schedules.simulate(pipeline_schedules.build_schedule(name, p, m, v), p * v)
+    # the V's counts are of half-stages (2p stages): 2p of them weigh what p micro-batches of 1F1B's rank 0 do
     promise = {"gpipe": [m] * p, "1f1b": [min(p - r, m) for r in range(p)], "zb-h1": [min(p, m)] * p,
-               "interleaved": [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) for r in range(p)]}[name]
+               "interleaved": [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) for r in range(p)],
+               "zb-v": [min(2 * p, 2 * m)] * p, "dualpipev": [2 * p + 1] * p}[name]
     for r, (have, want) in enumerate(zip(sim["in_flight"], promise)):
         assert have <= want, f"{name} p={p} m={m}: rank {r} holds {have} micro-batches at once, the schedule promises at most {want}"
 
@@ -56,7 +87,7 @@ def run_protocol(sched, n: int, blocking_sends: bool) -> None:
     action's message and the next one's), wait for this action's message, compute, send.
     blocking_sends=False: a send never blocks (the executor: isend, waited at the end of the step).
     blocking_sends=True: a send completes only once the receiver posted its irecv (rendezvous)."""
-    p = len(sched)
+    p, rank_of = len(sched), pipeline_schedules.placement(sched)
     orders = [pipeline_executor.incoming_order(sched, r, n) for r in range(p)]
     # Round-robin over the ranks; each advances when it can; nobody can -> deadlock.
     queues = [{src: list(keys) for src, keys in o.items()} for o in orders]
@@ -70,15 +101,15 @@ def run_protocol(sched, n: int, blocking_sends: bool) -> None:
             a = sched[r][pc[r]]
             if phase[r] == 0:
                 for b in sched[r][pc[r]:pc[r] + 2]:          # this action's message and the next one's
-                    need = pipeline_executor.needed_message(b, n, p)
+                    need = pipeline_executor.needed_message(b, n, p, rank_of)
                     if need and need[1] != r:
                         while need[0] not in posted[r]:
                             posted[r].add(queues[r][need[1]].pop(0))
-                need = pipeline_executor.needed_message(a, n, p)
+                need = pipeline_executor.needed_message(a, n, p, rank_of)
                 if need is None or need[0] in sent:
                     phase[r], moved = 1, True
             else:
-                out = pipeline_executor.produced_messages([a], n, p)
+                out = pipeline_executor.produced_messages([a], n, p, rank_of)
                 if not blocking_sends or all(dst == r or key in posted[dst] for key, dst in out):
                     sent.update(key for key, _ in out)
                     pc[r], phase[r], moved = pc[r] + 1, 0, True
@@ -88,18 +119,30 @@ def run_protocol(sched, n: int, blocking_sends: bool) -> None:
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
 def test_executor_message_plan_matches_and_never_deadlocks(name, p, m, v):
+    executor_message_plan_matches_and_never_deadlocks(name, p, m, v)
+
+
+@pytest.mark.parametrize("name,p,m,v", V_CASES)
+def test_v_executor_message_plan_matches_and_never_deadlocks(name, p, m, v):
+    executor_message_plan_matches_and_never_deadlocks(name, p, m, v)
+
+
+def executor_message_plan_matches_and_never_deadlocks(name, p, m, v):
     sched, n = pipeline_schedules.build_schedule(name, p, m, v), p * v
+    rank_of = pipeline_schedules.placement(sched)
+    assert rank_of == pipeline_schedules.stage_ranks(name, p, v)     # the lists run where the stages live
     orders = [pipeline_executor.incoming_order(sched, r, n) for r in range(p)]
     for r in range(p):                               # every message sent is consumed exactly once
-        needed = Counter(pipeline_executor.needed_message(a, n, p) for a in sched[r])
+        needed = Counter(pipeline_executor.needed_message(a, n, p, rank_of) for a in sched[r])
         needed = Counter({k: c for k, c in needed.items() if k is not None and k[1] != r})
         expected = Counter((k, src) for src, keys in orders[r].items() for k in keys)
         assert needed == expected
         for src, keys in orders[r].items():          # a channel's receives match its sends in order (gloo, NCCL):
-            sent = [k for k, dst in pipeline_executor.produced_messages(sched[src], n, p) if dst == r]
+            sent = [k for k, dst in pipeline_executor.produced_messages(sched[src], n, p, rank_of) if dst == r]
             assert keys == sent, f"rank {r} would post its receives from rank {src} out of its sending order"
     run_protocol(sched, n, blocking_sends=False)     # what the executor does
-    if name != "interleaved":                        # these survive even rendezvous sends
+    if name not in ("interleaved", "zb-v", "dualpipev"):   # these survive even rendezvous sends (the V's
+        # ranks, like interleaving's, send activations down while their neighbour sends the other stage's up)
         run_protocol(sched, n, blocking_sends=True)
 
 
@@ -122,6 +165,33 @@ def test_bubble_matches_theory(p, m):
     zb = pipeline_schedules.simulate(pipeline_schedules.build_schedule("zb-h1", p, m), p)["bubble"]
     assert zb <= pipeline_schedules.theory_bubble("1f1b", p, m) + 1e-9
     assert zb == pytest.approx(pipeline_schedules.theory_bubble("zb-h1", p, m))     # m < p too (p=4, m=1: 2/3)
+    for name in ("zb-v", "dualpipev") if m >= 2 * p else ("zb-v",):                  # F = B = W per half-stage
+        sim = pipeline_schedules.simulate(pipeline_schedules.build_schedule(name, p, m, 2), 2 * p)
+        assert sim["bubble"] == pytest.approx(pipeline_schedules.theory_bubble(name, p, m, 2))
+        if m >= 2 * p - 1:                                                           # the V full: (p-1)/(6m+p-1)
+            assert sim["bubble"] == pytest.approx((p - 1) / (6 * m + p - 1)) and sim["bubble"] < zb
+
+
+def test_v_schedules_have_torch_s_order_rank_by_rank():
+    """Our zb_v and dualpipe_v give every rank the very list of actions PyTorch's ScheduleZBVZeroBubble and
+    ScheduleDualPipeV compute (torch_order.py translates their vocabulary: full backward = B, W)."""
+    torch_order = import_module("03_pipeline_parallel.torch_order")
+    for p in (1, 2, 3, 4):
+        for m in range(1, 17):
+            for name in ("zb-v", "dualpipev") if m >= 2 * p else ("zb-v",):
+                ours, theirs = pipeline_schedules.build_schedule(name, p, m, 2), torch_order.torch_schedule(name, p, m)
+                assert torch_order.first_difference(ours, theirs) is None, (name, p, m)
+
+
+def test_a_v_needs_the_v_placement():
+    """The V's turn is local: on a loop placement (stage s on rank s % p) ZB-V's lists would run stage
+    p on rank 0, not on rank p-1 where its input is made; the executor's channels follow the placement."""
+    sched = pipeline_schedules.build_schedule("zb-v", 4, 8, 2)
+    assert pipeline_schedules.placement(sched) == (0, 1, 2, 3, 3, 2, 1, 0)
+    turn = [a for a in sched[3] if a.kind == "F" and a.stage == 4][0]           # F of stage 4 on rank 3
+    assert pipeline_executor.needed_message(turn, 8, 4, pipeline_schedules.placement(sched))[1] == 3   # local
+    assert pipeline_executor.needed_message(turn, 8, 4)[1] == 3 and \
+        pipeline_executor.produced_messages([turn], 8, 4)[0][1] == 1               # a loop would send to rank 1
 
 
 def test_1f1b_warmup_is_min_p_minus_r_minus_1_m():
@@ -139,6 +209,10 @@ def test_bad_schedules_say_how_to_fix():
         pipeline_schedules.build_schedule("1f1b", 2, 4, 2)
     with pytest.raises(ConfigError, match="too few for 16 stages"):
         pipeline_stages.stage_specs(PRESETS["tiny"], 4, 4, 32)
+    with pytest.raises(ConfigError, match="needs --microbatches ≥ 2 × --pp"):
+        pipeline_schedules.build_schedule("dualpipev", 4, 7, 2)
+    with pytest.raises(ConfigError, match="two stages per rank"):
+        pipeline_schedules.build_schedule("zb-v", 4, 8, 1)
 
 
 def test_partition_is_balanced_and_covers_every_layer():
@@ -150,6 +224,8 @@ def test_partition_is_balanced_and_covers_every_layer():
     assert pipeline_stages.partition(cfg, 3, 128) == [(0, 1, 2), (3, 4, 5), (6, 7)]     # the head weighs on the last stage
     specs = pipeline_stages.stage_specs(cfg, 2, 2, 32)
     assert [s.index for s in pipeline_stages.rank_stages(specs, 2, 1)] == [1, 3] and specs[0].first and specs[-1].last
+    v = pipeline_stages.stage_specs(cfg, 4, 2, 32, pipeline_schedules.stage_ranks("zb-v", 4, 2))
+    assert [[s.index for s in pipeline_stages.rank_stages(v, 4, r)] for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
 
 
 def test_pruned_stage_keeps_reference_names():

@@ -150,6 +150,46 @@ def test_work_counts_every_computed_pair(measured):
         assert ratio == (1 if case["split"] == "zigzag" else want), (_label(case), group)
 
 
+# --- the online-softmax merge, in one process (exercise 06.merge: no ring, no split) ----------------------
+
+@pytest.mark.parametrize("scale", [1.0, 100.0])
+def test_merge_folds_blocks_into_one_softmax(scale):
+    """Keys in three blocks, each block's (out_b, lse_b) as one ring step computes it, folded into "no key yet"
+    (out 0, lse −∞): the result is attention over all keys at once, out and lse. At scale 100 the scores reach a
+    few hundred, where e^score overflows float32 (above 88): only a merge that subtracts the max survives it.
+    Rows 0-1 see no key of block 1 (lse_b −∞, out_b 0), as behind a causal mask."""
+    _, ring_attention, _ = _chapter()
+    gen = torch.Generator().manual_seed(0)
+    B, h, L, hd, sizes = 2, 3, 5, 8, (4, 6, 3)
+    q = torch.randn(B, h, L, hd, generator=gen)
+    keys = [torch.randn(B, h, n, hd, generator=gen) for n in sizes]
+    values = [torch.randn(B, h, n, hd, generator=gen) for n in sizes]
+    s = [scale * q @ k.transpose(-1, -2) / hd ** 0.5 for k in keys]          # (B, h, L, n) per block
+    s[1][:, :, :2] = float("-inf")
+    out, lse = torch.zeros(B, h, L, hd), torch.full((B, h, L), float("-inf"))
+    for s_b, v_b in zip(s, values):
+        lse_b = torch.logsumexp(s_b, -1)                                      # (B, h, L), −∞ on a hidden row
+        out_b = torch.nan_to_num(torch.softmax(s_b, -1)) @ v_b                # (B, h, L, hd), 0 on a hidden row
+        out, lse = ring_attention.merge(out, lse, out_b, lse_b)
+    every = torch.cat(s, -1)                                                  # (B, h, L, 13): all keys
+    want = {"out": torch.softmax(every, -1) @ torch.cat(values, 2), "lse": torch.logsumexp(every, -1)}
+    err = {name: ((got - want[name]).norm() / want[name].norm()).item() for name, got in (("out", out), ("lse", lse))}
+    finite = bool(torch.isfinite(out).all() and torch.isfinite(lse).all())
+    assert finite and max(err.values()) <= 1e-5, (
+        f"scale {scale:g} (scores up to {every.max():.0f}): merged relative errors {err}"
+        + ("" if finite else "; not finite: e^score overflows float32 unless the larger lse is subtracted first"))
+
+
+def test_timeline_totals_per_rank():
+    """train_cp.py --timeline's per-rank lines: wall seconds per kind, and the compute spans' CPU seconds."""
+    cp_timeline = import_module("06_context_parallel.cp_timeline")
+    events = [dict(rank=1, kind="compute", start=0.0, end=0.5, cpu_s=0.25), dict(rank=0, kind="wait", start=0.0, end=2.0, cpu_s=1.0),
+              dict(rank=1, kind="compute", start=1.0, end=1.25, cpu_s=0.125), dict(rank=0, kind="F", start=0.0, end=9.0)]
+    assert cp_timeline.seconds_per_rank(events) == {
+        0: {"compute": 0.0, "wait": 2.0, "post": 0.0, "compute_cpu": 0.0},
+        1: {"compute": 0.75, "wait": 0.0, "post": 0.0, "compute_cpu": 0.375}}
+
+
 # --- the split, in one process ------------------------------------------------------------------------
 
 def test_zigzag_chunks_and_positions():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from common.errors import ConfigError
 
-from . import commands, museum
+from . import commands, museum, wrong_answers
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -25,6 +25,10 @@ def parse(argv=None) -> argparse.Namespace:
     bug.add_argument("bug_id", nargs="?", default=None, help="a bug's id, or 'list'")
     bug.add_argument("--out", type=Path, default=None)
     bug.add_argument("--check", action="store_true", help="plant every bug (or the one named) and run the tests that must catch it")
+    wr = sub.add_parser("wrong", help="realistic wrong answers: 'wrong list', 'wrong ID --out DIR', 'wrong --check'")
+    wr.add_argument("wrong_id", nargs="?", default=None, help="EXERCISE.NAME (e.g. 06.merge.no_max), or 'list'")
+    wr.add_argument("--out", type=Path, default=None)
+    wr.add_argument("--check", action="store_true", help="plant each wrong answer (or the one named) and grade it")
     return p.parse_args(argv)
 
 
@@ -33,6 +37,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "bug" or (args.command == "grade" and args.bug):
             return museum.main(args)
+        if args.command == "wrong":
+            return wrong_answers.main(args)
         return commands.main(args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

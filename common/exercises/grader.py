@@ -3,7 +3,8 @@
     done                      every test that grades it passed (and only then: a skipped test checked nothing)
     not done                  its stub is still in the file, or its own NotImplementedError stopped a test
     waits on 02.f_g           its tests fail only where another exercise's NotImplementedError stopped them
-    wrong: <test>: <line>     a test failed on its own: the first failing comparison, in one line
+    wrong: <test>: <line>     a test failed on its own: the first failing comparison, in one line, and a hint
+                              of where to look when the line tells (`hint`)
     wrong: <test> does not import: <line>    the test's module (or the code it imports) did not load
     skipped: <test>: <reason> no test failed, but this one was skipped: the exercise is not graded yet
 
@@ -53,10 +54,29 @@ def first_failure(record: dict) -> str:
             found = [i for i, ln in enumerate(lines) if _EXCEPTION.match(ln)]
             if found:
                 i = found[-1]
-                if lines[i] == "AssertionError" and i > 0:           # a bare assert: show its source line
-                    return f"AssertionError: {lines[i - 1]}"[:300]
+                if lines[i] == "AssertionError" and i > 0:           # a bare assert: show its source line,
+                    j = i - 1                                         # not the ^^^ under it (Python 3.11+)
+                    while j > 0 and re.fullmatch(r"[\^~ ]+", lines[j]):
+                        j -= 1
+                    return f"AssertionError: {lines[j]}"[:300]
                 return lines[i][:300]
     return re.sub(r"^E\s+", "", line)[:300]          # pytest's "E   " prefix of a collection error
+
+
+# Where the failing line itself says where to look, a `wrong:` verdict adds one hint.
+_LOSS_VS_NORM = re.compile(r"losses differ by (\S+) \(≤ (\S+)\), gradient norms by (\S+) \(≤ (\S+)\)")
+
+
+def hint(line: str) -> str:
+    """One hint read from a failure line ("" when the line says nothing more than itself)."""
+    if re.match(r"(?:AssertionError: )?cp 1 \w", line):        # chapter 06's attention cases, by cp
+        return "fails already at cp 1: the local math, not the ring"
+    m = _LOSS_VS_NORM.search(line)
+    if m:
+        loss, loss_tol, norm, norm_tol = (float(x.rstrip("…")) for x in m.groups())
+        if loss <= loss_tol < norm_tol < norm:
+            return "the losses match and the gradient norms do not: forward is right; look at backward and the gradient sums"
+    return ""
 
 
 def blocked_by(text: str, me: Exercise) -> list[str]:
@@ -88,7 +108,8 @@ def verdict(ex: Exercise, repo: Path, outcomes: dict, quick: bool, units_wrong=f
     node, rec = failed[0]
     if rec.get("phase") == "collect":
         return Verdict(ex, "wrong", f"{short_test(node)} does not import: {first_failure(rec)}")
-    return Verdict(ex, "wrong", f"{short_test(node)}: {first_failure(rec)}")
+    line = first_failure(rec)
+    return Verdict(ex, "wrong", f"{short_test(node)}: {line}" + (f" (hint: {hint(line)})" if hint(line) else ""))
 
 
 def grade(exercises: list[Exercise], repo: Path, quick: bool = False, log=print) -> list[Verdict]:

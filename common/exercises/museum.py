@@ -1,8 +1,8 @@
 """The museum of real bugs: plant one in a copy of the course, find it with the course's tools, fix it.
 
     python -m common.exercises bug list                       # one line per exhibit: id, chapter, symptom
-    python -m common.exercises bug 06.stale_kv --out DIR      # a copy of the course with that bug planted
-    python -m common.exercises grade --bug 06.stale_kv --repo DIR   # "fixed", or the first test still failing
+    python -m common.exercises bug 06.bug1 --out DIR      # a copy of the course with that bug planted
+    python -m common.exercises grade --bug 06.bug1 --repo DIR   # "fixed", or the first test still failing
     python -m common.exercises bug --check [ID]               # plant each, run the tests that must catch it
 
 The exhibits are in museum_catalog.py. `--check` is the museum turned around: it measures the test
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from common.errors import ConfigError
 
-from .grader import first_failure
+from .grader import first_failure, hint
 from .museum_catalog import BY_ID, EXHIBITS, Exhibit
 from .repo_copy import ROOT, check_out, copy_repo, course_copy
 from .run_tests import run_tests
@@ -28,8 +28,16 @@ def exhibit(bug_id: str) -> Exhibit:
     return BY_ID[bug_id]
 
 
+def require_key(ex: Exhibit) -> None:
+    """A student's copy names each bug's symptom, not the bug: planting needs the instructor's checkout."""
+    if not ex.has_key:
+        raise ConfigError(f"bug {ex.id}: this copy of the course holds each bug's symptom, not the bug itself; "
+                          "plant it from the instructor's checkout")
+
+
 def planted_text(ex: Exhibit, text: str) -> str:
     """`text` (the file's content) with the exhibit's snippet replaced; the snippet must occur once."""
+    require_key(ex)
     n = text.count(ex.old)
     if n != 1:
         raise ConfigError(f"exhibit {ex.id} is stale: its snippet occurs {n} times in {ex.file} (must be once); "
@@ -50,7 +58,9 @@ def catch(ex: Exhibit, repo: Path) -> tuple[str | None, str]:
     for node in ex.catch:                          # a failure first: it is what catches the bug
         rec = results[node]
         if rec["status"] not in ("passed", "skipped"):
-            return node, ("does not import: " if rec.get("phase") == "collect" else "") + first_failure(rec)
+            line = first_failure(rec)
+            return node, ("does not import: " if rec.get("phase") == "collect" else "") + line + \
+                (f" (hint: {hint(line)})" if hint(line) else "")
     for node in ex.catch:
         if results[node]["status"] == "skipped":
             return node, f"skipped: {results[node]['line']}"
@@ -67,6 +77,7 @@ def list_exhibits() -> int:
 
 
 def make_copy(ex: Exhibit, out: Path) -> int:
+    require_key(ex)
     planted_text(ex, (ROOT / ex.file).read_text())          # stale? say so before copying anything
     check_out(out)
     copy_repo(out)
@@ -95,6 +106,8 @@ def grade(ex: Exhibit, repo: Path) -> int:
 def check(exhibits) -> int:
     """Plant each exhibit in a fresh copy and run its catching tests; write MUSEUM.md when all were checked."""
     rows, missed = [], 0
+    for ex in exhibits:
+        require_key(ex)
     for ex in exhibits:
         with tempfile.TemporaryDirectory(prefix="museum_") as tmp:
             repo = Path(tmp) / "repo"

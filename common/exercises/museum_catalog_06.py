@@ -1,10 +1,10 @@
 """Chapter 06's rows of the museum of real bugs (common/exercises/museum_catalog.py explains the fields):
 ring attention reusing stale K/V, a loss not reduced over the CP group, tokens counted before the CP split,
 an all-to-all putting the heads back in the wrong order."""
-from .museum_catalog import Exhibit
+from .museum_exhibit import Exhibit
 
 CP_EXHIBITS = (
-    Exhibit("06.stale_kv",
+    Exhibit("06.bug1",
         "context-parallel runs match one device at step 1 but not from step 2; the ring's bytes are as the "
         "formula says",
         "a ring-attention backward that reuses stale K/V",
@@ -22,7 +22,7 @@ CP_EXHIBITS = (
         "(`kv = kv_next`), like the forward; without it every step reuses the rank's own block, so the "
         "gradients are those of attention to one block, repeated. The bytes still equal the formula: "
         "everything is sent, it is just never used. Fix: advance `kv` after each hop in backward too."),
-    Exhibit("06.loss_not_reduced_over_cp",
+    Exhibit("06.bug2",
         "train_cp.py at cp 2 reports about half the loss of one device, yet it trains exactly as well",
         "a CP×TP loss not reduced over the context-parallel group",
         "06_context_parallel/train_cp.py",
@@ -38,7 +38,7 @@ CP_EXHIBITS = (
         "must sum the shares over every rank that holds other tokens: dp (other rows) *and* cp (other "
         "positions of the same rows). Summed over dp only, rank 0 reports the share of its own positions "
         "(with zig-zag, about half at cp 2). Fix: `global_sum` over `dp_cp`."),
-    Exhibit("06.aux_tokens_before_split",
+    Exhibit("06.bug3",
         "the 5D run with cp 2 reports twice chapter 05's aux loss, and its losses part from step 2",
         "tokens counted before the CP split (the balance statistics' denominator)",
         "common/moe_routing.py",
@@ -56,7 +56,7 @@ CP_EXHIBITS = (
         "group (the whole sequence's), so they must be divided by the whole sequence's slots, cp·S·k. "
         "Dividing by this rank's S·k counts the sequence's tokens as if it were not split: fᵢ is cp× too "
         "large, and so is the balance loss and its gradient. Fix: divide by `S * parts * top_k`."),
-    Exhibit("06.heads_out_of_order",
+    Exhibit("06.bug4",
         "--cp-attention alltoall runs, its bytes equal the formula and its work is balanced, but its losses "
         "part from one device's at step 1",
         "an all-to-all re-partition that puts the heads back in the wrong order",

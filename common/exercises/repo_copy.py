@@ -1,5 +1,6 @@
 """A copy of the repository: the files git tracks (or, outside a checkout, every file but the
-virtual environment, caches and runs), so a student copy or a museum copy is the course as shipped.
+virtual environment, caches and runs), without the instructor's answer keys (answer_keys.py names them),
+so a student copy or a museum copy is the course as a student receives it.
 
 `check_out` and `course_copy` are the command line's checks of a copy's folder: the one `make` and
 `bug ID` create (--out), and the one `grade` reads (--repo). Each refuses with one ConfigError before
@@ -10,6 +11,8 @@ import subprocess
 from pathlib import Path
 
 from common.errors import ConfigError
+
+from .answer_keys import is_key, write_public_files
 
 ROOT = Path(__file__).resolve().parents[2]
 _SKIP = {".venv", ".git", "runs", "__pycache__", ".pytest_cache", ".ipynb_checkpoints"}
@@ -51,12 +54,16 @@ def check_out(out: Path, src: Path = ROOT, flag: str = "--out") -> None:
 
 
 def copy_repo(out: Path, src: Path = ROOT) -> Path:
-    """Copy the repository at `src` to `out` (which must not exist or be empty: see `check_out`); returns `out`."""
+    """Copy the repository at `src` to `out` (which must not exist or be empty: see `check_out`), without
+    its answer keys; returns `out`."""
     out = Path(out)
     check_out(out, src)
     for rel in tracked_files(Path(src)):
+        if is_key(rel):                       # the answers stay in the instructor's checkout
+            continue
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(Path(src) / rel, out / rel)
+    write_public_files(out)
     return out
 
 

@@ -1,0 +1,84 @@
+"""`--compile`: torch.compile applied to each transformer block, the way large training frameworks do it.
+
+Why per block and not the whole model? Every block of a preset has the same code and the same shapes,
+so the compiler traces one block once and reuses the compiled code for the others (its parameters are
+inputs of the graph, not constants baked into it): a 24-layer model compiles as fast as a 1-layer
+one. And what lies *between* the blocks stays plain Python, which is exactly where the chapters do
+their own work: a pipeline stage's send/recv, ZeRO-3's all-gathers, the executor's schedule.
+
+`block.compile()` (nn.Module.compile) compiles the block *in place*: its parameters keep their names
+(`layers.3.attn.wq.weight`), so checkpoints, the optimizer's weight-decay groups and every
+chapter's name-based sharding see the same model as without `--compile`. The compiler runs at the
+block's first call, not here, so whatever a chapter later puts inside a block (chapter 02's
+tensor-parallel attention, chapter 05's expert-parallel MoE, chapter 06's ring attention) is what
+gets compiled.
+
+Where the compiler cannot follow. A collective written by hand (TP's f and g, the ring's send/recv,
+EP's all-to-all) is a call into the process group that the compiler does not trace: the graph breaks
+there, the compiler compiles the pieces before and after it, and the call itself runs as in eager
+mode (common/comm.py marks every collective so). A tensor-parallel block is then a few compiled pieces
+around its f and g; chapter 06's context-parallel attention and chapter 05's MoE layers are marked to
+run eagerly as a whole (the ring's bookkeeping, the routing's row counts that only the data decide),
+with the rest of their block compiled. The losses are the same either way; only the speed-up shrinks
+with each break.
+
+Backends (`--compile BACKEND`):
+  inductor   the default: generates fused kernels (Triton on a GPU, C++ on a CPU, which needs a C++
+             compiler and takes about a minute the first time on a laptop; later runs read a cache)
+  aot_eager  traces and differentiates each block exactly as inductor does, then runs PyTorch's own
+             kernels: no speed-up, but it compiles in seconds, so it checks on a laptop that a chapter's
+             blocks compile and give the eager losses (the tests use it)
+"""
+import importlib.util
+import shutil
+
+import torch
+
+from common.errors import require
+
+BACKENDS = ("none", "inductor", "aot_eager")
+
+
+def compile_blocks(model, backend: str):
+    """Mark every block of `model` (its `.layers`) to be compiled by `backend` at its first call."""
+    if backend == "none":
+        return model
+    for block in model.layers:
+        block.compile(backend=backend)
+    return model
+
+
+# Zero bubble's schedules split a block's backward in two: B now, W later, by giving each linear layer
+# a backward of its own that postpones dW (03_pipeline_parallel/zero_bubble.py). A compiled block has one
+# backward for the whole block, computed by the compiler's own code, which knows nothing of that split.
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-v", "dualpipev")
+
+
+def check_compile(args) -> None:
+    """Refuse, in one line, a --compile that cannot work here (before any process group exists)."""
+    backend, device, recompute = args.compile, args.device, args.recompute
+    if backend == "none":
+        return
+    schedule = getattr(args, "schedule", None)
+    require(schedule not in SPLIT_BACKWARD_SCHEDULES,
+            f"--compile {backend} with --schedule {schedule}: a compiled block's backward cannot be split into "
+            "zero bubble's B and W; use --schedule 1f1b (or gpipe, interleaved) with --compile")
+    require(torch._dynamo.is_dynamo_supported(),
+            f"--compile {backend}: torch.compile does not support this Python/PyTorch build; "
+            "leave --compile out (eager mode gives the same losses)")
+    # The recomputation of common/recompute.py runs a context of its own during backward's rerun (it
+    # tells the MoE router not to count twice), which torch.compile does not accept inside a graph.
+    require(recompute == "none",
+            f"--compile {backend} with --recompute {recompute}: the course's recomputation marks its "
+            "reruns with a context torch.compile cannot trace; use --recompute none with --compile")
+    if backend != "inductor":
+        return
+    cuda = device == "cuda" or (device is None and torch.cuda.is_available())
+    if cuda:
+        require(importlib.util.find_spec("triton") is not None,
+                "--compile inductor on a GPU needs Triton, which this PyTorch lacks; install a PyTorch build "
+                "with Triton, or use --compile aot_eager")
+    else:
+        require(any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")),
+                "--compile inductor on a CPU needs a C++ compiler (g++ or clang++) on PATH; install one, "
+                "or use --compile aot_eager (no speed-up, same losses)")

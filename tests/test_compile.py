@@ -1,0 +1,70 @@
+"""`--compile` (common/compile.py): the same losses as eager mode, on layouts whose blocks hold collectives.
+
+The backend is aot_eager: it traces and differentiates each block exactly as inductor does (graph
+breaks, the compiled backward) but runs PyTorch's own kernels, so it compiles in seconds, where
+inductor's C++ code generation takes a minute on a cold CPU. One group of two ranks runs
+tensor parallelism (f and g inside every block) and ring attention (the ring inside every attention),
+each eager and compiled. The refusals run in this process, stopped before any process group exists.
+"""
+from importlib import import_module
+from unittest import mock
+
+import pytest
+import torch.distributed as dist
+
+from common.errors import ConfigError
+from harness import every_rank, losses, run_group
+
+RUN = ["--steps", "2", "--quiet", "--global-batch", "2", "--seq-len", "32"]
+LAYOUTS = {"02_tensor_parallel.train_tp": ["--tp", "2"], "06_context_parallel.train_cp": ["--cp", "2"]}
+
+
+def run_counting_graphs(script: str, argv: list) -> tuple[list[dict], int]:
+    """(metrics rows, graphs the compiler built in this process so far): a job for the spawned ranks."""
+    import torch._dynamo
+    history = import_module(script).main(argv)
+    return history, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    jobs = []
+    for script, layout in LAYOUTS.items():
+        jobs += [("test_compile:run_counting_graphs", script, RUN + layout),
+                 ("test_compile:run_counting_graphs", script, RUN + layout + ["--compile", "aot_eager"])]
+    results = run_group(2, jobs)
+    return {script: (every_rank(results[2 * i]), every_rank(results[2 * i + 1])) for i, script in enumerate(LAYOUTS)}
+
+
+@pytest.mark.parametrize("script", LAYOUTS)
+def test_compiled_blocks_give_the_eager_losses(runs, script):
+    eager, compiled = runs[script]
+    for (rows, graphs_before), (compiled_rows, graphs_after) in zip(eager, compiled):
+        assert losses(compiled_rows) == pytest.approx(losses(rows), rel=1e-6)
+        # The blocks were compiled (the eager run builds no graph), cut around their collectives into a few
+        # pieces (a TP block: 9, counting each frame's pieces), and not traced again at step 2.
+        assert 1 <= graphs_after - graphs_before <= 12, graphs_after - graphs_before
+
+
+def refusal(script: str, argv: list) -> str:
+    """The one-line ConfigError `script` raises for argv, before it would create the process group."""
+    with mock.patch.object(dist, "init_process_group", side_effect=AssertionError("reached training")), \
+            pytest.raises(ConfigError) as err:
+        import_module(script).main(argv + ["--quiet"])
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("script, argv, says", [
+    ("03_pipeline_parallel.train_pp", ["--compile", "--schedule", "zb-h1"], "use --schedule 1f1b"),
+    ("01_data_parallel.train_dp", ["--compile", "aot_eager", "--recompute", "full"], "use --recompute none"),
+    ("02_tensor_parallel.train_tp", ["--compile", "--impl", "torch"], "use --impl ours"),
+])
+def test_what_cannot_compile_is_refused_in_one_line(script, argv, says):
+    assert says in refusal(script, argv)
+
+
+def test_compile_alone_means_inductor():
+    parse_args = import_module("01_data_parallel.train_dp").parse_args
+    assert parse_args(["--compile"]).compile == "inductor"
+    assert parse_args([]).compile == "none"
