@@ -5,3 +5,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # `common` and the chapters (`importlib.import_module("02_tensor_parallel.x")`)
 sys.path.insert(0, str(ROOT / "tests"))
 
+
+
+def pytest_collection_modifyitems(config, items):
+    """The notebooks first (stable sort: the rest in their order). `make test` runs the files on two workers,
+    each file whole on one; the notebooks' file is the longest (every notebook in a kernel, two at a time,
+    about 170 s on 2 cores) and, left in its alphabetical place, ran alone at the end while the other
+    core idled."""
+    items.sort(key=lambda item: Path(str(item.fspath)).name != "test_notebooks.py")
