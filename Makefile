@@ -20,7 +20,7 @@ run: $(STAMP)
 	$(TORCHRUN) --nproc_per_node=8 04_3d_combined/train_3d.py --metrics runs/3d/metrics.jsonl
 	$(PY) 04_3d_combined/plot_loss.py runs/3d/metrics.jsonl
 
-# The whole test suite (CPU, gloo; under 10 minutes on 2 cores).
+# The whole test suite (CPU, gloo; about 10 minutes on 2 cores, two workers).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
