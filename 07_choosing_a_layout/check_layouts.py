@@ -17,7 +17,6 @@ planner's own first choice.
 """
 import argparse
 import json
-import re
 import sys
 import tempfile
 from importlib import import_module
