@@ -72,6 +72,11 @@ def test_verdicts_read_the_failures():
     carets = bare.replace("want)\n", "want)\nE              ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n")   # Python 3.11's markers
     assert grader.first_failure({"line": "AssertionError: expected 'ok' on every rank; got:", "text": carets}) == \
         "AssertionError: assert torch.equal(x.grad, want)"
+    # a job that raised on a rank: the later jobs show "not run: … with <its traceback>"; its exception is shown
+    skipped = "E   AssertionError: not run: this rank stopped at job 0 (train:main) with\nE   Traceback (most recent " \
+              "call last):\nE     File \"d.py\", line 9, in sync\nE   RuntimeError: bucket 0 saw 0 gradients\n"
+    assert grader.first_failure({"line": "AssertionError: not run: this rank stopped at job 0 (train:main) with",
+                                 "text": skipped}) == "RuntimeError: bucket 0 saw 0 gradients"
     # 02.f_g's own test passes, the layout run it shares with 02.row_parallel fails: the wrong one is blamed
     f_g, row = catalog.BY_ID["02.f_g"], catalog.BY_ID["02.row_parallel"]
     shared = {f_g.units[0]: {"status": "passed", "line": "", "text": ""}, f_g.layout: wrong[node]}

@@ -177,7 +177,7 @@ EXERCISES = [
              "exchange_counts: the row counts every rank will send, exchanged before the rows",
              "5. Expert parallelism: the all-to-all",
              "view the (E,) counts as (ep, E/ep): row j goes to rank j; one all_to_all_single with splits of 1 row each",
-             units=("tests/test_moe_ep.py::test_all_to_all_and_mesh",
+             units=("tests/test_moe_ep.py::test_counts_are_exchanged_before_the_rows",
                     "tests/test_moe_ep.py::test_expert_parallel_layer_equals_single_device_layer"),
              layout="tests/test_moe_ep.py::test_training_matches_world_size_one[2]",
              wrong=(('transposed', 'views the counts as (E/ep, ep), transposed: rank j gets a column'),

@@ -1,6 +1,7 @@
 """`grade`: one pytest run over every test of a chapter's exercises, then one verdict per exercise.
 
-    done                      every test that grades it passed (and only then: a skipped test checked nothing)
+    done                      every test that grades it passed (and only then: a skipped test checked nothing);
+                              its layout run is left for later while an exercise sharing it is not written
     not done                  its stub is still in the file, or its own NotImplementedError stopped a test
     waits on 02.f_g           its tests fail only where another exercise's NotImplementedError stopped them
     wrong: <test>: <line>     a test failed on its own: the first failing comparison, in one line, and a hint
@@ -47,9 +48,12 @@ def short_test(node: str) -> str:
 def first_failure(record: dict) -> str:
     """One line: the failing comparison, or the exception that stopped a rank."""
     line = record.get("line", "").strip()
-    if "on every rank; got:" in line or not line:
+    if "on every rank; got:" in line or "not run: this rank stopped at job" in line or not line:
         text = re.sub(r"(?m)^E {3,}", "", record.get("text", ""))       # pytest's "E   " before each line
-        for block in _RANK_BLOCK.findall(text):
+        blocks = _RANK_BLOCK.findall(text)
+        if not blocks and "not run: this rank stopped at job" in text:   # one rank's job raised: its traceback
+            blocks = [text.split("not run: this rank stopped at job", 1)[1]]
+        for block in blocks:
             lines = [ln.strip() for ln in block.splitlines()]
             found = [i for i, ln in enumerate(lines) if _EXCEPTION.match(ln)]
             if found:
@@ -84,16 +88,30 @@ def blocked_by(text: str, me: Exercise) -> list[str]:
     return [ex_id for ex_id in BY_ID if ex_id != me.id and stub_prefix(BY_ID[ex_id]) in text]
 
 
+def layout_waits(ex: Exercise, repo: Path) -> list[str]:
+    """The other exercises that share ex's layout run and are not written yet. Until they are, that run
+    cannot pass whatever ex holds, so ex is graded on its own tests alone: a student who writes a
+    chapter's exercises in the LAB's order never sees one wait on a later one."""
+    return [o.id for o in BY_ID.values() if o.id != ex.id and o.layout == ex.layout and unsolved(repo, o)]
+
+
+def graded_nodes(ex: Exercise, repo: Path, quick: bool) -> list[str]:
+    """The tests that grade ex now: its units, and its layout run unless --quick or layout_waits."""
+    return ex.node_ids(quick or bool(layout_waits(ex, repo)))
+
+
 def verdict(ex: Exercise, repo: Path, outcomes: dict, quick: bool, units_wrong=frozenset()) -> Verdict:
     """`units_wrong`: the exercises of this run whose own unit tests failed. When only the layout run
     fails and it is shared with one of them, that one is the likelier culprit: this one waits on it."""
     if unsolved(repo, ex):
         return Verdict(ex, "not done")
-    nodes = ex.node_ids(quick)
+    nodes = graded_nodes(ex, repo, quick)
     failed = [(node, outcomes[node]) for node in nodes if outcomes[node]["status"] not in ("passed", "skipped")]
     skipped = [(node, outcomes[node]) for node in nodes if outcomes[node]["status"] == "skipped"]
     if not failed and not skipped:
-        return Verdict(ex, "done")
+        later = layout_waits(ex, repo)
+        return Verdict(ex, "done", f"its own tests; its layout run waits on {', '.join(later)}"
+                       if later and not quick else "")
     if not failed:
         node, rec = skipped[0]
         return Verdict(ex, "skipped", f"{short_test(node)}: {rec['line'] or 'skipped'}")
@@ -116,7 +134,7 @@ def grade(exercises: list[Exercise], repo: Path, quick: bool = False, log=print)
     """Run every test of `exercises` in `repo` in one pytest run, print one line per exercise, and
     return the verdicts."""
     todo = [ex for ex in exercises if not unsolved(repo, ex)]     # a stub still there needs no test run
-    nodes = list(dict.fromkeys(node for ex in todo for node in ex.node_ids(quick)))
+    nodes = list(dict.fromkeys(node for ex in todo for node in graded_nodes(ex, repo, quick)))
     log(f"grading {len(exercises)} exercise(s) in {repo}: {len(todo)} written, {len(nodes)} test(s) to run",
         flush=True)
     t0 = time.perf_counter()

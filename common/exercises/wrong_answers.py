@@ -8,13 +8,16 @@ An exercise lists its wrong answers in catalog.py (`wrong=`: a name and what the
 each is one edit of the reference body in wrong_answers_key.py, which only the instructor's checkout holds.
 `--check` is the grader turned around, like the museum's: it plants each in one copy of the course, grades
 the exercise (its unit tests first; the layout run only if they pass) and writes
-common/exercises/WRONG_ANSWERS.md. A wrong answer graded anything but `wrong:` is a gap in the tests."""
+common/exercises/WRONG_ANSWERS.md. A wrong answer graded anything but `wrong:` is a gap in the tests. The
+whole check then writes every exercise in the LABs' order and grades each as it is written (in_order.py):
+each must read `done`, never `waits on` one the LAB sets later."""
 import tempfile
 import time
 from pathlib import Path
 
 from common.errors import ConfigError
 
+from . import in_order
 from .catalog import EXERCISES, Exercise
 from .grader import Verdict, grade
 from .repo_copy import ROOT, check_out, copy_repo
@@ -68,11 +71,14 @@ def check(ids: list[str]) -> int:
             path.write_text(original)
             print(f"{wid:<44} {v.status:<9} {seconds:5.0f} s  {v.detail[:120]}", flush=True)
             rows.append((wid, said, v, full, seconds))
-    if len(rows) == len(ALL):
-        WRONG_MD.write_text(table(rows))
-        print(f"written: {WRONG_MD.relative_to(ROOT)}")
     missed = sum(v.status != "wrong" for _, _, v, _, _ in rows)
     print(f"{len(rows) - missed} of {len(rows)} graded wrong, {sum(r[4] for r in rows):.0f} s of tests")
+    if len(rows) == len(ALL):                       # all of them: then the right answers, in the LABs' order
+        print("the exercises written in order, each graded as soon as it is written:")
+        ordered = in_order.check_in_order()
+        WRONG_MD.write_text(table(rows) + "\n" + in_order.table(ordered))
+        print(f"written: {WRONG_MD.relative_to(ROOT)}")
+        missed += sum(v.status != "done" for _, v, _ in ordered)
     return 1 if missed else 0
 
 
