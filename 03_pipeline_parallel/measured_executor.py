@@ -20,6 +20,8 @@ saves, and a storage look-up for each at the end of every F); `meter_activations
 (train_pp.py --no-activation-meter) leaves it out, and the peak is then None (not measured).
 breakdown_pp.py measures what each costs per step.
 """
+import threading
+
 import torch
 
 from common.activation_meter import ActivationMeter, parameter_storages, storages
@@ -63,7 +65,9 @@ class MeasuredExecutor(pipeline_executor.PipelineExecutor):
                 outgoing = super().compute(a, received, tokens, targets)
         else:
             outgoing = super().compute(a, received, tokens, targets)
-        self.timeline.add(a.kind, start, self.timeline.now(), mb=a.mb, stage=a.stage)   # compute only
+        thread = threading.current_thread().name       # another than the main one: chapter 05's pairs
+        self.timeline.add(a.kind, start, self.timeline.now(), mb=a.mb, stage=a.stage,   # compute only
+                          **({} if thread == "MainThread" else {"thread": thread}))
         if self.meter_activations:
             self._count_activations(a, saved)
         return outgoing

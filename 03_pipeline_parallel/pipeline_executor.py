@@ -88,6 +88,11 @@ def incoming_order(schedule, me: int, n_stages: int) -> dict[int, list[Key]]:
     # <<< exercise 03.receive_order
 
 
+def last_grad_actions(actions) -> dict[int, int]:
+    """stage -> the index of its last B or W in a rank's action list: its gradients are final after it."""
+    return {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
+
+
 def stage_parameters(model: nn.Module, spec) -> list[nn.Parameter]:
     """The trainable parameters of one stage (a StageSpec) of the pruned stage model."""
     mods = ([model.tok_emb] if spec.first else []) + [model.layers[i] for i in spec.layers] + (
@@ -154,11 +159,18 @@ class PipelineExecutor:
         self.posted, self.local, self.sends = {}, {}, []
         self.in_flight: dict[tuple[int, int], InFlight] = {}  # (micro-batch, stage) -> its tensors
         self.loss = torch.zeros((), device=self.device)
-        last_grad_action = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
         if self.post_all_at_start:                      # gloo: every message of the step can travel now
             for src, queue in self.order.items():
                 if queue:
                     self._post_until(queue[-1], src)
+        self.run_actions(actions, tokens, targets, on_stage_grads_ready or (lambda stage: None))
+        self.wait_sends()
+        assert not self.in_flight and not self.posted, "schedule left work unfinished"
+        return self.loss
+
+    def run_actions(self, actions, tokens: list, targets: list, on_stage_grads_ready) -> None:
+        """This rank's actions, one after the other. (Chapter 05 runs DualPipeV's pairs two at once.)"""
+        last_grad_action = last_grad_actions(actions)
         for i, a in enumerate(actions):
             if not self.post_all_at_start and i + 1 < len(actions):
                 self.post_ahead(actions[i + 1])         # NCCL: start the next message's transfer now
@@ -166,11 +178,8 @@ class PipelineExecutor:
             outgoing = self.compute(a, received, tokens, targets)
             if outgoing is not None:
                 self.send(*outgoing)
-            if on_stage_grads_ready and last_grad_action[a.stage] == i:
+            if last_grad_action[a.stage] == i:
                 on_stage_grads_ready(a.stage)
-        self.wait_sends()
-        assert not self.in_flight and not self.posted, "schedule left work unfinished"
-        return self.loss
 
     # --- messages --------------------------------------------------------------------------------
     def _post_until(self, key: Key, src: int) -> None:

@@ -167,14 +167,16 @@ def build_optimizer(named, mesh, layout, args, cfg, full_optim=None, kind_of=lam
     return optimizer
 
 
-def build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timeline):
+def build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timeline,
+                   executor_class=measured_executor.MeasuredExecutor, **more):
     """Chapter 03's executor for this rank's stages. Build it after the optimizer: ZeRO moves the
     parameters into flat buffers, and the executor notes where the parameters live (to leave them
-    out of its activation bytes)."""
-    return measured_executor.MeasuredExecutor(
+    out of its activation bytes). `executor_class`, `more`: a later chapter's executor and its arguments
+    (chapter 05's PairedExecutor and its twin groups)."""
+    return executor_class(
         model, specs, mesh.coord("pp"), mesh.group_ranks["pp"], mesh.group("pp"), act_shape,   # (mb, S or S/tp, D)
         loss_fn=loss_fn, loss_scale=args.global_batch * args.seq_len, device=device,
-        autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline)
+        autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline, **more)
 
 
 def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shape, device, timeline,

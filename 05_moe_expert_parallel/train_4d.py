@@ -14,13 +14,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common` and the chapters
 
+import torch
 import torch.distributed as dist
 
 from common import comm
 from common.cli import base_parser
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed
-from common.errors import run_main
+from common.errors import require, run_main
 from common.mesh import Mesh
 from common.metrics import RunLog
 from common.model import loss_sum
@@ -33,12 +34,17 @@ parallel_3d = import_module("04_3d_combined.parallel_3d")                      #
 run_tail = import_module("04_3d_combined.run_tail")                            # chapter 04: all but the step
 parallel_4d = import_module("05_moe_expert_parallel.parallel_4d")              # this chapter: + EP
 trainer_4d = import_module("05_moe_expert_parallel.trainer_4d")                # this chapter: the 4D verbs
+paired_executor = import_module("05_moe_expert_parallel.paired_executor")      # this chapter: DualPipeV's pairs
 
 
 def parser():
     p = base_parser(__doc__.splitlines()[0], pipeline=True)
     p.set_defaults(model="tiny-moe")
     parallel_4d.add_4d_args(p)
+    p.add_argument("--pair-overlap", action="store_true",
+                   help="DualPipeV: run each of its pairs (one micro-batch's forward, another's backward) on two "
+                        "threads, so that one's all-to-all waits under the other's compute (paired_executor.py); "
+                        "needs --schedule dualpipev, on CPU")
     return p
 
 
@@ -50,6 +56,11 @@ def checked_layout(args, world: int, cfg=None):
     """Every check this run makes before any communication, on every rank: (layout, cfg, specs, plan).
     Chapter 07's planner asks the same function whether a layout runs (`cfg`: a published shape)."""
     layout, cfg = parallel_4d.decide_layout(args, world, cfg)            # bad layouts fail here, on every rank
+    if args.pair_overlap:
+        require(args.schedule == "dualpipev", f"--pair-overlap runs DualPipeV's pairs, but --schedule {args.schedule} "
+                                              f"has none; add --schedule dualpipev")
+        require((args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu", "--pair-overlap runs a pair on two CPU threads (on a GPU it "
+                                                      "would need a second CUDA stream); add --device cpu")
     specs, plan = parallel_3d.plan_pipeline(args, cfg, layout)           # chapter 03: stages and actions
     return layout, cfg, specs, plan
 
@@ -69,16 +80,21 @@ def main(argv=None) -> list[dict]:
     loss_fn = (lambda logits, y: tensor_parallel.tp_loss_sum(logits, y, tp_group)) if layout.tp > 1 else loss_sum
     shape = parallel_3d.act_shape(args, cfg, layout)                           # (mb, S or S/tp, D)
     timeline = Timeline(rt.rank)
+    paired_executor.time_all_to_alls(timeline)                                 # the all-to-alls' waits, per step
+    # --pair-overlap: a pair's backward talks on twins of the groups a stage's compute uses (a collective)
+    twins = paired_executor.twin_groups(mesh, ("ep", "tp")) if args.pair_overlap else None
     # AdamW on my piece; gradients summed as Layout4D.gradient_groups() says: dense over dp, experts over edp
     trainer = trainer_4d.build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, shape, rt.device,
-                                       timeline, resume and resume["optim"])
+                                       timeline, resume and resume["optim"], twins)
     start, tokens_per_step = (resume["step"] if resume else 0), args.global_batch * args.seq_len
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet, append=args.resume)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py: active experts)
     # chapter 04's bookkeeping before and after each step, with this chapter's bytes, numbers and replicas:
     # the ep ranks of replica edp = 0 hold every expert once between them, and write the checkpoint
     tail = run_tail.RunTail(log, rt, args, cfg, layout, mesh, data, trainer, timeline, my_specs, loss_fn, shape,
-                            groups=("dp", "tp", "pp", "ep"), chapter_metrics=(trainer.router_metrics,),
+                            groups=("dp", "tp", "pp", "ep"),
+                            chapter_metrics=(trainer.router_metrics,
+                                             lambda: paired_executor.step_metrics(timeline, trainer.executor)),
                             replica_dims=("edp",))
     tail.print_start("4D parallel pretraining", "torchrun --nproc_per_node=8 05_moe_expert_parallel/train_4d.py", start,
                      *parallel_4d.console_rows(cfg, args, layout))

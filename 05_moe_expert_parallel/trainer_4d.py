@@ -28,6 +28,7 @@ import torch
 from common.moe_args import routing_options
 from common.step_protocol import counted_here
 
+from . import paired_executor
 from .expert_parallel import is_expert_param
 from .router_statistics import RouterStatistics
 
@@ -82,14 +83,16 @@ class ZeroTrainer4D(Trainer4D, trainer_3d.ZeroTrainer3D):
 
 
 def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shape, device, timeline,
-                  full_optim=None) -> Trainer4D:
+                  full_optim=None, twins=None) -> Trainer4D:
     """Chapter 04's pieces (AdamW on this rank's piece, the executor), plus this rank's router statistics,
-    and the groups its gradients are summed over, named by the layout."""
+    and the groups its gradients are summed over, named by the layout. `twins` (--pair-overlap): the twin
+    groups DualPipeV's pairs run their backward on (paired_executor.py)."""
     named = list(model.named_parameters())
     # AdamW, or ZeRO on each kind of state over its own group: dense over dp, experts over edp (chapter 04)
     optimizer = trainer_3d.build_optimizer(named, mesh, layout, args, cfg, full_optim,
                                            kind_of=lambda name: "experts" if is_expert_param(name) else "dense")
-    executor = trainer_3d.build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timeline)
+    paired = {"executor_class": paired_executor.PairedExecutor, "twins": twins} if twins is not None else {}
+    executor = trainer_3d.build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timeline, **paired)
     # this rank's MoE layers under their global index (chapter 03's stages keep it): every stage fills the
     # rows of its own layers; the TP ranks of a stage route the same tokens, so tp rank 0 counts them (under
     # sequence parallelism each TP rank routes its own positions of them, and every rank counts)

@@ -16,7 +16,9 @@ These are the volumes the textbook formulas talk about; the backend may move byt
 what a packet sniffer would see. The scalar bookkeeping (the loss and gradient norm for printing,
 a few bytes per step) is not counted.
 """
+import threading
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -28,10 +30,12 @@ class CommCounter:
     def __init__(self):
         self.sent = defaultdict(int)
         self.received = defaultdict(int)
+        self.lock = threading.Lock()       # two threads of one rank may count at once (chapter 05's pairs)
 
     def add(self, name: str, sent: float, received: float):
-        self.sent[name] += int(sent)
-        self.received[name] += int(received)
+        with self.lock:
+            self.sent[name] += int(sent)
+            self.received[name] += int(received)
 
     def reset(self):
         self.sent.clear()
@@ -52,6 +56,33 @@ COUNTER = CommCounter()
 # counter and all. A chapter's autograd Function that calls one (TP's f and g, the ring's exchange) then
 # runs eagerly as a whole, between two compiled pieces.
 eager = torch.compiler.disable
+
+
+# Twin communicators. A rank that runs two pieces of work at once on two threads (chapter 05 runs DualPipeV's
+# pair, one micro-batch's forward beside another's backward) must not let both talk on one process group: the
+# peers would see the two threads' collectives in whichever order the threads happened to reach them. So the
+# second thread talks on a twin of each group (the same ranks, its own communicator): inside
+# `with on_twins({group: twin})` every collective below that names `group` runs on `twin`, in this thread only.
+_THREAD = threading.local()
+
+
+@contextmanager
+def on_twins(twins: dict):
+    _THREAD.twins = twins
+    try:
+        yield
+    finally:
+        _THREAD.twins = {}
+
+
+def _on(group):
+    """The group a collective of this thread runs on: its twin inside `on_twins`, else itself."""
+    return getattr(_THREAD, "twins", {}).get(group, group)
+
+
+# Where a run draws its all-to-alls on a timeline (chapter 05), it sets this to a function(name) that returns
+# a context manager timing one exchange, entered in the thread that runs it.
+ALL_TO_ALL_SPAN = None
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -77,7 +108,7 @@ def all_reduce(t, group=None, name="dp", async_op=False, op=dist.ReduceOp.SUM):
     COUNTER.add(name, RING_SHARE["all_reduce"](N) * n, RING_SHARE["all_reduce"](N) * n)
     if N == 1:
         return None
-    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    return dist.all_reduce(t, op=op, group=_on(group), async_op=async_op)
 
 
 @eager
@@ -88,7 +119,7 @@ def all_gather_into(output, shard, group=None, name="dp", async_op=False):
     if N == 1:
         output.copy_(shard.reshape(output.shape))
         return None
-    return dist.all_gather_single(output, shard, group=group, async_op=async_op)
+    return dist.all_gather_single(output, shard, group=_on(group), async_op=async_op)
 
 
 @eager
@@ -99,7 +130,7 @@ def reduce_scatter_into(output, full, group=None, name="dp", async_op=False, op=
     if N == 1:
         output.copy_(full.reshape(output.shape))
         return None
-    return dist.reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
+    return dist.reduce_scatter_single(output, full, op=op, group=_on(group), async_op=async_op)
 
 
 @eager
@@ -110,19 +141,19 @@ def broadcast(t, src: int, group=None, name="dp"):
         return
     me = dist.get_rank()
     COUNTER.add(name, _nbytes(t) if me == src else 0, 0 if me == src else _nbytes(t))
-    dist.broadcast(t, src=src, group=group)
+    dist.broadcast(t, src=src, group=_on(group))
 
 
 @eager
 def send(t, dst: int, group=None, name="pp"):
     COUNTER.add(name, _nbytes(t), 0)
-    return dist.isend(t.contiguous(), dst=dst, group=group)
+    return dist.isend(t.contiguous(), dst=dst, group=_on(group))
 
 
 @eager
 def recv(t, src: int, group=None, name="pp"):
     COUNTER.add(name, 0, _nbytes(t))
-    return dist.irecv(t, src=src, group=group)
+    return dist.irecv(t, src=src, group=_on(group))
 
 
 @eager
@@ -136,8 +167,8 @@ def exchange(pairs: list, dst: int, src: int, group=None, name="pp") -> list:
     ops = []
     for tag, (outgoing, incoming) in enumerate(pairs):
         COUNTER.add(name, _nbytes(outgoing), _nbytes(incoming))
-        ops += [dist.P2POp(dist.isend, outgoing.contiguous(), dst, group, tag),
-                dist.P2POp(dist.irecv, incoming, src, group, tag)]
+        ops += [dist.P2POp(dist.isend, outgoing.contiguous(), dst, _on(group), tag),
+                dist.P2POp(dist.irecv, incoming, src, _on(group), tag)]
     return dist.batch_isend_irecv(ops) if ops else []
 
 
@@ -152,4 +183,8 @@ def all_to_all_single(output, inp, output_splits, input_splits, group=None, name
     if dist.get_world_size(group) == 1:
         output.copy_(inp)
         return
-    dist.all_to_all_single(output, inp, output_splits, input_splits, group=group)
+    if ALL_TO_ALL_SPAN is None:
+        dist.all_to_all_single(output, inp, output_splits, input_splits, group=_on(group))
+        return
+    with ALL_TO_ALL_SPAN(name):
+        dist.all_to_all_single(output, inp, output_splits, input_splits, group=_on(group))

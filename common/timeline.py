@@ -190,12 +190,19 @@ def write_chrome_trace(path, events: list[dict], metadata: dict | None = None) -
     for e in sorted(events + idle_events(events), key=lambda e: (e["rank"], e["start"])):
         args = {k: v for k, v in e.items() if k not in ("rank", "kind", "start", "end")}
         name = e["kind"] + (str(e["mb"]) if "mb" in e else "")
-        trace.append({"name": name, "cat": e["kind"], "ph": "X", "pid": 0, "tid": e["rank"],
+        trace.append({"name": name, "cat": e["kind"], "ph": "X", "pid": 0, "tid": _row(e),
                       "ts": e["start"] * 1e6, "dur": (e["end"] - e["start"]) * 1e6, "args": args})
-    for r in sorted({e["rank"] for e in events}):
-        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
+    for e in {_row(e): e for e in events}.values():
+        label = f"rank {e['rank']}" + (f", {e['thread']} thread" if "thread" in e else "")
+        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": _row(e), "args": {"name": label}})
     path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms", "metadata": metadata or {}}))
     return path
+
+
+def _row(e: dict) -> int:
+    """A rank's row of the trace; spans from a second thread of the rank (chapter 05's pairs, labelled
+    "thread") on a row of their own below all ranks."""
+    return e["rank"] + (1000 if "thread" in e else 0)
 
 
 def load_trace(path) -> tuple[list[dict], dict]:
@@ -205,6 +212,6 @@ def load_trace(path) -> tuple[list[dict], dict]:
     for t in data["traceEvents"]:
         if t.get("ph") != "X" or t["cat"] == "idle":
             continue
-        events.append({"rank": t["tid"], "kind": t["cat"], "start": t["ts"] / 1e6,
+        events.append({"rank": t["tid"] % 1000, "kind": t["cat"], "start": t["ts"] / 1e6,
                        "end": (t["ts"] + t["dur"]) / 1e6, **t.get("args", {})})
     return events, data.get("metadata", {})

@@ -7,7 +7,8 @@ within 1e-5 relative, the same expert loads. One spawned group per world size (1
 
     8 ranks  dp 2 = edp 1 × ep 2, tp 2, pp 2, saving checkpoints; dp 4 = edp 1 × ep 4, pp 2; the first's
              checkpoint of step 1 resumed as the second (dropless, balancing terms 10× the defaults)
-    4 ranks  dp 2 = edp 1 × ep 2, pp 2 under ZB-H1 and under DualPipeV; dp 4 = edp 2 × ep 2 (two ranks hold each expert: the
+    4 ranks  dp 2 = edp 1 × ep 2, pp 2 under ZB-H1 and under DualPipeV, its pairs one after the other
+             and two at once (--pair-overlap; also at 8 ranks with tp 2); dp 4 = edp 2 × ep 2 (two ranks hold each expert: the
              edp all-reduce); dp 2 = edp 1 × ep 2, tp 2 (the selection biases must stay equal over each
              TP group); all with bias balancing and a capacity factor; bad 4D layouts refused on every rank
 (Layout names below: "dp2·ep2" is dp 2 with ep 2 inside it, so edp = dp/ep.)
@@ -28,10 +29,16 @@ MODES = {"strong aux": ["--aux-loss-coef", "0.1", "--z-loss-coef", "0.01"],
          "bias + capacity": ["--router-bias-rate", "0.01", "--capacity-factor", "1.0"]}
 # world -> name -> (mode, (dp, ep, tp, pp), extra flags)
 RUNS = {8: {"dp2·ep2 × tp2 × pp2": ("strong aux", (2, 2, 2, 2), []),
+            # pairs with TP: the backward's all-reduces too on twin groups
+            "dp2·ep2 × tp2 × pp2 dualpipev paired": ("strong aux", (2, 2, 2, 2), ["--schedule", "dualpipev",
+                                                                                  "--microbatches", "4", "--pair-overlap"]),
             "dp4·ep4 × pp2": ("strong aux", (4, 4, 1, 2), [])},
         4: {"dp2·ep2 × pp2 zb-h1": ("bias + capacity", (2, 2, 1, 2), ["--schedule", "zb-h1", "--microbatches", "2"]),
             # DualPipeV (two stages per rank, in a V) with the experts' all-to-all inside each stage
             "dp2·ep2 × pp2 dualpipev": ("bias + capacity", (2, 2, 1, 2), ["--schedule", "dualpipev", "--microbatches", "4"]),
+            # and its pairs run two at once: a forward on a second thread beside a backward (paired_executor.py)
+            "dp2·ep2 × pp2 dualpipev paired": ("bias + capacity", (2, 2, 1, 2), ["--schedule", "dualpipev",
+                                                                                 "--microbatches", "4", "--pair-overlap"]),
             "dp4·ep2": ("bias + capacity", (4, 2, 1, 1), []),
             # TP with bias balancing: every TP rank must update its copy of the selection bias alike
             "dp2·ep2 × tp2": ("bias + capacity", (2, 2, 2, 1), [])}}
@@ -41,7 +48,9 @@ BAD = {"ep does not divide dp": (["--model", "tiny-moe", "--dp", "2", "--tp", "2
                                  "--ep 4 does not divide --dp 2"),
        "experts do not split": (["--model", "tiny-moe", "--dp", "4", "--tp", "1", "--pp", "1", "--ep", "3"],
                                 "the model's 8 experts do not split over --ep 3"),
-       "dense preset": (["--model", "tiny", "--ep", "2"], "--ep needs a mixture-of-experts model, but --model tiny is dense")}
+       "dense preset": (["--model", "tiny", "--ep", "2"], "--ep needs a mixture-of-experts model, but --model tiny is dense"),
+       "pairs without dualpipev": (["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--pp", "2", "--pair-overlap"],
+                                   "--pair-overlap runs DualPipeV's pairs, but --schedule 1f1b has none")}
 
 
 def layout(dp, ep, tp, pp, *extra) -> list[str]:
@@ -90,6 +99,33 @@ def test_every_4d_layout_matches_chapter_05_on_one_device(groups, reference, wor
         assert history[-1]["comm_bytes_ep"] > 0 and (history[-1]["comm_bytes_pp"] > 0) == (pp > 1), name
         if "capacity" in mode:
             assert all(r["dropped_fraction"] > 0 for r in history), name
+
+
+def test_dualpipev_pairs_run_two_at_once_and_hide_all_to_all_waits(groups):
+    """--pair-overlap: every rank ran pairs (none without it), and the all-to-all time no thread computed
+    under is at most the time spent in all-to-alls; one action at a time, the two are the same."""
+    for world, name in ((4, "dp2·ep2 × pp2 dualpipev paired"), (8, "dp2·ep2 × tp2 × pp2 dualpipev paired"),
+                        (4, "dp2·ep2 × pp2 dualpipev")):
+        paired = name.endswith("paired")
+        for rank, rows in enumerate(every_rank(groups[world][name])):
+            for r in rows:
+                assert (r["pairs_run"] > 0) == paired, (name, rank, r["pairs_run"])
+                assert 0 < r["a2a_exposed_s"] <= r["a2a_wait_s"] + 1e-9, (name, rank, r)
+                if not paired:
+                    assert abs(r["a2a_exposed_s"] - r["a2a_wait_s"]) < 1e-9, (name, rank, r)
+
+
+def test_exposed_all_to_all_counts_waits_no_thread_computes_under():
+    """Spans by hand: a forward thread waits 2–4 in an all-to-all while the main thread computes 1–3:
+    1 s of the 2 s wait is exposed; validation's all-to-all outside every action is not counted."""
+    exposed = import_module("05_moe_expert_parallel.paired_executor").exposed_all_to_all
+    events = [{"kind": "F", "start": 0.0, "end": 5.0, "thread": "forward_0"},
+              {"kind": "a2a", "start": 2.0, "end": 4.0, "thread": "forward_0"},
+              {"kind": "B", "start": 1.0, "end": 3.0},
+              {"kind": "a2a", "start": 6.0, "end": 7.0}]                         # after the step's actions
+    assert exposed(events) == {"a2a_wait_s": 2.0, "a2a_exposed_s": 1.0}
+    alone = [e for e in events if e.get("thread") != "forward_0"] + [{"kind": "a2a", "start": 1.5, "end": 2.5}]
+    assert exposed(alone) == {"a2a_wait_s": 1.0, "a2a_exposed_s": 1.0}
 
 
 def run_capturing_model(argv):
