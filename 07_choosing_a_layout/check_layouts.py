@@ -199,10 +199,9 @@ def plot_memory(case, path: Path) -> None:
     memory_bars(ax, shown, [choose_layout.describe(r) + (" (published)" if r is mine else "") for r in shown])
     ax.axvline(80, color="k", ls="--", lw=1, label="80 GiB: one H100")
     ax.set_xlabel("GiB per GPU (the fullest pipeline rank)")
-    ax.set_title(f"{name}: the planner's fastest layouts that fit, and the published one")
+    ax.set_title(f"{name}:\nthe planner's fastest layouts that fit, and the published one", loc="right")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")         # the long layout names and the title whole
 
 
 def plot_here(points, cp_points, path: Path) -> None:
