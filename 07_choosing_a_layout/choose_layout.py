@@ -40,10 +40,28 @@ layout_costs = import_module("07_choosing_a_layout.layout_costs")      # this ch
 runnable = import_module("07_choosing_a_layout.runnable")              # this chapter: the scripts' own checks
 explain_layout = import_module("07_choosing_a_layout.explain_layout")  # this chapter: the planner's words
 published = import_module("07_choosing_a_layout.published")            # this chapter: published runs
-# (name, virtual stages). GPipe is left out: it has 1F1B's bubble and time and keeps all m micro-batches in
-# flight instead of at most p, so it never ranks above 1F1B. Interleaving up to 4 chunks per rank (Megatron's
-# GPT-3 ran 3), where the layers allow: the chapters' checks refuse more stages than layers.
-SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("interleaved", 4), ("zb-h1", 1))
+
+
+def schedules(cfg, pp: int) -> list[tuple[str, int]]:
+    """(name, virtual stages) of every schedule the chapters run at `pp`: 1F1B, interleaved 1F1B (chunks_per_rank),
+    ZB-H1, and the V's two (ZB-V, DualPipeV: two stages per rank). GPipe is left out: it has 1F1B's bubble
+    and time and keeps all m micro-batches in flight instead of at most p, so it never ranks above 1F1B."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    return ([("1f1b", 1)] + [("interleaved", v) for v in chunks_per_rank(cfg.n_layers, pp)]
+            + [("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)])
+
+
+def chunks_per_rank(n_layers: int, pp: int) -> list[int]:
+    """The interleaved schedule's v, up to one layer per chunk (v = L/p: the chapters refuse more stages than
+    layers): every v from 2 to 4 (Megatron's GPT-3 ran 3), then doubling, and L/p itself. Between two
+    doublings the bubble (p−1)/(v·m + p−1) moves little while the messages grow with v, so the ladder
+    keeps the planner's time in bounds where L/p is large (GPT-3's 96 layers on 2 ranks: 7 values, not 47)."""
+    most = n_layers // pp
+    ladder = {2, 3, 4, most} | {2 ** k for k in range(3, most.bit_length())}
+    return sorted(v for v in ladder if 2 <= v <= most)
+
+
 SCHEMA = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute", "sequence_parallel", "schedule", "virtual_stages",
           "microbatches", "memory_bytes", "fullest_pp_rank", "comm_bytes", "bubble", "step_time_s", "time_parts_s",
           "fits", "command")
@@ -77,7 +95,7 @@ def candidates(cfg, world: int, global_batch: int, seq_len: int, gpus_per_node: 
                 if global_batch % dp:
                     continue
                 for ep in divisors(dp) if cfg.n_experts else [1]:
-                    for schedule, v in SCHEDULES if pp > 1 else (("1f1b", 1),):
+                    for schedule, v in schedules(cfg, pp):
                         for m in microbatch_counts(global_batch // dp, pp, schedule):
                             for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
                                 for mode in MODES:

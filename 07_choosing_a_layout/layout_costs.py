@@ -106,8 +106,9 @@ def ledger_config(cfg, tp: int):
 
 
 @lru_cache(maxsize=None)
-def specs_for(cfg, pp: int, v: int, seq_len: int) -> list:
-    return pipeline_stages.stage_specs(cfg, pp, v, seq_len)
+def specs_for(cfg, pp: int, v: int, seq_len: int, schedule: str = "1f1b") -> list:
+    """The p·v stages, each on its rank: a loop (stage k on rank k % p), or a V (zb-v, dualpipev)."""
+    return pipeline_stages.stage_specs(cfg, pp, v, seq_len, pipeline_schedules.stage_ranks(schedule, pp, v))
 
 
 @lru_cache(maxsize=None)
@@ -117,7 +118,8 @@ def plan_for(schedule: str, pp: int, m: int, v: int) -> list:
 
 @lru_cache(maxsize=None)
 def rank0_messages(schedule: str, pp: int, m: int, v: int) -> int:
-    return pipeline_executor.message_count(plan_for(schedule, pp, m, v)[0], pp * v, pp)
+    plan = plan_for(schedule, pp, m, v)
+    return pipeline_executor.message_count(plan[0], pp * v, pp, pipeline_schedules.placement(plan))
 
 
 def fullest_candidates(specs, pp: int) -> list[int]:
@@ -133,7 +135,7 @@ def activation_peaks(cfg, mode: str, schedule: str, pp: int, m: int, v: int, row
                      positions: int, tp: int, sp: bool, dtype: str = "fp32") -> tuple[tuple[int, int], ...]:
     """((pipeline rank, its peak activation bytes), ...) of the ranks that can peak highest, from the
     ledger in the run's dtype and the schedule's actions (common/activation_ledger.pipeline_peaks)."""
-    specs, plan = specs_for(cfg, pp, v, seq_len), plan_for(schedule, pp, m, v)
+    specs, plan = specs_for(cfg, pp, v, seq_len, schedule), plan_for(schedule, pp, m, v)
     ranks = fullest_candidates(specs, pp)
     peaks = activation_ledger.pipeline_peaks(ledger_config(cfg, tp), mode, [plan[r] for r in ranks], specs, rows,
                                              positions, tp, sp, dtype=dtype, weight_casts=False)
@@ -191,14 +193,11 @@ def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
                                  int(2 * zero_accounting.zero_sent_share(c.zero_stage, N, per_microbatch=False) * M))
                 msgs["dp"] += 1 if c.zero_stage == 0 else (len(s.layers) + 2) * (2 + (c.zero_stage == 3))
         if c.tp > 1:
-            micro = tensor_parallel.tp_collectives(cfg, rows, positions, c.tp, c.sequence_parallel, len(s.layers),
-                                                   s.first, s.last, e, route_counts=c.cp == 1,
-                                                   recompute=c.recompute)
-            grads = tensor_parallel.tp_gradient_collectives(cfg, c.tp, c.sequence_parallel, len(s.layers), s.last,
-                                                            c.ep)
-            nbytes["tp"] += m * sum(collective_bytes(k, n, c.tp) for k, n in micro) + \
-                sum(collective_bytes(k, n, c.tp) for k, n in grads)
-            msgs["tp"] += m * len(micro) + len(grads)
+            micro, n_micro, grads, n_grads = stage_tp_traffic(cfg, rows, positions, c.tp, c.sequence_parallel,
+                                                              len(s.layers), s.first, s.last, e, c.cp == 1,
+                                                              c.recompute, c.ep)
+            nbytes["tp"] += m * micro + grads
+            msgs["tp"] += m * n_micro + n_grads
     if c.pp > 1:
         msgs["pp"] = rank0_messages(c.schedule, c.pp, m, v)
         nbytes["pp"] = msgs["pp"] * rows * (positions // c.tp if c.sequence_parallel else positions) * cfg.dim * e
@@ -212,6 +211,18 @@ def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
                                                                                  forward_runs=runs)
         msgs["cp"] = layers * m * (1 + runs) * (c.cp - 1)    # one exchange per hop, forward(s) and backward
     return nbytes, msgs
+
+
+@lru_cache(maxsize=None)
+def stage_tp_traffic(cfg, rows: int, positions: int, tp: int, sp: bool, n_layers: int, first: bool, last: bool,
+                     e: int, route_counts: bool, recompute: str, ep: int) -> tuple[int, int, int, int]:
+    """One stage's TP traffic on one rank, chapter 02's collectives at common.comm's volume: (bytes of one
+    micro-batch, its collectives, bytes of the gradient sums after the schedule, their collectives)."""
+    micro = tensor_parallel.tp_collectives(cfg, rows, positions, tp, sp, n_layers, first, last, e,
+                                           route_counts=route_counts, recompute=recompute)
+    grads = tensor_parallel.tp_gradient_collectives(cfg, tp, sp, n_layers, last, ep)
+    return (sum(collective_bytes(k, n, tp) for k, n in micro), len(micro),
+            sum(collective_bytes(k, n, tp) for k, n in grads), len(grads))
 
 
 def link_of(group: str, c: Candidate, dev, gpus_per_node: int) -> tuple[float, float]:
@@ -251,7 +262,7 @@ def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, ms
 def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     """The planner's row for one layout: the JSON schema of choose_layout.py, plus the time's parts."""
     cfg, world = run.cfg, c.dp * c.tp * c.pp * c.cp
-    specs, plan = specs_for(cfg, c.pp, c.virtual_stages, run.seq_len), plan_for(c.schedule, c.pp, c.microbatches,
+    specs, plan = specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule), plan_for(c.schedule, c.pp, c.microbatches,
                                                                                  c.virtual_stages)
     rows = run.global_batch // c.dp // c.microbatches
     peaks = activation_peaks(cfg, c.recompute, c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,

@@ -210,16 +210,19 @@ def schedule_peak(actions, held: dict, deferred: dict) -> int:
     on that stage; a B that a W follows (zero bubble) keeps deferred[stage] until the W instead (on
     stage 0 it does nothing: no stage waits for a token's gradient)."""
     waits_for_w = {(a.mb, a.stage) for a in actions if a.kind == "W"}
-    alive, peak = {}, 0
+    alive, live, peak = {}, 0, 0                  # live = sum(alive.values()), kept as it changes
     for a in actions:
         key = (a.mb, a.stage)
         if a.kind == "F":
             alive[key] = held[a.stage]
+            live += alive[key]
         elif a.kind == "B" and key in waits_for_w:
-            alive[key] = deferred[a.stage] if a.stage else alive[key]
+            kept = deferred[a.stage] if a.stage else alive[key]
+            live += kept - alive[key]
+            alive[key] = kept
         else:
-            del alive[key]
-        peak = max(peak, sum(alive.values()))
+            live -= alive.pop(key)
+        peak = max(peak, live)
     return peak
 
 
@@ -230,8 +233,10 @@ def pipeline_peaks(cfg, mode: str, plan, specs, rows: int, positions: int, tp: i
     (.layers, .first, .last); a micro-batch has `rows` sequences of `positions` on this rank (S/cp
     under context parallelism: microbatch_bytes). `weight_casts` False leaves out the bf16 weight casts each
     micro-batch keeps (bf16_weight_copies), for a planner that counts one copy per rank instead."""
-    held = {s.index: microbatch_bytes(cfg, mode, rows, positions, len(s.layers), s.first, s.last, tp,
-                                      sequence_parallel, cp, gathered_kv, dtype, weight_casts) for s in specs}
+    kinds = {(len(s.layers), s.first, s.last) for s in specs}         # stages of the same shape keep the same
+    of_kind = {k: microbatch_bytes(cfg, mode, rows, positions, *k, tp, sequence_parallel, cp, gathered_kv, dtype,
+                                   weight_casts) for k in kinds}
+    held = {s.index: of_kind[(len(s.layers), s.first, s.last)] for s in specs}
     shard = positions // tp if sequence_parallel else positions
     per_layer = terms_bytes(deferred_terms(cfg, tp), mode, rows, positions, shard)
     head = FP32 * rows * positions * (cfg.dim + cfg.vocab_size) if tp == 1 else 0    # lm_head's x, dy

@@ -213,7 +213,7 @@ EXERCISES = [
              "parse flags(c, ...) with parser_of(kind), then call the script module's checked_layout(args, world, "
              "cfg); a ConfigError from either is the refusal (return its text), else None",
              units=("tests/test_choose_layout.py::test_every_candidate_is_a_layout_the_chapters_accept",
-                    "tests/test_choose_layout.py::test_explain_a_layout_and_a_published_run"),
+                    "tests/test_choose_layout.py::test_a_refused_layout_gets_its_chapter_s_own_message"),
              layout="tests/test_choose_layout.py::test_the_first_three_start_and_train_two_steps",
              wrong=(('refuses_nothing', 'returns None when the script refuses'),
                     ('parser_only', "parses the flags but never asks the script's checked_layout"),
@@ -224,7 +224,8 @@ EXERCISES = [
              "return a tuple: whether it does not fit first (False sorts first); for a fitting row its step time "
              "rounded to 4 significant digits, then its memory total; for the others the memory total",
              units=("tests/test_choose_layout.py::test_json_schema",
-                    "tests/test_choose_layout.py::test_ranking_puts_what_fits_first_fastest_then_the_rest_smallest_first"),
+                    "tests/test_choose_layout.py::test_ranking_puts_what_fits_first_fastest_then_the_rest_smallest_first",
+                    "tests/test_choose_layout.py::test_explain_a_layout_and_a_published_run"),
              layout="tests/test_choose_layout.py::test_the_first_three_start_and_train_two_steps",
              wrong=(('ignores_fit', 'sorts by time whether the layout fits or not'),
                     ('unfitting_first', 'the layouts that do not fit first'),

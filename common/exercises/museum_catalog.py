@@ -120,8 +120,8 @@ EXHIBITS = (
         "zero-bubble (zb-h1) with data parallelism drifts from one device; 1F1B with DP, and zb-h1 alone, match",
         "gradients reduced before they are final (the all-reduce launched before zero bubble's W)",
         "03_pipeline_parallel/pipeline_executor.py",
-        "last_grad_action = {a.stage: i for i, a in enumerate(actions) if a.kind in (\"B\", \"W\")}",
-        "last_grad_action = {a.stage: i for i, a in enumerate(actions) if a.kind == \"B\"}",
+        "return {a.stage: i for i, a in enumerate(actions) if a.kind in (\"B\", \"W\")}",
+        "return {a.stage: i for i, a in enumerate(actions) if a.kind == \"B\"}",
         ("tests/test_pp.py::test_world_4",),
         ("python 03_pipeline_parallel/train_pp.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
          "torchrun --nproc_per_node=4 03_pipeline_parallel/train_pp.py --pp 2 --schedule zb-h1 --microbatches 2 "
@@ -131,10 +131,10 @@ EXHIBITS = (
         "`compare_metrics` fails from step 1's gradient norm, only for zb-h1 with dp > 1 (1F1B with dp, and "
         "zb-h1 without, pass): so the data-parallel sum meets something only zero bubble does. The timeline "
         "shows it: a stage's last action of the step is a W, not a B. The sum of a stage starts from "
-        "`on_stage_grads_ready`, which `PipelineExecutor.run` calls after the stage's last gradient action; "
+        "`on_stage_grads_ready`, which `PipelineExecutor.run_actions` calls after the stage's last gradient action; "
         "counting only B, it fires while W actions of that stage still follow. The bucket copies `.grad` when "
         "it is launched and copies the sum back when waited for, so the weight gradients that the later W actions added are overwritten by a sum that never had them. "
-        "Fix: a stage's gradients are final after its last B *or W* (`last_grad_action` counts both)."),
+        "Fix: a stage's gradients are final after its last B *or W* (`last_grad_actions` counts both)."),
     Exhibit("03.bug2",
         "--schedule zb-v and dualpipev stop at their first step with a KeyError on every rank; every other "
         "schedule trains",
