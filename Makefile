@@ -80,7 +80,8 @@ museum: $(STAMP)
 	$(PY) -m common.exercises bug --check
 
 # Each realistic wrong answer that common/exercises/catalog.py lists, written into a copy and graded: every
-# one must read `wrong:`. Writes common/exercises/WRONG_ANSWERS.md (the time of each is in it).
+# one must read `wrong:`; then every exercise written in the LABs' order, each `done` as soon as it is written.
+# Writes common/exercises/WRONG_ANSWERS.md (the time of each is in it).
 wrong-answers: $(STAMP)
 	$(PY) -m common.exercises wrong --check
 

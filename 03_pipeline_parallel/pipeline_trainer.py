@@ -26,6 +26,7 @@ from common import activation_ledger
 from common.data import shard_rows
 from common.optim import clip_by_global_norm, optim_bytes
 from common.step_protocol import OptimizerVerbs
+from common.timeline import busy_seconds
 
 data_parallel = import_module("01_data_parallel.data_parallel")
 
@@ -122,7 +123,7 @@ def step_stats(timeline, peak: int | None, pp_group, pp: int, device) -> dict:
     busy = first = last = 0.0
     evs = [e for e in timeline.step_events() if e["kind"] in ("F", "B", "W")]
     if evs:
-        busy = sum(e["end"] - e["start"] for e in evs)
+        busy = busy_seconds(evs)                        # (two threads of a rank computing at once: counted once)
         first, last = min(e["start"] for e in evs), max(e["end"] for e in evs)
     mine = torch.tensor([busy, first, last, math.nan if peak is None else float(peak)], dtype=torch.float64,
                         device=device)

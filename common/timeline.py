@@ -131,17 +131,30 @@ def shift_to_zero(events: list[dict]) -> list[dict]:
     return [{**e, "start": e["start"] - t0, "end": e["end"] - t0} for e in events]
 
 
+def busy_seconds(events: list[dict]) -> float:
+    """Seconds inside at least one of the events' spans: their sum when they do not overlap (a rank's one
+    thread), each moment counted once when a rank's second thread computes at the same time (chapter 05's
+    DualPipeV pairs), so that a pipeline's bubble never goes below 0."""
+    total, reached = 0.0, None
+    for start, end in sorted((e["start"], e["end"]) for e in events):
+        if reached is None or start >= reached:
+            total, reached = total + (end - start), end
+        elif end > reached:
+            total, reached = total + (end - reached), end
+    return total
+
+
 def busy_and_span(events: list[dict], kinds=COMPUTE) -> tuple[dict, dict]:
-    """Per (step, rank): seconds of compute, and (first start, last end) of compute."""
-    busy, span = {}, {}
+    """Per (step, rank): seconds of compute (busy_seconds), and (first start, last end) of compute."""
+    mine, span = {}, {}
     for e in events:
         if e["kind"] not in kinds:
             continue
         key = (e["step"], e["rank"])
-        busy[key] = busy.get(key, 0.0) + e["end"] - e["start"]
+        mine.setdefault(key, []).append(e)
         s0, s1 = span.get(key, (e["start"], e["end"]))
         span[key] = (min(s0, e["start"]), max(s1, e["end"]))
-    return busy, span
+    return {key: busy_seconds(evs) for key, evs in mine.items()}, span
 
 
 def bubble_fraction(events: list[dict], step: int | None = None) -> float:

@@ -111,6 +111,7 @@ def test_dualpipev_pairs_run_two_at_once_and_hide_all_to_all_waits(groups):
             for r in rows:
                 assert (r["pairs_run"] > 0) == paired, (name, rank, r["pairs_run"])
                 assert 0 < r["a2a_exposed_s"] <= r["a2a_wait_s"] + 1e-9, (name, rank, r)
+                assert r["bubble_fraction"] >= 0, (name, rank, r["bubble_fraction"])   # two threads: busy once
                 if not paired:
                     assert abs(r["a2a_exposed_s"] - r["a2a_wait_s"]) < 1e-9, (name, rank, r)
 

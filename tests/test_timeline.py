@@ -69,3 +69,13 @@ def test_one_clock_and_its_record(runs):
     for row in history:                         # the metrics' bubble is the trace's, step by step
         assert row["bubble_fraction"] == pytest.approx(bubble_fraction(events, row["step"]), rel=1e-9)
         assert row["mfu"] > 0
+
+
+def test_busy_seconds_counts_overlapping_spans_once():
+    """A rank's compute: the sum of its spans on one thread; where a second thread computes at the same
+    time (chapter 05's pairs), each moment once."""
+    from common.timeline import busy_seconds
+    span = lambda start, end: {"start": start, "end": end}                    # noqa: E731
+    assert busy_seconds([span(0.0, 1.0), span(2.0, 3.5)]) == 2.5
+    assert busy_seconds([span(1.0, 3.0), span(0.0, 2.0)]) == 3.0
+    assert busy_seconds([span(0.0, 5.0), span(1.0, 2.0), span(4.0, 6.0)]) == 6.0
