@@ -24,6 +24,7 @@ small trainers that expose its verbs are in dp_trainer.py.
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from common import comm
@@ -59,14 +60,18 @@ class _Bucket:
 
     def launch(self, group) -> None:
         """Copy the gradients into the buffer and start summing it over `group` in the background."""
+        if dist.get_world_size(group) == 1:        # a group of one: the sum is .grad itself, copy nothing
+            self.work = None
+            return
         for slot, p in zip(self.slots, self.params):
             slot.copy_(p.grad)
         self.work = comm.all_reduce(self.buffer, group=group, name="dp", async_op=True)
 
     def wait(self) -> None:
         """Wait for the sum and copy it back into each .grad."""
-        if self.work is not None:                  # None: world size 1, nothing was sent
-            self.work.wait()
+        if self.work is None:                      # world size 1: nothing was sent, .grad is the sum
+            return
+        self.work.wait()
         for slot, p in zip(self.slots, self.params):
             p.grad.copy_(slot)
         self.work = None

@@ -111,10 +111,12 @@ def parallelize_experts(model: nn.Module, ep_group) -> nn.Module:
 
     Every rank must hold the same full weights first (build_model from the seed, or a loaded
     checkpoint): each keeps its experts, so the shards are exactly the single-device experts."""
+    ep = dist.get_world_size(ep_group)
+    if ep == 1:          # every expert is here and no row travels: the single-device layer is the answer
+        return model
     for block in list(model.modules()):
         if isinstance(getattr(block, "mlp", None), MoEFeedForward):
             block.mlp = ExpertParallelMoE(block.mlp, ep_group)
-    ep = dist.get_world_size(ep_group)
     for name, p in model.named_parameters():     # the rest is the same on every EP rank: counted once
         if not is_expert_param(name):
             mark_replicated(p, "ep", ep)

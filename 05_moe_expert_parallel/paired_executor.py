@@ -37,7 +37,7 @@ from common import comm
 
 pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")     # chapter 03: the executor
 measured_executor = import_module("03_pipeline_parallel.measured_executor")     # and its measured form
-from common.timeline import COMPUTE                                              # noqa: E402
+from common.timeline import COMPUTE, length, minus, union                        # noqa: E402
 
 
 def is_pair(actions, i: int) -> bool:
@@ -123,38 +123,6 @@ def time_all_to_alls(timeline) -> None:
 
 # --- what the timeline says ------------------------------------------------------------------------------
 
-def _union(spans) -> list:
-    """Sorted, disjoint intervals covering the same time as `spans`, (start, end) pairs."""
-    out = []
-    for s, e in sorted(spans):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
-
-def _minus(a: list, b: list) -> list:
-    """The parts of union a outside union b (both sorted and disjoint)."""
-    out = []
-    for s, e in a:
-        for bs, be in b:
-            if be <= s or bs >= e:
-                continue
-            if bs > s:
-                out.append((s, bs))
-            s = max(s, be)
-            if s >= e:
-                break
-        if s < e:
-            out.append((s, e))
-    return out
-
-
-def _length(spans: list) -> float:
-    return sum(e - s for s, e in spans)
-
-
 def step_metrics(timeline, executor) -> dict:
     """The metrics row's all-to-all numbers for this rank's last step, and the pairs it ran two at once."""
     return {**exposed_all_to_all(timeline.step_events()), "pairs_run": getattr(executor, "pairs_run", 0)}
@@ -165,13 +133,13 @@ def exposed_all_to_all(events: list[dict]) -> dict:
     "a2a_exposed_s": the part of it while no thread of the rank computed}. Computing is being inside an
     action (F, B, W) and not inside one of that thread's all-to-alls. Run one action at a time, the two are
     equal; a pair hides what one thread waits under the other's compute."""
-    actions = _union((e["start"], e["end"]) for e in events if e["kind"] in COMPUTE)
+    actions = union((e["start"], e["end"]) for e in events if e["kind"] in COMPUTE)
     threads = {e.get("thread") for e in events if e["kind"] in COMPUTE or e["kind"] == "a2a"}
     computing, waiting = [], []
     for t in threads:
         mine = [e for e in events if e.get("thread") == t]
-        a2a = _union((e["start"], e["end"]) for e in mine if e["kind"] == "a2a")
-        computing += _minus(_union((e["start"], e["end"]) for e in mine if e["kind"] in COMPUTE), a2a)
+        a2a = union((e["start"], e["end"]) for e in mine if e["kind"] == "a2a")
+        computing += minus(union((e["start"], e["end"]) for e in mine if e["kind"] in COMPUTE), a2a)
         waiting += a2a
-    waiting = _minus(_union(waiting), _minus(_union(waiting), actions))     # inside the actions only
-    return {"a2a_wait_s": _length(waiting), "a2a_exposed_s": _length(_minus(waiting, _union(computing)))}
+    waiting = minus(union(waiting), minus(union(waiting), actions))     # inside the actions only
+    return {"a2a_wait_s": length(waiting), "a2a_exposed_s": length(minus(waiting, union(computing)))}

@@ -13,7 +13,9 @@ the planner's CPU model (calibrate_cpu.py, fitted on those same runs), and chapt
 times (its results/time.md), which the fit never saw: Spearman rank correlation and the ratios.
 At scale: each published configuration is planned on its cluster; the table gives the planner's memory
 per GPU for the published layout (the closest one the planner enumerates), where it ranks, and the
-planner's own first choice.
+planner's own first choice. Where the authors published a step's memory (torchtitan's Llama 3.1 8B on 8
+GPUs, FSDP: the allocator's most reserved GiB per GPU), that is the target: the planner's total for the
+layout, its fullest rank at the peak of a step, stands against it.
 """
 import argparse
 import json
@@ -148,8 +150,28 @@ def plain_dp_bytes(argv) -> int:
 
 
 def measured_words(run) -> tuple[str, str]:
-    """(what the authors measured, the planner's prediction of the same quantity) as table cells."""
-    return ("MFU", "mfu") if "mfu" in run.measured else ("step", "step_time_s") if run.measured else ("-", "")
+    """(the word for what the authors measured, its key in run.measured and in predicted_value's rows)."""
+    for key, word in (("mfu", "MFU"), ("step_time_s", "step"), ("memory_gib", "memory")):
+        if key in run.measured:
+            return word, key
+    return "-", ""
+
+
+def predicted_value(row: dict, key: str) -> float:
+    """The planner's number for measured key `key`: a row's own field, or its fullest rank's total in GiB."""
+    return row["memory_bytes"]["total"] / 2**30 if key == "memory_gib" else row[key]
+
+
+def measured_cells(run, mine: dict | None) -> tuple[str, str]:
+    """(published, predicted) table cells, the same quantity in the same unit: "MFU 43.0%" against the row's
+    MFU, "step 13.75 s" against its step time, "memory 82.4 GiB" against its fullest rank's GiB per GPU; with
+    no published number, the planner's MFU alone."""
+    what, key = measured_words(run)
+    if not key:
+        return "-", f"{mine['mfu']:.1%} MFU" if mine else "-"
+    unit = {"mfu": lambda x: f"{x:.1%}", "step_time_s": lambda x: f"{x:.2f} s",
+            "memory_gib": lambda x: f"{x:,.1f} GiB"}[key]
+    return f"{what} {unit(run.measured[key])}", unit(predicted_value(mine, key)) if mine else "-"
 
 
 def check_published() -> tuple[list[str], tuple]:
@@ -160,12 +182,7 @@ def check_published() -> tuple[list[str], tuple]:
         device, rows, mine, rank = published_rows(run.argv, run.layout)
         fitting = [r for r in rows if r["fits"]]
         best = fitting[0] if fitting else None
-        what, key = measured_words(run)
-        if key:
-            unit = (lambda x: f"{x:.1%}") if key == "mfu" else (lambda x: f"{x:.2f} s")
-            said, predicted = f"{what} {unit(run.measured[key])}", unit(mine[key]) if mine else "-"
-        else:
-            said, predicted = "-", f"{mine['mfu']:.1%} MFU" if mine else "-"
+        said, predicted = measured_cells(run, mine)
         memory = f"{mine['memory_bytes']['total'] / 2**30:,.1f} GiB{'' if mine['fits'] else ' (does not fit)'}" \
             if mine else "-"
         place = f"{rank:,} of {len(fitting):,} (top {rank / len(fitting):.1%})" if rank else "-"

@@ -3,7 +3,9 @@ the layout it ran, and what its authors measured (the targets check_layouts.py c
 
 A name works as `--explain NAME` in choose_layout.py: the planner then plans that run's cluster and batch
 and explains the published layout in it. MFU is the authors' own figure (model FLOPs over the datasheet
-peak); a step time is in seconds.
+peak); a step time is in seconds; a memory is GiB per GPU at the peak of a step, as the authors' logs count
+it (the CUDA caching allocator's most reserved bytes: what the tensors took plus the allocator's slack),
+against the planner's total for its fullest rank.
 """
 from dataclasses import dataclass, field
 
@@ -13,7 +15,7 @@ class Published:
     name: str
     argv: tuple                   # choose_layout.py's flags for its cluster and batch
     layout: dict = field(hash=False)   # the published degrees and levers (the fields of a planner row)
-    measured: dict = field(hash=False)  # {"mfu": 0.41} or {"step_time_s": 13.75}
+    measured: dict = field(hash=False)  # {"mfu": 0.41}, {"step_time_s": 13.75} or {"memory_gib": 82.4}
     source: str = ""
 
 
@@ -51,6 +53,16 @@ RUNS = [
                               "--global-batch", "15360", "--seq-len", "4096"),
               dict(dp=128, tp=1, pp=16, cp=1, ep=64, zero_stage=1), {},
               "DeepSeek-V3 report §3.2: 2,048 H800, PP 16 × EP 64 × ZeRO-1 DP, no TP; batch 15,360 × 4K"),
+    # torchtitan's docs/performance.md, Table 1 (1D parallelism: FSDP2 alone, ZeRO-3 over 8 ranks): bf16 weights
+    # gathered one block at a time and freed after its forward, fp32 sharded master weights, gradients and AdamW;
+    # 2 sequences of 8K per GPU in one micro-batch, selective recomputation. Its GPUs are H100 of 96 GB: the
+    # planner's H100 holds 80 GiB, so only the memory itself is compared
+    Published("torchtitan-llama3-8b", ("--model", "llama3-8b", "--world", "8", "--device", "h100", "--dtype", "bf16",
+                                       "--global-batch", "16", "--seq-len", "8192"),
+              dict(dp=8, tp=1, pp=1, cp=1, zero_stage=3, recompute="selective"), {"memory_gib": 82.4},
+              "torchtitan docs/performance.md, Table 1 (1D Parallelism, FSDP): Llama 3.1 8B on 8 H100 (96 GB), local "
+              "batch 2, global batch 16, seq len 8192, bf16, selective activation checkpointing: 82.4 GiB per GPU "
+              "(max reserved) eager, 77.0 GiB with torch.compile"),
 ]
 BY_NAME = {r.name: r for r in RUNS}
 

@@ -1,6 +1,6 @@
 """The trainer's own overhead: each chapter's script at world size 1 against a plain loop on the same model.
 
-    python -m common.bench_overhead                 # tiny, 6 steps, 3 rounds: about 1½ minutes on 2 CPU cores
+    python -m common.bench_overhead                 # tiny, 8 steps, 3 rounds: about 2½ minutes on 2 CPU cores
     python -m common.bench_overhead --model small --steps 6 --rounds 3 --device cuda --dtype bf16
 
 At world size 1 every collective of the course is skipped, so what a script costs beyond the plain
@@ -9,19 +9,20 @@ AdamW. The plain loop is the ten lines every tutorial writes (forward, backward,
 the gradients), on the same model, the same batches and the same learning-rate schedule, so it also
 reaches the same losses; the table says by how much each script's loss differs from it.
 
-How it is timed. Each script runs in this process, as `python SCRIPT.py` would run it, and the
-time of a step is the time between two consecutive metrics rows (`RunLog.log_step`): the whole
-iteration, its tail included (metrics, meters, checks), not only the part a script's own timer sees.
-The plain loop is timed the same way, between two iterations' ends. Step 1 (warm-up) is left out,
-and a run counts its fastest step: other processes can only slow a step down, never speed it up, so
-the fastest is the closest to the step's own cost (the rule `timeit` follows).
-On a CPU the clock is this process's CPU time, on one thread (`--clock cpu`, the default there): a
-laptop's other programs then steal time from the wall clock but not from it, so a 3 % difference
-stays measurable on a busy machine. On a GPU it is the wall clock (the loss's `.item()` in both
-loops waits for the GPU's queue, so the step's kernels are inside the interval).
-Rounds are paired: in each round every contestant runs once, in a rotated order, and its ratio is
-taken against the plain loop *of the same round*, so a machine that slows down for a minute (other
-processes) slows both sides of a ratio; the table gives the median over the rounds.
+How it is timed: step beside step. Each script runs in this process, as `python SCRIPT.py` would run
+it, and after each of its steps (at its metrics row, `RunLog.log_step`) one step of the plain loop
+runs, on its own model. A script's step is the time from the end of the plain step before it to its
+metrics row: the whole iteration, its tail included (metrics, meters, checks), not only the part a
+script's own timer sees. Each ratio divides a script step by the plain step right after it, and the
+table gives the median of all of them (step 1, the warm-up, left out).
+Why so close together: a shared CPU's speed moves within seconds. Measured here, the same plain loop
+ran at 205–213 ms per step while the core's neighbour was idle and 265–290 ms while it was busy, and
+at 187 ms and 345 ms a minute apart; whole runs compared with whole runs, even bracketed by plain runs
+seconds apart, gave ratios from 0.8 to 1.4 for the same script. Two steps a third of a second apart
+mostly see the same machine.
+On a CPU the clock is this process's CPU time, on one thread (`--clock cpu`, the default there), so
+other programs' time slices are not counted. On a GPU it is the wall clock (the loss's `.item()` in
+both loops waits for the GPU's queue, so the step's kernels are inside the interval).
 """
 import argparse
 import math
@@ -61,8 +62,8 @@ SCRIPTS = {
 RESULTS = ROOT / "results" / "overhead.md"
 
 
-def plain_loop(args, model_name: str) -> tuple[list[float], list[float]]:
-    """The plain loop: (losses, seconds of each step after the first). Same model, batches, schedule and
+def plain_steps(args, model_name: str):
+    """The plain loop, one step per `next()`: yields each step's loss. Same model, batches, schedule and
     clipping as every script; torch's own AdamW defaults (fused on a GPU, one loop per tensor on a CPU)."""
     device = torch.device(args.device)
     model = build_model(PRESETS[model_name], args.seed, device, compile_backend=args.compile)
@@ -73,7 +74,6 @@ def plain_loop(args, model_name: str) -> tuple[list[float], list[float]]:
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))          # torch's own choice of kernel
     data = TextData(None, args.seq_len, args.seed)
     tokens = args.global_batch * args.seq_len
-    losses, ends = [], []
     for step in range(1, args.steps + 1):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, lr, warmup, args.steps)
@@ -84,49 +84,62 @@ def plain_loop(args, model_name: str) -> tuple[list[float], list[float]]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())                        # (waits for the GPU, like a script's metrics row)
+        yield loss.item()                                 # (waits for the GPU, like a script's metrics row)
+
+
+def plain_loop(args, model_name: str) -> tuple[list[float], list[float]]:
+    """The plain loop on its own: (losses, seconds of each step after the first)."""
+    losses, ends = [], []
+    for loss in plain_steps(args, model_name):
+        losses.append(loss)
         ends.append(args.clock())
     return losses, [b - a for a, b in zip(ends, ends[1:])]
 
 
-def script_run(args, path: str, flags: list[str]) -> tuple[list[float], list[float]]:
-    """One script's run in this process: (losses, seconds between consecutive metrics rows)."""
+def side_by_side(args, path: str, flags: list[str], model_name: str) -> dict:
+    """One script's run in this process, as `python SCRIPT.py` runs it, with a step of the plain loop
+    after each of its steps: {"losses", "plain_losses", "seconds", "plain_seconds"}, a script step's time
+    being from the end of the plain step before it to its own metrics row."""
     argv = ["--steps", str(args.steps), "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
             "--seed", str(args.seed), "--dtype", args.dtype, "--device", args.device, "--quiet",
             "--compile", args.compile, *(["--model", args.model] if "--model" not in flags else []), *flags]
-    ends, log_step = [], RunLog.log_step
+    plain, out = plain_steps(args, model_name), {"plain_losses": [], "seconds": [], "plain_seconds": []}
+    log_step, started = RunLog.log_step, [None]
 
-    def timed_log_step(self, *a, **kw):
+    def log_step_then_plain(self, *a, **kw):
         row = log_step(self, *a, **kw)
-        ends.append(args.clock())
+        end = args.clock()
+        if started[0] is not None:                        # (step 1, the warm-up, is left out)
+            out["seconds"].append(end - started[0])
+        out["plain_losses"].append(next(plain))
+        plain_end = args.clock()
+        if started[0] is not None:
+            out["plain_seconds"].append(plain_end - end)
+        started[0] = plain_end
         return row
 
-    main = runpy.run_path(str(ROOT / path))["main"]       # the script's main(), as `python SCRIPT.py` runs it
+    main = runpy.run_path(str(ROOT / path))["main"]
     # (the threads stay as the benchmark set them: a script at world size 1 would take every core)
-    with mock.patch.object(RunLog, "log_step", timed_log_step), \
+    with mock.patch.object(RunLog, "log_step", log_step_then_plain), \
             mock.patch("common.distributed.set_cpu_threads", lambda: None):
-        history = main(argv)
-    return [r["loss"] for r in history], [b - a for a, b in zip(ends, ends[1:])]
+        out["losses"] = [r["loss"] for r in main(argv)]
+    return out
 
 
 def measure(args) -> dict:
-    """{name: [(fastest step s, ratio to the same round's plain loop, max loss difference)] per round}."""
-    names = ["plain loop"] + list(SCRIPTS)
-    rows = {n: [] for n in names}
+    """{name: [(script's seconds per step, plain loop's, [ratio of each pair of steps], max loss difference)]
+    per round}."""
+    rows = {name: [] for name in SCRIPTS}
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]        # rotated: nobody always runs first
-        models = {"tiny-moe" if "tiny-moe" in flags else args.model for _, flags in SCRIPTS.values()} | {args.model}
-        plain = {m: plain_loop(args, m) for m in sorted(models)}
+        order = list(SCRIPTS)[r % len(SCRIPTS):] + list(SCRIPTS)[:r % len(SCRIPTS)]   # nobody always first
         for name in order:
-            if name == "plain loop":
-                continue
             path, flags = SCRIPTS[name]
-            reference = plain["tiny-moe" if "tiny-moe" in flags else args.model]
-            losses, steps = script_run(args, path, flags)
-            ratio = min(steps) / min(reference[1])
-            rows[name].append((min(steps), ratio, max_rel(losses, reference[0])))
-            print(f"round {r + 1}: {name:30s} {min(steps) * 1e3:8.1f} ms/step  × {ratio:.3f}", flush=True)
-        rows["plain loop"].append((min(plain[args.model][1]), 1.0, 0.0))
+            run = side_by_side(args, path, flags, "tiny-moe" if "tiny-moe" in flags else args.model)
+            ratios = [a / b for a, b in zip(run["seconds"], run["plain_seconds"])]
+            rows[name].append((statistics.median(run["seconds"]), statistics.median(run["plain_seconds"]), ratios,
+                               max_rel(run["losses"], run["plain_losses"])))
+            print(f"round {r + 1}: {name:30s} {rows[name][-1][0] * 1e3:8.1f} ms/step, plain loop "
+                  f"{rows[name][-1][1] * 1e3:8.1f}: × {statistics.median(ratios):.3f}", flush=True)
     return rows
 
 
@@ -139,25 +152,27 @@ def table(args, rows: dict) -> str:
              "",
              f"{torch.__version__}, {args.device}, {torch.get_num_threads()} thread(s), {args.clock_name} clock, "
              f"{args.dtype}, --compile {args.compile}; `{args.model}`, global batch {args.global_batch} × "
-             f"{args.seq_len} tokens, {args.steps} steps (step 1 left out; each run's fastest step), {args.rounds} "
-             "paired rounds, their median. The MoE script is compared with the plain loop on its own model "
-             "(tiny-moe). On a machine busy with other work a ratio moves by ±10 % from run to run: read one "
-             "within that of 1 as equal.",
+             f"{args.seq_len} tokens, {args.steps} steps (step 1 left out), {args.rounds} rounds. Each step of a "
+             "script is followed by a step of the plain loop in the same process; a ratio is a script step over "
+             "the plain step after it, and the table gives their median and middle half over all rounds. The "
+             "MoE script is compared with the plain loop on its own model (tiny-moe).",
              "",
-             "| what ran | ms per step | × the plain loop | loss vs the plain loop (max rel. diff) |",
-             "|---|---|---|---|"]
+             "| what ran | ms per step | the plain loop beside it | × the plain loop | middle half of the ratios "
+             "| loss vs the plain loop (max rel. diff) |",
+             "|---|---|---|---|---|---|"]
     for name, runs in rows.items():
-        ms = statistics.median(r[0] for r in runs) * 1e3
-        ratio = statistics.median(r[1] for r in runs)
-        diff = max(r[2] for r in runs)
-        lines.append(f"| {name} | {ms:.1f} | {ratio:.3f} | {diff:.1e} |")
+        ratios = sorted(x for r in runs for x in r[2])
+        quarter = len(ratios) // 4
+        lines.append(f"| {name} | {statistics.median(r[0] for r in runs) * 1e3:.1f} | "
+                     f"{statistics.median(r[1] for r in runs) * 1e3:.1f} | {statistics.median(ratios):.3f} | "
+                     f"{ratios[quarter]:.3f}–{ratios[-1 - quarter]:.3f} | {max(r[3] for r in runs):.1e} |")
     return "\n".join(lines) + "\n"
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", choices=[n for n in PRESETS if "moe" not in n])
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)

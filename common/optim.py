@@ -107,10 +107,8 @@ def sum_of_squares(grads, groups=()) -> torch.Tensor:
 def clip_to(norm: float, max_norm: float, grads) -> None:
     """The second half: scale every gradient by max_norm / norm when the global norm is larger."""
     if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for g in grads:
-            if g is not None:
-                g.mul_(scale)
+        # one multiply over the list (each element scaled exactly as g.mul_(scale) would: the same bits)
+        torch._foreach_mul_([g for g in grads if g is not None], max_norm / (norm + 1e-6))
 
 
 def optim_bytes(optimizer: torch.optim.Optimizer) -> int:

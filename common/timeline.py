@@ -135,13 +135,42 @@ def busy_seconds(events: list[dict]) -> float:
     """Seconds inside at least one of the events' spans: their sum when they do not overlap (a rank's one
     thread), each moment counted once when a rank's second thread computes at the same time (chapter 05's
     DualPipeV pairs), so that a pipeline's bubble never goes below 0."""
-    total, reached = 0.0, None
-    for start, end in sorted((e["start"], e["end"]) for e in events):
-        if reached is None or start >= reached:
-            total, reached = total + (end - start), end
-        elif end > reached:
-            total, reached = total + (end - reached), end
-    return total
+    return length(union((e["start"], e["end"]) for e in events))
+
+
+# --- time as sets of intervals: (start, end) pairs, sorted and disjoint ----------------------------------
+
+def union(spans) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering the same time as `spans`; overlapping ones merge (two that only
+    touch stay two, so spans that never overlap keep their own lengths, to the bit)."""
+    out = []
+    for s, e in sorted(spans):
+        if out and s < out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def minus(a: list, b: list) -> list[tuple[float, float]]:
+    """The parts of union `a` outside union `b` (both sorted and disjoint)."""
+    out = []
+    for s, e in a:
+        for bs, be in b:
+            if be <= s or bs >= e:
+                continue
+            if bs > s:
+                out.append((s, bs))
+            s = max(s, be)
+            if s >= e:
+                break
+        if s < e:
+            out.append((s, e))
+    return out
+
+
+def length(spans: list) -> float:
+    return sum(e - s for s, e in spans)
 
 
 def busy_and_span(events: list[dict], kinds=COMPUTE) -> tuple[dict, dict]:

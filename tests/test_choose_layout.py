@@ -1,7 +1,8 @@
 """The layout planner (07_choosing_a_layout/choose_layout.py): only layouts the chapters' scripts accept (and
 the first three of the tiny model's plan start and train), its JSON schema and ranking, its bytes against
 the formulas the chapters assert and the bytes runs measured, its memory as the grid's trainers hold it,
-the step time as the sum of its parts, --explain, the published configurations' sanity cases, and bad input."""
+the step time as the sum of its parts, --explain, the published configurations' sanity cases and their table
+cells (a published memory against the planner's GiB), and bad input."""
 import json
 import subprocess
 import sys
@@ -143,6 +144,26 @@ def test_published_sanity():
     assert published["full"]["fits"] and published["full"]["memory_bytes"]["total"] < \
         published["none"]["memory_bytes"]["total"]
     assert published["full"]["bubble"] == pytest.approx(15 / (2 * 16 + 15))
+
+
+def test_a_published_memory_is_checked_against_the_fullest_rank_s_total():
+    """check_layouts' table: a published memory per GPU (torchtitan-llama3-8b's 82.4 GiB) stands against the
+    planner's total for the layout, in GiB; MFU and step-time targets keep their own cells. No plan is made
+    here (planning the run takes a while): the cells of a row written by hand."""
+    check_layouts = import_module("07_choosing_a_layout.check_layouts")
+    published = import_module("07_choosing_a_layout.published")
+    run = published.BY_NAME["torchtitan-llama3-8b"]
+    args = choose_layout.parse_args(["--explain", run.name])                  # its flags plan its cluster and batch
+    assert (args.model, args.world, args.global_batch, args.seq_len, args.dtype) == ("llama3-8b", 8, 16, 8192, "bf16")
+    r = {"memory_bytes": {"total": 3 * 2**29}, "mfu": 0.4321, "step_time_s": 1.234}    # 1.5 GiB
+    assert check_layouts.predicted_value(r, "memory_gib") == 1.5
+    assert check_layouts.measured_cells(run, r) == ("memory 82.4 GiB", "1.5 GiB")
+    assert check_layouts.measured_cells(run, None) == ("memory 82.4 GiB", "-")
+    assert check_layouts.measured_cells(published.BY_NAME["llama3-405b-8k-8192gpu"], r) == \
+        ("MFU 43.0%", "43.2%")
+    assert check_layouts.measured_cells(published.BY_NAME["gpt3-175b-full"], r) == \
+        ("step 18.13 s", "1.23 s")
+    assert check_layouts.measured_cells(published.BY_NAME["deepseek-v3"], r) == ("-", "43.2% MFU")
 
 
 def test_step_time_is_the_sum_of_its_parts_and_the_bubble_is_chapter_03s():

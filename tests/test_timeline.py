@@ -79,3 +79,17 @@ def test_busy_seconds_counts_overlapping_spans_once():
     assert busy_seconds([span(0.0, 1.0), span(2.0, 3.5)]) == 2.5
     assert busy_seconds([span(1.0, 3.0), span(0.0, 2.0)]) == 3.0
     assert busy_seconds([span(0.0, 5.0), span(1.0, 2.0), span(4.0, 6.0)]) == 6.0
+
+
+def test_time_as_sets_of_intervals():
+    """union merges what overlaps (touching spans stay two), minus cuts out every piece of b, on either side
+    and inside, and length adds what is left: the arithmetic behind busy_seconds and chapter 05's exposed
+    all-to-all."""
+    from common.timeline import length, minus, union
+    assert union([(2.0, 3.0), (0.0, 1.0), (0.5, 1.5), (1.5, 2.0)]) == [(0.0, 1.5), (1.5, 2.0), (2.0, 3.0)]
+    a = union([(0.0, 10.0), (12.0, 14.0)])
+    b = union([(1.0, 2.0), (4.0, 5.0), (9.0, 13.0)])
+    assert minus(a, b) == [(0.0, 1.0), (2.0, 4.0), (5.0, 9.0), (13.0, 14.0)]
+    assert minus(b, a) == [(10.0, 12.0)]
+    assert length(minus(a, b)) == 1.0 + 2.0 + 4.0 + 1.0
+    assert minus(a, []) == a and minus([], b) == []
