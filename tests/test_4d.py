@@ -184,6 +184,18 @@ def test_what_experts_cannot_share_is_refused_before_any_communication(argv, wor
         parallel_4d.decide_layout(train_4d.parse_args(argv + ["--quiet"]), world)
 
 
+def test_pairs_on_two_threads_refuse_a_gpu():
+    """--pair-overlap runs a pair's halves on two CPU threads; on a GPU that would take a second stream, so
+    it is refused before any communication, in one line that says what to add (and a CPU run is not)."""
+    from common.errors import ConfigError
+    train_4d = import_module("05_moe_expert_parallel.train_4d")
+    argv = ["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--pp", "2", "--schedule", "dualpipev",
+            "--microbatches", "4", "--pair-overlap", "--quiet"]
+    with pytest.raises(ConfigError, match="--pair-overlap runs a pair on two CPU threads .*add --device cpu"):
+        train_4d.checked_layout(train_4d.parse_args(argv + ["--device", "cuda"]), 4)
+    train_4d.checked_layout(train_4d.parse_args(argv + ["--device", "cpu"]), 4)
+
+
 def test_default_layout_shows_ep_inside_dp():
     """8 ranks, tiny-moe: dp 4 = edp 2 × ep 2, pp 2, tp 1 by default: EP inside DP, two ranks per expert."""
     train_4d, parallel_4d = import_module("05_moe_expert_parallel.train_4d"), import_module("05_moe_expert_parallel.parallel_4d")
