@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 TORCHRUN:= .venv/bin/torchrun
 STAMP   := .venv/.installed
 
-.PHONY: setup run test bench overhead gpu-check notebooks lab-answers exercises grade bug museum wrong-answers clean
+.PHONY: setup run test bench overhead gpu-check gpu-efficiency notebooks lab-answers exercises grade bug museum wrong-answers clean
 
 # The venv's own Jupyter kernel ("python3", installed inside .venv) runs the notebooks with the venv's
 # Python, whatever other kernels the machine has.
@@ -48,6 +48,11 @@ overhead: $(STAMP)
 GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) common/gpu_check.py
+
+# A GPU's matmul rate by size (bf16, fp32), the curve chapter 07's planner follows for that GPU:
+# 07_choosing_a_layout/results/gpu_efficiency_<gpu>.json. Without CUDA it says so and exits 0.
+gpu-efficiency:
+	$(GPU_PY) 07_choosing_a_layout/gpu_efficiency.py
 
 # Each notebooks/*.py (jupytext percent format) becomes notebooks/*.ipynb, executed through the kernel
 # so it opens with its outputs and plots; the plots are also saved as PNGs under notebooks/figures/.

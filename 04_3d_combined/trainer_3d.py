@@ -33,7 +33,7 @@ from common.step_protocol import counted_here, replicas
 from common.training import global_sum, load_optim_state_by_name, optim_state_by_name
 
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")     # chapter 02: TP gradients, loss
-pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")  # chapter 03: forward-only pass
+pipeline_validation = import_module("03_pipeline_parallel.pipeline_validation")  # chapter 03: forward-only pass
 measured_executor = import_module("03_pipeline_parallel.measured_executor")  # chapter 03: runs a schedule, measured
 pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")    # chapter 03: the pipeline's verbs
 zero_accounting = import_module("01_data_parallel.zero_accounting")       # chapter 01: ZeRO's formulas
@@ -219,7 +219,7 @@ def validation_loss(trainer, my_specs, data, step: int, args, layout, mesh, loss
         if take is not None:
             x, y = take(x), take(y)
         x, y = x.to(device), y.to(device)
-        total += pipeline_executor.forward_only_loss_sum(
+        total += pipeline_validation.forward_only_loss_sum(
             trainer.model, my_specs, mesh.coord("pp"), mesh.group_ranks["pp"], mesh.group("pp"),
             [shard_rows(x, k, m) for k in range(m)], [shard_rows(y, k, m) for k in range(m)], loss_fn, act_shape, device,
             rank_of=trainer.executor.rank_of)                    # where each stage lives: a loop, or a V

@@ -20,7 +20,8 @@ that decides whether a layout fits. The step time is a model, stated:
     compute   model FLOPs of the step (common/mfu.flops_per_token; plus, under full recomputation, each
               block's forward again up to what backward needs: recompute_flops_per_token)
               ÷ (ranks × peak × efficiency); on a CPU the ranks share
-              its cores, so the divisor has at most as many ranks as cores
+              its cores, so the divisor has at most as many ranks as cores; on a GPU with a measured
+              curve (gpu_efficiency.py) the efficiency falls with the rank's matmul size (matmul_flops)
     bubble    compute × b / (1 − b): the slots every rank idles (none on a CPU with more ranks than cores:
               an idle rank lends its core to a busy one)
     links     per group, bytes ÷ the link's rate + messages × its latency; the link is NVLink when the
@@ -38,6 +39,7 @@ from common.comm import collective_bytes
 from common.mfu import attention_flops_per_token, flops_per_token, matmul_params
 
 zero_accounting = import_module("01_data_parallel.zero_accounting")         # chapter 01: ZeRO memory and bytes
+gpu_efficiency = import_module("07_choosing_a_layout.gpu_efficiency")        # this chapter: a GPU's measured curve
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")       # chapter 02: TP collectives
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")     # chapter 03: stages
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: actions, bubble
@@ -234,6 +236,16 @@ def link_of(group: str, c: Candidate, dev, gpus_per_node: int) -> tuple[float, f
     return (dev.intra, dev.latency_intra) if inside else (dev.inter, dev.latency_inter)
 
 
+def matmul_flops(run: Run, c: Candidate) -> float:
+    """FLOPs of one rank's typical matmul, the MLP's first: a micro-batch's tokens on the rank (its share
+    of the sequence under CP; under experts, the share one expert gets) × width × hidden width over TP, × 2."""
+    cfg = run.cfg
+    tokens = run.global_batch // c.dp // c.microbatches * run.seq_len / c.cp
+    if cfg.n_experts:
+        return 2 * tokens * cfg.top_k / cfg.n_experts * cfg.dim * cfg.expert_hidden
+    return 2 * tokens * cfg.dim * cfg.ffn_hidden / c.tp
+
+
 def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, msgs: dict, bubble: float) -> dict:
     """{compute, bubble, comm_<group>: seconds} of one step; the step is their sum (the module docstring)."""
     cfg, world = run.cfg, c.dp * c.tp * c.pp * c.cp
@@ -247,7 +259,8 @@ def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, ms
         idle = 0.0 if world > dev.cores else flops / world / (dev.peak * dev.efficiency) * bubble / (1 - bubble)
         return {"compute": stretch * flops / world / (dev.peak * dev.efficiency), "bubble": idle,
                 **{f"comm_{g}": t for g, t in comm.items()}}
-    rate = (world if dev.cores is None else min(world, dev.cores)) * dev.peak * dev.efficiency
+    efficiency = gpu_efficiency.scaled_efficiency(dev.efficiency, dev.curve, matmul_flops(run, c))
+    rate = (world if dev.cores is None else min(world, dev.cores)) * dev.peak * efficiency
     compute = flops / rate
     attention = attention_flops_per_token(cfg, run.seq_len) * run.global_batch * run.seq_len / rate
     idle = compute * bubble / (1 - bubble) if dev.cores is None or world <= dev.cores else 0.0

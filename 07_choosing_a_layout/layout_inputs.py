@@ -70,6 +70,9 @@ class Device:
     # rank, before the W/C stretch of ranks sharing cores; None: the link probe's latency and rate instead
     call_s: float | None = None
     byte_s: float | None = None
+    # a GPU whose matmul rate was measured by size (gpu_efficiency.py): ((FLOPs, share of peak), ...); the
+    # stated efficiency then holds for the largest matmuls and falls with the curve for smaller ones
+    curve: tuple | None = None
 
 
 def datasheet_peak(fragment: str, dtype: str) -> float:
@@ -79,9 +82,10 @@ def datasheet_peak(fragment: str, dtype: str) -> float:
 
 
 def gpu(name: str, dtype: str) -> Device:
+    curve = import_module("07_choosing_a_layout.gpu_efficiency").load_curve(name, dtype)    # None: not measured
     if name == "h100":
-        return Device("h100", 80 * GIB, datasheet_peak("H100", dtype), 900 * GB, 100 * GB, 10e-6, 20e-6)
-    return Device("a100", 80 * GIB, datasheet_peak("A100", dtype), 600 * GB, 50 * GB, 10e-6, 20e-6)
+        return Device("h100", 80 * GIB, datasheet_peak("H100", dtype), 900 * GB, 100 * GB, 10e-6, 20e-6, curve=curve)
+    return Device("a100", 80 * GIB, datasheet_peak("A100", dtype), 600 * GB, 50 * GB, 10e-6, 20e-6, curve=curve)
 
 
 def cpu(dtype: str, world: int) -> Device:
