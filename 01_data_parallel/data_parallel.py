@@ -89,6 +89,8 @@ class AsyncGradAllReduce:
         self.group, self.pending = group, []
 
     def launch(self, params: list[nn.Parameter]) -> None:
+        if dist.get_world_size(self.group) == 1:       # a group of one: the gradients are the sums already
+            return
         bucket = _Bucket([p for p in params if p.grad is not None])
         bucket.launch(self.group)
         self.pending.append(bucket)
@@ -113,9 +115,11 @@ class BucketedDataParallel(nn.Module):
         # Backward produces gradients roughly in reverse order of the forward, so buckets are filled
         # from the last parameters to the first: the first bucket is ready (and sent) earliest.
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.buckets = [_Bucket([p for _, p in some]) for some in groups_by_size(reversed(named), bucket_mb)]
+        self.alone = dist.get_world_size(group) == 1   # a group of one: nothing to send, no bucket, no hook
+        groups = [] if self.alone else groups_by_size(reversed(named), bucket_mb)
+        self.buckets = [_Bucket([p for _, p in some]) for some in groups]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        for _, p in named:
+        for p in self.bucket_of:
             # Runs right after p.grad has been accumulated for this backward pass.
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -145,6 +149,8 @@ class BucketedDataParallel(nn.Module):
 
     def sync_gradients(self) -> None:
         """Wait for every bucket's all-reduce and copy the summed gradients back into .grad."""
+        if self.alone:                                 # world size 1: .grad is already the sum
+            return
         for bucket in self.buckets:
             if bucket.ready != len(bucket.params):
                 # Fewer: a parameter got no gradient (unused in forward): the bucket was never sent and
