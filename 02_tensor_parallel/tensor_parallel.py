@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from common import comm
 from common.errors import require
-from common.model import Attention, SwiGLU
+from common.model import Attention, SwiGLU, loss_sum
 from common.step_protocol import replicas
 
 from . import tp_layers
@@ -95,6 +95,8 @@ def parallelize_model(model, tp_group, sequence_parallel: bool = False, keep_gat
     """
     tp = dist.get_world_size(tp_group)
     check_tp_config(model.cfg, tp)
+    if tp == 1:              # nothing to split: the single-device layers are the shards (and cost nothing)
+        return model
     # Every Attention and SwiGLU, wherever it sits (whole model, or a stage holding a few Blocks).
     for name, module in list(model.named_modules()):
         parent_name, _, attr = name.rpartition(".")
@@ -120,6 +122,8 @@ def parallelize_model(model, tp_group, sequence_parallel: bool = False, keep_gat
 
 def tp_loss_sum(local_logits, targets, tp_group):
     """(B, S, V/tp), (B, S) -> summed cross-entropy, the same value on every TP rank."""
+    if dist.get_world_size(tp_group) == 1:          # the whole vocabulary is here: the plain loss
+        return loss_sum(local_logits, targets)
     return tp_layers.vocab_parallel_cross_entropy(local_logits, targets, tp_group)
 
 
@@ -150,7 +154,9 @@ def sync_replicated_kv_grads(model, tp_group) -> None:
 
 
 def sync_tp_gradients(model, tp_group) -> None:
-    """Everything TP leaves to do after backward: SP norm gradients and replicated KV heads."""
+    """Everything TP leaves to do after backward: SP norm gradients and replicated KV heads (none at tp 1)."""
+    if dist.get_world_size(tp_group) == 1:
+        return
     sync_sequence_parallel_grads(model, tp_group)
     sync_replicated_kv_grads(model, tp_group)
 

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from common import comm
-from common.model import loss_sum
 from common.optim import build_adamw, clip_by_global_norm
 from common.step_protocol import OptimizerVerbs, counted_here, replicas
 from common.training import load_optim_state_by_name, optim_state_by_name
@@ -43,8 +42,7 @@ class TPTrainer(OptimizerVerbs):
         self.tp_rank, self.tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
         self.coords = {"tp": self.tp_rank}                 # where this rank sits, for counted_here
         self.n_kv_heads, self.tokens_per_step = model.cfg.n_kv_heads, tokens_per_step
-        # my slices; at tp 1 the single-device layers stay (nothing to split: chapter 04's rule too)
-        self.model = tensor_parallel.parallelize_model(model, tp_group, sequence_parallel) if self.tp_size > 1 else model
+        self.model = tensor_parallel.parallelize_model(model, tp_group, sequence_parallel)   # keeps my slices
         self.named = list(self.model.named_parameters())
         self.optimizer = build_adamw(self.named, lr, weight_decay)
 
@@ -60,16 +58,14 @@ class TPTrainer(OptimizerVerbs):
             for layer in model.layers:
                 h = layer(h, model.rope_cos, model.rope_sin)      # f ... g twice per block
             logits = model.head(h)                                # (B, S, V/tp): never gathered
-            summed = tensor_parallel.tp_loss_sum(logits, y, self.tp_group) if self.tp_size > 1 else loss_sum(logits, y)
-            loss = summed / self.tokens_per_step
+            loss = tensor_parallel.tp_loss_sum(logits, y, self.tp_group) / self.tokens_per_step
             loss.backward()
         return loss.detach()                                      # the same on every TP rank
 
     def sync_gradients(self) -> None:
         # TP: the gradients that are partial sums over the TP group after backward: norm gains with
         # sequence parallelism (each rank saw S/tp tokens) and KV heads replicated over tp/K ranks.
-        if self.tp_size > 1:
-            tensor_parallel.sync_tp_gradients(self.model, self.tp_group)
+        tensor_parallel.sync_tp_gradients(self.model, self.tp_group)
         # DP (chapter 01): every rank of the DP group holds the same slices, each rank's gradient
         # from its rows of the batch: sum them, one all-reduce per gradient tensor.
         data_parallel.allreduce_gradients(self.model, self.dp_group)

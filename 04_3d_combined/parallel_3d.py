@@ -126,8 +126,7 @@ def build_local_model(cfg, args, layout: Layout, specs, mesh, device, full_state
         model.load_state_dict(full_state, strict=True)
     my_specs = pipeline_stages.rank_stages(specs, layout.pp, mesh.coord("pp"))
     model = pipeline_stages.prune_to_stages(model, my_specs)
-    if layout.tp > 1:
-        model = tensor_parallel.parallelize_model(model, mesh.group("tp"), args.sequence_parallel)
+    model = tensor_parallel.parallelize_model(model, mesh.group("tp"), args.sequence_parallel)   # (tp 1: as it is)
     if then is not None:
         then(model, mesh)
     return model, my_specs
