@@ -92,10 +92,14 @@ def set_cpu_threads() -> None:
     """Ranks on one machine share its cores: give each an equal slice, at least one thread.
 
     Without this every rank starts one thread per core and they fight over the cores, which makes
-    an 8-rank run on a 4-core laptop many times slower than it needs to be.
+    an 8-rank run on a 4-core laptop many times slower than it needs to be. Where other work shares the
+    machine too (the test suite runs two files at once), `THREADS_PER_RANK=N` sets the slice instead:
+    two runs of one rank, each taking every core, spin against each other many times slower than one
+    thread each.
     """
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    share = max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(int(os.environ.get("THREADS_PER_RANK", share)))
 
 
 def shutdown(rt: Runtime) -> None:

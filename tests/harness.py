@@ -56,6 +56,7 @@ def _worker(rank, world, store_path, jobs, queue, timeout_s):
                             timeout=datetime.timedelta(seconds=timeout_s))
     out = []
     for path, *args in jobs:
+        started = time.perf_counter()
         try:
             out.append(("ok", _resolve(path)(*args)))
         except ConfigError as err:
@@ -63,12 +64,21 @@ def _worker(rank, world, store_path, jobs, queue, timeout_s):
         except BaseException:
             out.append(("error", traceback.format_exc()))
             break       # after an unexpected error the group may be out of step: stop here
+        finally:
+            _profile(rank, world, path, args, time.perf_counter() - started)
     queue.put((rank, out))
     queue.close()
     queue.join_thread()                 # the results are in the pipe
     dist.destroy_process_group()
     from common.errors import exit_now
     exit_now(0)                         # no interpreter teardown: see common/errors.py for the race it avoids
+
+
+def _profile(rank: int, world: int, path: str, args, seconds: float) -> None:
+    """With HARNESS_PROFILE=file, rank 0 appends each job's seconds there: where a group's time goes."""
+    if rank == 0 and os.environ.get("HARNESS_PROFILE"):
+        with open(os.environ["HARNESS_PROFILE"], "a") as f:
+            f.write(json.dumps({"world": world, "job": path, "args": str(args)[:300], "s": round(seconds, 2)}) + "\n")
 
 
 # Ranks are forked from one server process per test session that has already imported torch, including
