@@ -54,7 +54,7 @@ def main(argv=None) -> list[dict]:
     resume = resume_state(args)
 
     # --- the model: a full replica on every rank -------------------------------------------------
-    model = build_model(cfg, args.seed, rt.device, args.recompute, args.compile)
+    model = build_model(cfg, args.seed, rt.device, args.recompute, args.compile, args.recompute_layers)
     start = resume["step"] if resume else 0
     if resume:
         model.load_state_dict(resume["model"], strict=True)

@@ -71,7 +71,7 @@ def main(argv=None) -> list[dict]:
     resume = resume_state(args, identity(args))      # every rank loads and checks it, so every rank fails alike
 
     # --- the model: built whole from the seed on every rank, then sharded --------------------------
-    model = build_model(cfg, args.seed, rt.device, args.recompute, args.compile)
+    model = build_model(cfg, args.seed, rt.device, args.recompute, args.compile, args.recompute_layers)
     start = resume["step"] if resume else 0
     if resume:
         model.load_state_dict(resume["model"], strict=True)

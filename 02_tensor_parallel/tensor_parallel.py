@@ -163,7 +163,8 @@ def sync_tp_gradients(model, tp_group) -> None:
 
 def tp_collectives(cfg, rows: int, seq_len: int, tp: int, sequence_parallel: bool, n_layers: int,
                    first: bool = True, last: bool = True, element_size: int = 4,
-                   route_counts: bool = True, recompute: str = "none") -> list[tuple[str, int]]:
+                   route_counts: bool = True, recompute: str = "none",
+                   recomputed: int | None = None) -> list[tuple[str, int]]:
     """(kind, bytes) of every "tp" collective of one micro-batch of `rows` sequences, forward and
     backward, through a stage of `n_layers` blocks (with the embedding if `first`, the head and the loss
     if `last`): the volumes the counter adds up (common.comm.collective_bytes of each).
@@ -184,7 +185,7 @@ def tp_collectives(cfg, rows: int, seq_len: int, tp: int, sequence_parallel: boo
     as the last tensor backward needs (the recomputation stops there): a dense block's attention g, and
     under SP the attention's f and the MLP's f that feeds gate and up, run again, where the MLP's g, whose
     output nobody saved, does not; a mixture's block reruns its attention's region and its routers' count
-    sums."""
+    sums. `recomputed`: how many of the stage's blocks recompute (--recompute-layers; None: all)."""
     act = rows * seq_len * cfg.dim * element_size                   # one (rows, S, D) activation
     region = [("all_gather", act), ("reduce_scatter", act)] if sequence_parallel else [("all_reduce", act)]
     regather = [("all_gather", act)] if sequence_parallel else []   # f's input gathered again in backward
@@ -194,7 +195,8 @@ def tp_collectives(cfg, rows: int, seq_len: int, tp: int, sequence_parallel: boo
     counts = [("all_reduce", rows * cfg.n_experts * 8)] if sequence_parallel and cfg.n_experts and route_counts else []
     out += n_layers * counts
     if recompute == "full":                                         # the forward again, up to what backward needs
-        out += n_layers * (region + counts if cfg.n_experts else region + regather)
+        rerun = n_layers if recomputed is None else min(recomputed, n_layers)
+        out += rerun * (region + counts if cfg.n_experts else region + regather)
     if last:
         out += region + regather + 3 * [("all_reduce", rows * seq_len * 4)]
     return out

@@ -74,7 +74,7 @@ def main(argv=None) -> list[dict]:
 
     # --- the model: build the full one from the seed (or the checkpoint); the trainer keeps this
     # rank's slices. Ours or DTensor's, chosen once: the loop below is the same for both.
-    model = build_model(cfg, args.seed, rt.device, args.recompute, args.compile)
+    model = build_model(cfg, args.seed, rt.device, args.recompute, args.compile, args.recompute_layers)
     start = 0
     if resume:                           # the consolidated state: each rank keeps its slice
         model.load_state_dict(resume["model"], strict=True)

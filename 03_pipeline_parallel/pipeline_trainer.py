@@ -110,7 +110,7 @@ def predicted_peaks(cfg, args, plan, specs, mb_rows: int, tp: int = 1, sequence_
     if not activation_ledger.ledger_applies(cfg, args.dtype):
         return None
     return activation_ledger.pipeline_peaks(cfg, args.recompute, plan, specs, mb_rows, args.seq_len // cp, tp,
-                                            sequence_parallel, cp, gathered_kv)
+                                            sequence_parallel, cp, gathered_kv, recomputed=args.recompute_layers)
 
 
 def _tensor_bytes(tensors) -> int:

@@ -114,7 +114,9 @@ def main(argv=None, schedule=None) -> list[dict]:
     resume = resume_state(args)
     # --- the stage model: the full model built from the seed, pruned to this rank's layers ---------
     my_specs = pipeline_stages.rank_stages(specs, layout.pp, mesh.coord("pp"))
-    model = pipeline_stages.prune_to_stages(build_model(cfg, args.seed, rt.device, args.recompute, args.compile), my_specs)
+    model = build_model(cfg, args.seed, rt.device, args.recompute, args.compile, args.recompute_layers,
+                        [s.layers for s in specs])          # --recompute-layers counts within each stage
+    model = pipeline_stages.prune_to_stages(model, my_specs)
     named = list(model.named_parameters())
     optimizer = build_adamw(named, args.lr, args.weight_decay)
     start = load_stage_state(model, optimizer, named, resume)

@@ -121,7 +121,8 @@ def build_local_model(cfg, args, layout: Layout, specs, mesh, device, full_state
     """This rank's piece of the model: the full reference model (from the seed, or a checkpoint's
     consolidated weights: any layout can resume any other's), pruned to its stages, then TP-sharded,
     then `then(model, mesh)`: the step a later chapter inserts (None here)."""
-    model = build_model(cfg, args.seed, device, args.recompute, args.compile)
+    model = build_model(cfg, args.seed, device, args.recompute, args.compile, args.recompute_layers,
+                        [s.layers for s in specs])          # --recompute-layers counts within each stage
     if full_state is not None:
         model.load_state_dict(full_state, strict=True)
     my_specs = pipeline_stages.rank_stages(specs, layout.pp, mesh.coord("pp"))

@@ -67,7 +67,7 @@ def main(argv=None) -> list[dict]:
     resume = resume_state(args, identity(args, cfg))       # every rank loads it, so every rank can fail alike
 
     # --- the model: build the full one from the seed (or the checkpoint), keep this rank's experts --
-    model = build_model(cfg, args.seed, rt.device, args.recompute, args.compile)
+    model = build_model(cfg, args.seed, rt.device, args.recompute, args.compile, args.recompute_layers)
     start = 0
     if resume:                       # the consolidated single-device state, whatever --ep saved it
         model.load_state_dict(resume["model"], strict=True)

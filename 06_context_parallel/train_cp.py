@@ -83,7 +83,7 @@ def main(argv=None) -> list[dict]:
 
     # --- the model: the full one from the seed (or the checkpoint); the trainer keeps this rank's TP
     # slices, then puts the context-parallel core into every attention
-    model = build_model(cfg, args.seed, rt.device, args.recompute, args.compile)
+    model = build_model(cfg, args.seed, rt.device, args.recompute, args.compile, args.recompute_layers)
     start = 0
     if resume:
         model.load_state_dict(resume["model"], strict=True)
@@ -155,16 +155,20 @@ def layout_rows(args, cfg, mesh, rt, data, split, start: int) -> dict:
     kv = cfg.kv_heads_per_rank(tp)
     chunks = " ".join(f"r{r}:" + "+".join(f"[{a},{b})" for a, b in split.chunks(r)) for r in range(cp))
     element = 2 if args.dtype == "bf16" else 4                   # K/V in the run's dtype (gradients in fp32)
-    per_layer = attention_bookkeeping.cp_bytes(args.cp_attention, B, S, cp, kv, hd, element,
-                                               2 if args.recompute == "full" else 1, h=cfg.n_heads // tp,
-                                               K=args.cp_alltoall or 1)
+    per_layer, rerun = (attention_bookkeeping.cp_bytes(args.cp_attention, B, S, cp, kv, hd, element, runs,
+                                                       h=cfg.n_heads // tp, K=args.cp_alltoall or 1) for runs in (1, 2))
+    if args.recompute == "full":             # a recomputed block's forward exchanges again
+        per_layer = rerun if args.recompute_layers is None else per_layer
     return {
         "world size": f"{rt.world_size} = DP {dp} × CP {cp} × TP {tp}", "device / backend": f"{rt.device} / {rt.backend}",
         "data": data.describe(), "mesh (dp, cp, tp)": "\n" + mesh.describe(),
         "model": f"{args.model}: {count_parameters(cfg):,} parameters ({format_bytes(count_parameters(cfg) * 4)} fp32)",
         "positions per CP rank": f"{S // cp} of {S} ({args.cp_split}): {chunks}",
         "attention": f"{args.cp_attention}: {format_bytes(per_layer)} sent + received per layer and micro-batch "
-                     f"(forward + backward, {args.dtype})" if cp > 1 else "one rank: plain causal attention",
+                     f"(forward + backward, {args.dtype})" + (
+                         f"; {format_bytes(rerun)} in the {args.recompute_layers} first, recomputed"
+                         if args.recompute == "full" and args.recompute_layers else "")
+                     if cp > 1 else "one rank: plain causal attention",
         "gradients": f"summed over dp × cp = {dp * cp} ranks (one all-reduce per tensor)",
         "global batch": f"{args.global_batch} seq × {S} tokens = {args.global_batch * S:,} tokens",
         "resumed from step": start or "-"}

@@ -13,8 +13,8 @@ time (ties by memory), prints the command that runs the first, and explains the 
 or any one layout with --explain. What the planner is worth is checked against measured runs and
 published ones by check_layouts.py (the chapter's README shows both tables).
 
-`--json PATH` writes every layout as a row: dp, tp, pp, cp, ep, zero_stage, recompute,
-sequence_parallel, schedule, virtual_stages, microbatches, memory_bytes {params, grads, optim_bytes,
+`--json PATH` writes every layout as a row: dp, tp, pp, cp, ep, zero_stage, recompute, recompute_layers
+(--recompute-layers: full recomputation of the first blocks of each stage only, null for all), sequence_parallel, schedule, virtual_stages, microbatches, memory_bytes {params, grads, optim_bytes,
 peak_activation_bytes, total, held_between_steps} (the fullest pipeline rank's, fullest_pp_rank),
 comm_bytes {dp, tp, pp, ep, cp} (per optimizer step, global rank 0's, sent + received: the metrics'
 comm_bytes_*), bubble, step_time_s, time_parts_s, fits, command (null for a published shape: its miniature is
@@ -25,6 +25,7 @@ the --json rows, every one fits = false, are still written); 2, a bad flag (one 
 """
 import json
 import sys
+from dataclasses import replace
 from importlib import import_module
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def chunks_per_rank(n_layers: int, pp: int) -> list[int]:
     return sorted(v for v in ladder if 2 <= v <= most)
 
 
-SCHEMA = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute", "sequence_parallel", "schedule", "virtual_stages",
+SCHEMA = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute", "recompute_layers", "sequence_parallel", "schedule", "virtual_stages",
           "microbatches", "memory_bytes", "fullest_pp_rank", "comm_bytes", "bubble", "step_time_s", "time_parts_s",
           "fits", "command")
 
@@ -132,8 +133,10 @@ def plan(args) -> tuple[list[dict], object]:
     run = layout_costs.Run(cfg, args.global_batch, args.seq_len, args.dtype)
     kept, plan.refused = runnable_candidates(cfg, args.model, args.world, args.global_batch, args.seq_len, gpn,
                                              args.dtype)
+    # full recomputation also as a lever: the fewest blocks per stage that fit (--recompute-layers), the rest kept
+    partial = (replace(c, recompute_layers=k) for c in kept if (k := layout_costs.least_recompute_layers(run, c, dev)))
     rows = []
-    for c in kept:
+    for c in kept + list(partial):
         row = layout_costs.predict(run, c, dev, gpn)
         # a published shape has no course preset to run at full size: its command is the miniature's (run_it)
         row["command"] = (runnable.command(c, args.model, cfg, args.global_batch, args.seq_len, args.dtype)
@@ -151,7 +154,8 @@ def describe(r: dict) -> str:
     v = f" v={r['virtual_stages']}" if r.get("virtual_stages", 1) > 1 else ""
     sched = f", {r['schedule']}{v} m={r['microbatches']}" if r["pp"] > 1 else f", m={r['microbatches']}"
     return (f"dp {r['dp']} × tp {r['tp']}{' +SP' if r['sequence_parallel'] else ''} × pp {r['pp']} × cp {r['cp']}"
-            + (f" (ep {r['ep']})" if r["ep"] > 1 else "") + f"{zero}, recompute {r['recompute']}{sched}")
+            + (f" (ep {r['ep']})" if r["ep"] > 1 else "") + f"{zero}, recompute {r['recompute']}"
+            + (f" ({r['recompute_layers']}/stage)" if r.get("recompute_layers") else "") + sched)
 
 
 gib = explain_layout.gib
@@ -187,7 +191,7 @@ def parser() -> Parser:
     p.add_argument("--top", type=POSITIVE_INT, default=10, help="layouts in the printed table")
     p.add_argument("--why", type=POSITIVE_INT, default=3, help="first layouts explained in words")
     p.add_argument("--explain", type=explain_layout.LAYOUT, default=None, metavar="LAYOUT",
-                   help="explain one layout, fitting or not: key=value fields (dp, tp, pp, cp, ep, zero, recompute, "
+                   help="explain one layout, fitting or not: key=value fields (dp, tp, pp, cp, ep, zero, recompute, layers, "
                         "schedule, v, m, and sp), or a published run's name, which also plans its cluster: "
                         + ", ".join(published.BY_NAME))
     p.add_argument("--json", type=OUTPUT_FILE, default=None,
@@ -210,7 +214,8 @@ def run_it(r: dict, cfg, args) -> str:
     if r["command"]:
         return f"Run it:\n  {r['command']}"
     c = layout_costs.Candidate(*(r[k] for k in ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute",
-                                                "sequence_parallel", "schedule", "microbatches", "virtual_stages")))
+                                                "sequence_parallel", "schedule", "microbatches", "virtual_stages",
+                                                "recompute_layers")))
     mini = runnable.miniature(c, cfg)
     return ("Run it in miniature on this machine:\n  " + mini[1]) if mini else \
         "No miniature of it runs here (its script refuses the reduced degrees)."

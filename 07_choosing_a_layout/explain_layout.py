@@ -4,7 +4,7 @@
     python 07_choosing_a_layout/choose_layout.py --explain llama3-405b-8k-16384gpu   # a published run by name
 
 A layout is written as comma-separated fields, each `key=value` or a bare `sp` (sequence parallelism):
-dp, tp, pp, cp, ep, zero, recompute, schedule, v (virtual stages), m (micro-batches). Fields left out
+dp, tp, pp, cp, ep, zero, recompute, layers (--recompute-layers), schedule, v (virtual stages), m (micro-batches). Fields left out
 match any value: the explained row is then the best-ranked layout with the fields given. A published
 run's name (published.py) plans that run's cluster and batch and explains the layout it ran.
 """
@@ -17,7 +17,7 @@ from common.model import count_parameters
 published = import_module("07_choosing_a_layout.published")
 
 FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero": "zero_stage", "recompute": "recompute",
-          "schedule": "schedule", "v": "virtual_stages", "m": "microbatches"}
+          "layers": "recompute_layers", "schedule": "schedule", "v": "virtual_stages", "m": "microbatches"}
 WORDS = ("compute", "bubble", "comm_dp", "comm_tp", "comm_pp", "comm_ep", "comm_cp")
 
 

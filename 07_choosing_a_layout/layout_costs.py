@@ -49,9 +49,10 @@ attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping
 
 
 
-def recompute_flops_per_token(cfg, seq_len: int, mode: str) -> float:
+def recompute_flops_per_token(cfg, seq_len: int, mode: str, blocks: int | None = None) -> float:
     """The FLOPs per token that --recompute adds to a step: none for `selective` (norms and SwiGLU's silu,
-    elementwise); for `full`, each block's forward again as far as backward needs it. The recomputation
+    elementwise); for `full`, each recomputed block's forward again (`blocks` of them; None: every block)
+    as far as backward needs it. The recomputation
     stops at the last tensor backward uses, so a dense block skips its down projection (its output only
     feeds the residual sum), where a mixture reruns its experts whole (the combine weights their outputs,
     which backward needs): the bytes of chapter 02's tp_collectives(recompute="full") say the same."""
@@ -60,7 +61,13 @@ def recompute_flops_per_token(cfg, seq_len: int, mode: str) -> float:
     D = cfg.dim
     down = 0 if cfg.n_experts else D * cfg.ffn_hidden
     block = (matmul_params(cfg) - D * cfg.vocab_size) / cfg.n_layers - down    # weights one token meets again
-    return cfg.n_layers * 2 * block + attention_flops_per_token(cfg, seq_len) / 3
+    share = 1.0 if blocks is None else blocks / cfg.n_layers
+    return share * (cfg.n_layers * 2 * block + attention_flops_per_token(cfg, seq_len) / 3)
+
+
+def recomputed_blocks(stages, per_stage: int | None) -> int:
+    """How many blocks of `stages` recompute under --recompute-layers `per_stage` (the first ones of each)."""
+    return sum(len(s.layers) if per_stage is None else min(per_stage, len(s.layers)) for s in stages)
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,7 @@ class Candidate:
     schedule: str
     microbatches: int
     virtual_stages: int = 1
+    recompute_layers: int | None = None     # --recompute-layers: the first blocks of each stage (None: all)
 
 
 @dataclass(frozen=True)
@@ -134,13 +142,14 @@ def fullest_candidates(specs, pp: int) -> list[int]:
 
 @lru_cache(maxsize=None)
 def activation_peaks(cfg, mode: str, schedule: str, pp: int, m: int, v: int, rows: int, seq_len: int,
-                     positions: int, tp: int, sp: bool, dtype: str = "fp32") -> tuple[tuple[int, int], ...]:
+                     positions: int, tp: int, sp: bool, dtype: str = "fp32",
+                     recomputed: int | None = None) -> tuple[tuple[int, int], ...]:
     """((pipeline rank, its peak activation bytes), ...) of the ranks that can peak highest, from the
     ledger in the run's dtype and the schedule's actions (common/activation_ledger.pipeline_peaks)."""
     specs, plan = specs_for(cfg, pp, v, seq_len, schedule), plan_for(schedule, pp, m, v)
     ranks = fullest_candidates(specs, pp)
     peaks = activation_ledger.pipeline_peaks(ledger_config(cfg, tp), mode, [plan[r] for r in ranks], specs, rows,
-                                             positions, tp, sp, dtype=dtype, weight_casts=False)
+                                             positions, tp, sp, dtype=dtype, weight_casts=False, recomputed=recomputed)
     return tuple(zip(ranks, peaks))
 
 
@@ -183,9 +192,11 @@ def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
     cfg, m, v = run.cfg, c.microbatches, c.virtual_stages
     rows, positions = run.global_batch // c.dp // m, run.seq_len // c.cp
     e = 2 if run.dtype == "bf16" else 4
-    runs = 2 if c.recompute == "full" else 1                  # full recomputation reruns the forward's exchanges
     mine = pipeline_stages.rank_stages(specs, c.pp, 0)
     layers = sum(len(s.layers) for s in mine)
+    # full recomputation reruns the forward's exchanges in the blocks it recomputes: (blocks, forward runs)
+    rerun = recomputed_blocks(mine, c.recompute_layers) if c.recompute == "full" else 0
+    runs = ((rerun, 2), (layers - rerun, 1))
     nbytes, msgs = dict.fromkeys(("dp", "tp", "pp", "ep", "cp"), 0), dict.fromkeys(("dp", "tp", "pp", "ep", "cp"), 0)
     for s in mine:
         dense, experts = stage_params(cfg, s, c.tp, c.ep)
@@ -197,31 +208,32 @@ def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
         if c.tp > 1:
             micro, n_micro, grads, n_grads = stage_tp_traffic(cfg, rows, positions, c.tp, c.sequence_parallel,
                                                               len(s.layers), s.first, s.last, e, c.cp == 1,
-                                                              c.recompute, c.ep)
+                                                              c.recompute, c.ep, c.recompute_layers)
             nbytes["tp"] += m * micro + grads
             msgs["tp"] += m * n_micro + n_grads
     if c.pp > 1:
         msgs["pp"] = rank0_messages(c.schedule, c.pp, m, v)
         nbytes["pp"] = msgs["pp"] * rows * (positions // c.tp if c.sequence_parallel else positions) * cfg.dim * e
     if c.ep > 1 and cfg.n_experts:
-        nbytes["ep"] = int(expert_parallel.expected_ep_bytes(layers, rows * m * positions, cfg.top_k, cfg.dim,
-                                                             cfg.n_experts, c.ep, e, runs))
-        msgs["ep"] = layers * m * (4 + 2 * runs)             # dispatch, combine, forward and back; the counts
+        nbytes["ep"] = sum(int(expert_parallel.expected_ep_bytes(n, rows * m * positions, cfg.top_k, cfg.dim,
+                                                                 cfg.n_experts, c.ep, e, r)) for n, r in runs if n)
+        msgs["ep"] = sum(n * m * (4 + 2 * r) for n, r in runs)  # dispatch, combine, forward and back; the counts
     if c.cp > 1:
         kv = cfg.kv_heads_per_rank(c.tp)
-        nbytes["cp"] = layers * m * attention_bookkeeping.cp_bytes("ring", rows, run.seq_len, c.cp, kv, cfg.head_dim, e,
-                                                                                 forward_runs=runs)
-        msgs["cp"] = layers * m * (1 + runs) * (c.cp - 1)    # one exchange per hop, forward(s) and backward
+        nbytes["cp"] = sum(n * m * attention_bookkeeping.cp_bytes("ring", rows, run.seq_len, c.cp, kv, cfg.head_dim,
+                                                                  e, forward_runs=r) for n, r in runs)
+        msgs["cp"] = sum(n * m * (1 + r) * (c.cp - 1) for n, r in runs)   # one exchange per hop, forward(s), backward
     return nbytes, msgs
 
 
 @lru_cache(maxsize=None)
 def stage_tp_traffic(cfg, rows: int, positions: int, tp: int, sp: bool, n_layers: int, first: bool, last: bool,
-                     e: int, route_counts: bool, recompute: str, ep: int) -> tuple[int, int, int, int]:
+                     e: int, route_counts: bool, recompute: str, ep: int,
+                     recomputed: int | None = None) -> tuple[int, int, int, int]:
     """One stage's TP traffic on one rank, chapter 02's collectives at common.comm's volume: (bytes of one
     micro-batch, its collectives, bytes of the gradient sums after the schedule, their collectives)."""
     micro = tensor_parallel.tp_collectives(cfg, rows, positions, tp, sp, n_layers, first, last, e,
-                                           route_counts=route_counts, recompute=recompute)
+                                           route_counts=route_counts, recompute=recompute, recomputed=recomputed)
     grads = tensor_parallel.tp_gradient_collectives(cfg, tp, sp, n_layers, last, ep)
     return (sum(collective_bytes(k, n, tp) for k, n in micro), len(micro),
             sum(collective_bytes(k, n, tp) for k, n in grads), len(grads))
@@ -249,7 +261,8 @@ def matmul_flops(run: Run, c: Candidate) -> float:
 def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, msgs: dict, bubble: float) -> dict:
     """{compute, bubble, comm_<group>: seconds} of one step; the step is their sum (the module docstring)."""
     cfg, world = run.cfg, c.dp * c.tp * c.pp * c.cp
-    flops = (flops_per_token(cfg, run.seq_len) + recompute_flops_per_token(cfg, run.seq_len, c.recompute)) \
+    blocks = recomputed_blocks(specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule), c.recompute_layers)
+    flops = (flops_per_token(cfg, run.seq_len) + recompute_flops_per_token(cfg, run.seq_len, c.recompute, blocks)) \
         * run.global_batch * run.seq_len
     if dev.call_s is not None:
         # a CPU calibrated on the course's runs here (calibrate_cpu.py): one rank's work, stretched by the W/C
@@ -272,6 +285,37 @@ def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, ms
     return {"compute": compute, "bubble": idle, **{f"comm_{g}": t for g, t in exposed.items()}}
 
 
+def fullest_rank(run: Run, c: Candidate, specs, peaks) -> tuple[int, dict]:
+    """(pipeline rank, its memory by component) of the fullest rank: each rank its own weights and its own
+    activations (the ends hold the embedding and the head, the first ranks keep the most micro-batches in
+    flight), the fullest decides whether the layout fits."""
+    return max(((r, rank_memory(run, c, specs, r, peak)) for r, peak in peaks), key=lambda rank_mem: rank_mem[1]["total"])
+
+
+def least_recompute_layers(run: Run, c: Candidate, dev) -> int | None:
+    """Under --recompute full, the fewest blocks per stage (--recompute-layers) that still fit `dev`: the
+    others keep their activations and rerun nothing. None where a stage has one block, where recomputing
+    none fits (--recompute none is then as small a step and a candidate of its own), where recomputing
+    every block does not fit either, or where every block must recompute. Memory falls as more blocks
+    recompute, so a bisection finds it."""
+    specs = specs_for(run.cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
+    rows = run.global_batch // c.dp // c.microbatches
+
+    def fits(k):
+        peaks = activation_peaks(run.cfg, "full", c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
+                                 run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel, run.dtype, k)
+        return fullest_rank(run, c, specs, peaks)[1]["total"] <= dev.memory
+
+    most = max(len(s.layers) for s in specs)
+    if c.recompute != "full" or most < 2 or not fits(most) or fits(0):
+        return None
+    lo, hi = 0, most                    # fits(hi), not fits(lo)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi if hi < most else None
+
+
 def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     """The planner's row for one layout: the JSON schema of choose_layout.py, plus the time's parts."""
     cfg, world = run.cfg, c.dp * c.tp * c.pp * c.cp
@@ -279,11 +323,8 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
                                                                                  c.virtual_stages)
     rows = run.global_batch // c.dp // c.microbatches
     peaks = activation_peaks(cfg, c.recompute, c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
-                             run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel, run.dtype)
-    # each rank its own weights and its own activations (the ends hold the embedding and the head, the first
-    # ranks keep the most micro-batches in flight): the fullest rank decides whether the layout fits
-    fullest, memory = max(((r, rank_memory(run, c, specs, r, peak)) for r, peak in peaks),
-                          key=lambda rank_mem: rank_mem[1]["total"])
+                             run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel, run.dtype, c.recompute_layers)
+    fullest, memory = fullest_rank(run, c, specs, peaks)
     nbytes, msgs = rank0_traffic(run, c, specs, plan)
     bubble = pipeline_schedules.theory_bubble(c.schedule, c.pp, c.microbatches, c.virtual_stages) if c.pp > 1 else 0.0
 
@@ -291,7 +332,8 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     step, tokens = sum(parts.values()), run.global_batch * run.seq_len
     workers = world if dev.cores is None else min(world, dev.cores)
     return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep, "zero_stage": c.zero_stage,
-            "recompute": c.recompute, "sequence_parallel": c.sequence_parallel, "schedule": c.schedule,
+            "recompute": c.recompute, "recompute_layers": c.recompute_layers,
+            "sequence_parallel": c.sequence_parallel, "schedule": c.schedule,
             "microbatches": c.microbatches, "memory_bytes": {k: int(v) for k, v in memory.items()},
             "comm_bytes": nbytes, "bubble": bubble, "step_time_s": step,
             # model FLOPs over the peak of every rank (common/mfu's definition; recomputation not counted)

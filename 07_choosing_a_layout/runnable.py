@@ -52,6 +52,8 @@ def flags(c, model: str, cfg, global_batch: int, seq_len: int, dtype: str) -> li
         out += ["--sequence-parallel"]
     if c.recompute != "none":
         out += ["--recompute", c.recompute]
+    if c.recompute_layers:
+        out += ["--recompute-layers", str(c.recompute_layers)]
     if c.pp > 1:
         out += ["--schedule", c.schedule] + (["--virtual-stages", str(c.virtual_stages)] if c.virtual_stages > 1 else [])
     out += ["--microbatches", str(c.microbatches), "--global-batch", str(global_batch), "--seq-len", str(seq_len)]

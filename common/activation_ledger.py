@@ -169,17 +169,21 @@ def terms_bytes(terms, mode: str, rows: int, positions: int, shard_positions: in
 
 def microbatch_bytes(cfg, mode: str, rows: int, positions: int, n_layers: int, first: bool = True,
                      last: bool = True, tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
-                     gathered_kv: bool = False, dtype: str = "fp32", weight_casts: bool = True) -> int:
+                     gathered_kv: bool = False, dtype: str = "fp32", weight_casts: bool = True,
+                     recomputed: int | None = None) -> int:
     """Bytes one micro-batch of `rows` sequences keeps on a stage of `n_layers` blocks (plus the
-    embedding if `first`, the head and loss if `last`). `positions`: the positions of a sequence this
+    embedding if `first`, the head and loss if `last`), the first `recomputed` of them (--recompute-layers;
+    None: all) in `mode`, the others in "none". `positions`: the positions of a sequence this
     rank computes (S; S/cp under context parallelism over `cp` ranks, whose all-gather attention keeps
     every rank's K/V if `gathered_kv`); the "(SP shard)" terms hold positions/tp of them under sequence
     parallelism."""
     shard = positions // tp if sequence_parallel else positions
     kv_copies = cp if gathered_kv else 1
-    total = n_layers * terms_bytes(layer_terms(cfg, tp, kv_copies, dtype), mode, rows, positions, shard)
+    k = n_layers if recomputed is None else min(recomputed, n_layers)
+    terms = layer_terms(cfg, tp, kv_copies, dtype)
+    total = sum(count * terms_bytes(terms, m, rows, positions, shard) for count, m in ((k, mode), (n_layers - k, "none")))
     if dtype == "bf16" and weight_casts:
-        total += bf16_weight_copies(cfg, n_layers, mode, last, tp)
+        total += bf16_weight_copies(cfg, k, mode, last, tp) + bf16_weight_copies(cfg, n_layers - k, "none", False, tp)
     if first:
         total += terms_bytes(embedding_terms(cfg, tp), mode, rows, positions, shard)
     if last:       # (the vocab-parallel loss keeps no scalar: it saves its own three tensors)
@@ -201,7 +205,8 @@ def predicted_bytes(cfg, args, mb_rows: int, tp: int = 1, sequence_parallel: boo
     if not ledger_applies(cfg, args.dtype):
         return None
     return microbatch_bytes(cfg, args.recompute, mb_rows, args.seq_len // cp, cfg.n_layers, tp=tp,
-                            sequence_parallel=sequence_parallel, cp=cp, gathered_kv=gathered_kv)
+                            sequence_parallel=sequence_parallel, cp=cp, gathered_kv=gathered_kv,
+                            recomputed=args.recompute_layers)
 
 
 def schedule_peak(actions, held: dict, deferred: dict) -> int:
@@ -228,14 +233,15 @@ def schedule_peak(actions, held: dict, deferred: dict) -> int:
 
 def pipeline_peaks(cfg, mode: str, plan, specs, rows: int, positions: int, tp: int = 1,
                    sequence_parallel: bool = False, cp: int = 1, gathered_kv: bool = False,
-                   dtype: str = "fp32", weight_casts: bool = True) -> list[int]:
+                   dtype: str = "fp32", weight_casts: bool = True, recomputed: int | None = None) -> list[int]:
     """Each pipeline rank's predicted peak: `plan` holds every rank's actions, `specs` every stage
     (.layers, .first, .last); a micro-batch has `rows` sequences of `positions` on this rank (S/cp
     under context parallelism: microbatch_bytes). `weight_casts` False leaves out the bf16 weight casts each
-    micro-batch keeps (bf16_weight_copies), for a planner that counts one copy per rank instead."""
+    micro-batch keeps (bf16_weight_copies), for a planner that counts one copy per rank instead; `recomputed`:
+    the blocks of each stage in `mode` (--recompute-layers; None: all)."""
     kinds = {(len(s.layers), s.first, s.last) for s in specs}         # stages of the same shape keep the same
     of_kind = {k: microbatch_bytes(cfg, mode, rows, positions, *k, tp, sequence_parallel, cp, gathered_kv, dtype,
-                                   weight_casts) for k in kinds}
+                                   weight_casts, recomputed) for k in kinds}
     held = {s.index: of_kind[(len(s.layers), s.first, s.last)] for s in specs}
     shard = positions // tp if sequence_parallel else positions
     per_layer = terms_bytes(deferred_terms(cfg, tp), mode, rows, positions, shard)

@@ -245,6 +245,9 @@ def base_parser(description: str, pipeline: bool = False) -> Parser:
                    help="activation recomputation in every block: none; selective (the norms and SwiGLU's "
                         "silu rebuilt in backward); full (only each block's input kept, its forward rerun "
                         "in backward)")
+    p.add_argument("--recompute-layers", type=POSITIVE_INT, default=None,
+                   help="apply --recompute to the first K blocks of each pipeline stage only, keep the rest "
+                        "(default: every block)")
     p.add_argument("--compile", nargs="?", const="inductor", default="none", choices=list(COMPILE_BACKENDS),
                    help="torch.compile each transformer block (common/compile.py): --compile alone is inductor; "
                         "--compile aot_eager compiles in seconds with no speed-up, to check the losses")
@@ -275,6 +278,8 @@ def check_common(args, dp: int = 1, microbatches: int | None = None, cfg=None) -
             f"--global-batch {args.global_batch} does not split over {dp} data-parallel rank(s) × "
             f"{m} micro-batch(es); use a multiple of {dp * m}")
     require(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir")
+    require(args.recompute_layers is None or args.recompute != "none",
+            f"--recompute-layers {args.recompute_layers} chooses blocks to recompute; add --recompute full (or selective)")
     check_compile(args)
     if args.checkpoint_dir and not args.resume:
         checkpoint.refuse_fresh_run_over(args.checkpoint_dir)     # another run's checkpoints are kept

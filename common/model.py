@@ -257,11 +257,11 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """tokens (B, S) -> logits (B, S, V). Pipeline stages call `embed`, `layers[i]`, `head` apart."""
 
-    def __init__(self, cfg: ModelConfig, recompute_mode: str = "none"):
+    def __init__(self, cfg: ModelConfig, recompute_modes: list[str] | None = None):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, recompute_mode) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, mode) for mode in recompute_modes or ["none"] * cfg.n_layers)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)   # untied from tok_emb
         cos, sin = rope_tables(cfg)
@@ -310,11 +310,13 @@ def _stable_hash(name: str) -> int:
 
 
 def build_model(cfg: ModelConfig, seed: int, device="cpu", recompute_mode: str = "none",
-                compile_backend: str = "none") -> Transformer:
-    """The reference model from the seed; `recompute_mode`: every block's --recompute (common/recompute.py);
-    `compile_backend`: --compile, each block compiled at its first call (common/compile.py)."""
+                compile_backend: str = "none", recompute_layers: int | None = None, stages=None) -> Transformer:
+    """The reference model from the seed; `recompute_mode`: --recompute, in the first `recompute_layers`
+    blocks of each of the pipeline's `stages` (their layer indices; default: every block, one stage), see
+    common/recompute.py; `compile_backend`: --compile, each block compiled at its first call (common/compile.py)."""
     require(recompute_mode in recompute.MODES, f"recompute mode {recompute_mode!r} is not one of {recompute.MODES}")
-    model = init_weights(Transformer(cfg, recompute_mode), seed).to(device)
+    modes = recompute.block_modes(recompute_mode, cfg.n_layers, recompute_layers, stages)
+    model = init_weights(Transformer(cfg, modes), seed).to(device)
     return compile_blocks(model, compile_backend)
 
 

@@ -14,7 +14,11 @@ B needs). Three modes, `--recompute` in every training script, applied by common
                more forward per step
 
 Every layer type of the course is a Block (the TP, SP, pipeline-stage, MoE and EP layers replace
-pieces *inside* a block), so the mode reaches them all. What recomputation repeats:
+pieces *inside* a block), so the mode reaches them all. `--recompute-layers K` applies the mode to the
+first K blocks of each pipeline stage only (the whole model is one stage without a pipeline), the others
+keep everything: the lever between all and nothing that Megatron-LM calls `--recompute-num-layers` (its
+"block" method). A stage's first blocks are the ones whose activations wait longest for their backward,
+and the memory falls by one block's saving per block recomputed, per micro-batch in flight. What recomputation repeats:
   - the block's collectives (TP's f and g, EP's all-to-alls), on the groups its modules hold: the
     same groups as in the forward, in the same order on every rank;
   - its random numbers: the RNG state at the forward is restored for the recomputation
@@ -41,6 +45,17 @@ def _set(var: contextvars.ContextVar, value: bool):
         yield
     finally:
         var.reset(token)
+
+
+def block_modes(mode: str, n_layers: int, per_stage: int | None = None, stages=None) -> list[str]:
+    """Each block's mode: `mode` for the first `per_stage` blocks of every stage, "none" for the rest
+    (per_stage None: every block). `stages`: each pipeline stage's layer indices (default: one stage)."""
+    stages = stages or [range(n_layers)]
+    modes = ["none"] * n_layers
+    for layers in stages:
+        for i in list(layers)[:per_stage]:         # [:None] is every layer of the stage
+            modes[i] = mode
+    return modes
 
 
 def recomputed(fn, *args):

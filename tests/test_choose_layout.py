@@ -47,7 +47,7 @@ def test_json_schema(tmp_path):
     assert all(float(f"{a['step_time_s']:.4g}") < float(f"{b['step_time_s']:.4g}") or
                a["memory_bytes"]["total"] <= b["memory_bytes"]["total"] for a, b in zip(fitting, fitting[1:]))
     # one row per distinct layout: no ZeRO stage where there is nothing to shard
-    keys = [tuple(r[k] for k in choose_layout.SCHEMA[:11]) for r in rows]
+    keys = [tuple(r[k] for k in choose_layout.SCHEMA[:12]) for r in rows]
     assert len(keys) == len(set(keys)) and not any(r["zero_stage"] and r["dp"] * r["cp"] == 1 for r in rows)
 
 
@@ -176,6 +176,27 @@ def test_step_time_is_the_sum_of_its_parts_and_the_bubble_is_chapter_03s():
         assert r["step_time_s"] == pytest.approx(sum(parts.values()), rel=1e-12), schedule
         b = pipeline_schedules.theory_bubble(schedule, 4, m, v)
         assert r["bubble"] == b and parts["bubble"] == pytest.approx(parts["compute"] * b / (1 - b)), schedule
+
+
+def test_partial_recomputation_is_the_fewest_blocks_per_stage_that_fit():
+    """--recompute-layers as a lever: on a device too small for --recompute none but large enough for full,
+    the planner's k is the least that fits (k − 1 does not), and costs between none and full in memory
+    and time; the planner's rows then hold it, with its command. Where none fits, there is no such row."""
+    from dataclasses import replace
+    c = layout_costs.Candidate(4, 1, 2, 1, 1, 0, "full", False, "1f1b", 4)          # 4 layers per stage
+    none, full = row(TINY, 4, 1, 2, m=4), row(TINY, 4, 1, 2, m=4, mode="full")
+    small = replace(H100, memory=(none["memory_bytes"]["total"] + full["memory_bytes"]["total"]) // 2)
+    k = layout_costs.least_recompute_layers(TINY, c, small)
+    assert k in (1, 2, 3), k
+    at = {j: layout_costs.predict(TINY, replace(c, recompute_layers=j), small, 8) for j in (k - 1, k)}
+    assert at[k]["fits"] and (k == 1 or not at[k - 1]["fits"])
+    if k == 1:
+        assert not none["memory_bytes"]["total"] <= small.memory
+    assert full["step_time_s"] > at[k]["step_time_s"] > none["step_time_s"]
+    assert full["memory_bytes"]["total"] < at[k]["memory_bytes"]["total"] < none["memory_bytes"]["total"]
+    assert layout_costs.least_recompute_layers(TINY, c, H100) is None                # none fits: no lever needed
+    assert "--recompute full --recompute-layers" in runnable.command(replace(c, recompute_layers=k), "tiny",
+                                                                     PRESETS["tiny"], 16, 128)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """--recompute: every mode gives the bit-identical run of `none` in every layout (losses, gradient
 norms, MoE token counts), the recomputation replays the forward's RNG state, and the activation ledger
-(common/activation_ledger.py) predicts the measured bytes within 2 % in every mode × layout."""
+(common/activation_ledger.py) predicts the measured bytes within 2 % in every mode × layout; so does
+--recompute-layers (full recomputation of the first blocks of each stage only) on one rank, TP + SP and
+two pipelines."""
 import pytest
 import torch
 import torch.nn as nn
@@ -33,12 +35,21 @@ LAYOUTS = {  # world -> {label: (script, flags)}
     4: {"TP 2 × DP 2": (TP, ["--tp", "2"])},
 }
 SAME = ("loss", "grad_norm", "expert_load", "aux_loss", "z_loss")
+# --recompute-layers: full recomputation of the first 3 blocks of each stage only (of 8 in one stage,
+# of 4 in each of pp 2's): between full and none in memory, its TP reruns only for those blocks
+PARTIAL = "full, 3 blocks per stage"
+PARTIAL_IN = ("1 rank", "TP 2 + SP", "1F1B pp 2", "ZB-H1 pp 2")
+FLAGS = {**{mode: ["--recompute", mode] for mode in MODES}, PARTIAL: ["--recompute", "full", "--recompute-layers", "3"]}
+
+
+def modes_of(label: str) -> tuple:
+    return MODES + (PARTIAL,) if label in PARTIAL_IN else MODES
 
 
 def histories(world: int) -> dict:
     """{(label, mode): rank 0's history} for every layout of `world`, one spawned group."""
-    keys = [(label, mode) for label in LAYOUTS[world] for mode in MODES]
-    jobs = [(LAYOUTS[world][label][0], BASE + LAYOUTS[world][label][1] + ["--recompute", mode]) for label, mode in keys]
+    keys = [(label, mode) for label in LAYOUTS[world] for mode in modes_of(label)]
+    jobs = [(LAYOUTS[world][label][0], BASE + LAYOUTS[world][label][1] + FLAGS[mode]) for label, mode in keys]
     results = run_group(world, jobs)
     return {key: every_rank(res)[0] for key, res in zip(keys, results)}
 
@@ -47,7 +58,9 @@ def tp_bytes(row: dict, S: int, mode: str) -> int:
     """Chapter 02's formula for one step's "tp" bytes of the tiny model (one micro-batch), in `mode`."""
     cfg, tp, sp = PRESETS["tiny"], row["tp"], row["sequence_parallel"]
     rows = 8 // row["dp"]
-    collectives = (tensor_parallel.tp_collectives(cfg, rows, S, tp, sp, cfg.n_layers, recompute=mode)
+    mode, recomputed = ("full", 3) if mode == PARTIAL else (mode, None)
+    collectives = (tensor_parallel.tp_collectives(cfg, rows, S, tp, sp, cfg.n_layers, recompute=mode,
+                                                  recomputed=recomputed)
                    + tensor_parallel.tp_gradient_collectives(cfg, tp, sp, cfg.n_layers))
     return sum(collective_bytes(kind, n, tp) for kind, n in collectives)
 
@@ -57,7 +70,7 @@ def test_every_mode_is_the_run_of_none_and_the_ledger_holds(world):
     runs = histories(world)
     for label in LAYOUTS[world]:
         reference = runs[(label, "none")]
-        for mode in MODES:
+        for mode in modes_of(label):
             rows = runs[(label, mode)]
             for row, ref in zip(rows, reference):
                 for key in SAME:
@@ -79,10 +92,12 @@ def test_every_mode_is_the_run_of_none_and_the_ledger_holds(world):
                 continue
             for m, p in zip(*(v if isinstance(v, list) else [v] for v in (measured, predicted))):
                 assert abs(p - m) <= 0.02 * m, f"{label} --recompute {mode}: predicted {p} vs measured {m} bytes"
-        saved = [runs[(label, mode)][-1].get("peak_activation_bytes") for mode in MODES]
+        saved = [runs[(label, mode)][-1].get("peak_activation_bytes") for mode in modes_of(label)]
         if saved[0] is not None:          # each mode keeps less: selective some, full most
             first = lambda v: v[0] if isinstance(v, list) else v   # noqa: E731
             assert first(saved[0]) > first(saved[1]) > first(saved[2]), f"{label}: {saved}"
+            if label in PARTIAL_IN:       # 3 blocks of each stage recomputed: between none and full
+                assert first(saved[0]) > first(saved[3]) > first(saved[2]), f"{label}: {saved}"
 
 
 class DropoutAfter(nn.Module):
@@ -123,7 +138,10 @@ def test_flag_domain_and_refusals():
         build_model(PRESETS["tiny"], seed=0, recompute_mode="partial")
     zero = "01_data_parallel.train_zero:main"
     results = run_group(1, [(DP, BASE + ["--recompute", "partial"]), (DP, BASE + ["--recompute"]),
-                            (zero, BASE + ["--zero-stage", "3", "--recompute", "full"])])
-    for res, needle in zip(results, ["invalid choice: 'partial'", "expected one argument", "--zero-stage 3 (ours)"]):
+                            (zero, BASE + ["--zero-stage", "3", "--recompute", "full"]),
+                            (DP, BASE + ["--recompute-layers", "2"]), (DP, BASE + ["--recompute-layers", "0"])])
+    for res, needle in zip(results, ["invalid choice: 'partial'", "expected one argument", "--zero-stage 3 (ours)",
+                                     "--recompute-layers 2 chooses blocks to recompute; add --recompute full",
+                                     "--recompute-layers must be a whole number ≥ 1, got 0"]):
         (kind, message), = res
         assert kind == "config_error" and needle in message, message
