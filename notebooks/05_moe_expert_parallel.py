@@ -123,12 +123,16 @@ show(fig, "05_moe_expert_load")
 # lives: per layer 4 exchanges of (ep−1)/ep·T·k rows of D floats out and as many in, plus the counts.
 
 # %%
-factors = [0.5, 1.0] if QUICK else [0.5, 0.75, 1.0, 1.25, 1.5, 2.0]
+roomy = cfg.n_experts / cfg.top_k       # CF = E/k: ⌈CF·S·k/E⌉ = S slots, room for every token of a sequence
+factors = [1.0, roomy] if QUICK else [0.5, 0.75, 1.0, 1.25, 1.5, 2.0]
 dropped = []
 for cf in factors:
-    rows = train(f"cf{cf}", 1, "--capacity-factor", cf, steps=steps)
+    if cf == roomy:       # the quick mode: nothing can be dropped, so section 2's dropless 1-rank run is this run
+        rows, note = runs["1 rank"], "  (= E/k: no slot can be dropped; section 2's 1-rank run, dropless)"
+    else:
+        rows, note = train(f"cf{cf}", 1, "--capacity-factor", cf, steps=steps), ""
     dropped.append(sum(r["dropped_fraction"] for r in rows) / len(rows))
-    print(f"capacity factor {cf}: {100 * dropped[-1]:.1f}% of slots dropped, final loss {rows[-1]['loss']:.4f}")
+    print(f"capacity factor {cf}: {100 * dropped[-1]:.1f}% of slots dropped, final loss {rows[-1]['loss']:.4f}{note}")
 fig, ax = plt.subplots(figsize=(6, 3.5))
 ax.plot(factors, [100 * d for d in dropped], "o-")
 ax.set_xlabel("capacity factor")

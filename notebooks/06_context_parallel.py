@@ -34,7 +34,7 @@ attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping
 QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
 N = 2 if QUICK else 4
 STEPS = 3 if QUICK else 10
-SEQ, BATCH = (32, 4) if QUICK else (128, 8)
+SEQ, BATCH = (64, 4) if QUICK else (128, 8)      # S = 32·N: section 3 reuses section 2's runs at S = SEQ
 out_dir = Path(tempfile.mkdtemp(prefix="nb06_"))
 
 
@@ -126,11 +126,15 @@ show(fig, "06_cp_loss_difference")
 # %%
 lengths = [32 * 2 ** i for i in range(N.bit_length())]          # 32, 64 (, 128): cp = S/32 up to N
 one_rank, with_cp = [], []
-for s in lengths:      # at S = SEQ the 1-rank run of section 2 has the same shape: its first step is this one
+for s in lengths:      # at S = SEQ (cp = N) section 2's runs have the same shape: their first step is this one
     first = runs["1 rank"][0] if s == SEQ else train(f"act_s{s}_cp1", 1, steps=1, seq=s)[0]
     one_rank.append(first["peak_activation_bytes"])
     cp = s // 32
-    with_cp.append(one_rank[-1] if cp == 1 else train(f"act_s{s}_cp{cp}", cp, steps=1, seq=s)[0]["peak_activation_bytes"])
+    if cp == 1:
+        with_cp.append(one_rank[-1])
+    else:
+        first = runs[f"cp {N} ring zigzag"][0] if s == SEQ else train(f"act_s{s}_cp{cp}", cp, steps=1, seq=s)[0]
+        with_cp.append(first["peak_activation_bytes"])
     print(f"S {s:>3}: one rank {one_rank[-1] / 2**20:6.2f} MiB   cp {cp}: {with_cp[-1] / 2**20:6.2f} MiB per rank")
 fig, ax = plt.subplots(figsize=(6, 3.5))
 ax.plot(lengths, [b / 2**20 for b in one_rank], "o-", label="one rank")
