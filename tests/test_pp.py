@@ -9,7 +9,8 @@ import torch
 
 from harness import ROOT, assert_same_run, every_rank, ok, run_group
 
-STEPS = 10
+STEPS = 6           # steps 2..6 use AdamW's moments; a resume at step 3 leaves three to compare
+RESUME_AT = 3
 BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet"]
 PP = "03_pipeline_parallel.train_pp:main"
 
@@ -64,9 +65,9 @@ def test_world_2(reference, tmp_path):
     ck = {label: tmp_path / label.replace(" ", "_") for label in ("interleaved v=2 m=4", "zb-h1 m=4")}
     jobs = [(PP, BASE + flags + (["--checkpoint-dir", str(ck[label])] if label in ck else []))
             for label, flags in configs.items()]
-    # resume: 6 steps with pp=2, then steps 7..10 resumed as dp=2 × pp=1 (another layout)
+    # resume: 3 steps with pp=2, then steps 4..6 resumed as dp=2 × pp=1 (another layout)
     resume_dir = tmp_path / "resume"
-    jobs += [(PP, BASE[:1] + ["6"] + BASE[2:] + ["--microbatches", "2", "--checkpoint-dir", str(resume_dir)]),
+    jobs += [(PP, BASE[:1] + [str(RESUME_AT)] + BASE[2:] + ["--microbatches", "2", "--checkpoint-dir", str(resume_dir)]),
              (PP, BASE + ["--pp", "1", "--microbatches", "2", "--checkpoint-dir", str(resume_dir), "--resume"])]
     jobs += [(PP, BASE + flags) for flags, _ in BAD]
     results = run_group(2, jobs)
@@ -82,8 +83,8 @@ def test_world_2(reference, tmp_path):
         assert [r["loss"] for r in with_meter] == [r["loss"] for r in without], "the meter changed the losses"
         assert with_meter[-1]["peak_activation_bytes"] and without[-1]["peak_activation_bytes"] is None
         assert without[-1]["bubble_fraction"] is not None, "the timeline stays on without the meter"
-    assert_same_run(results[n], reference[0][:6], "6 steps at pp=2")
-    assert_same_run(results[n + 1], reference[0][6:], "resumed as dp=2 × pp=1")
+    assert_same_run(results[n], reference[0][:RESUME_AT], f"{RESUME_AT} steps at pp=2")
+    assert_same_run(results[n + 1], reference[0][RESUME_AT:], "resumed as dp=2 × pp=1")
     for (flags, expected), res in zip(BAD, results[n + 2:]):
         for kind, message in res:                    # the same clear message on every rank
             assert kind == "config_error" and expected in message, (flags, kind, message)
