@@ -4,6 +4,7 @@
                                                              #   layouts_memory.png, layouts_predicted_vs_measured.png
     python 07_choosing_a_layout/check_layouts.py --published  # only the published table and the memory plot (minutes)
     python 07_choosing_a_layout/check_layouts.py --here       # only the runs here (about 3 minutes)
+    python 07_choosing_a_layout/check_layouts.py --only gpt3-175b-full   # one published run's row again
 
 Here: every 8-rank layout of chapter 04's bench_3d.py runs 2 steps of train_3d.py with the bench's batch
 and micro-batches (~3 min on 2 cores); its metrics hold the bytes each group moved (comm_bytes_*, rank 0),
@@ -179,20 +180,35 @@ def check_published() -> tuple[list[str], tuple]:
              "rank among the layouts that fit | planner's first choice |", "|---|---|---|---|---|---|---|"]
     plot_case = None
     for run in published.RUNS:
-        device, rows, mine, rank = published_rows(run.argv, run.layout)
-        fitting = [r for r in rows if r["fits"]]
-        best = fitting[0] if fitting else None
-        said, predicted = measured_cells(run, mine)
-        memory = f"{mine['memory_bytes']['total'] / 2**30:,.1f} GiB{'' if mine['fits'] else ' (does not fit)'}" \
-            if mine else "-"
-        place = f"{rank:,} of {len(fitting):,} (top {rank / len(fitting):.1%})" if rank else "-"
-        first = f"{choose_layout.describe(best)}: {best['step_time_s']:.2f} s, MFU {best['mfu']:.1%}" if best else "-"
-        lines.append(f"| {run.name} ({device}) | {choose_layout.describe(mine) if mine else 'not runnable here'} | "
-                     f"{said} | {predicted} | {memory} | {place} | {first} |")
+        line, fitting, mine = published_line(run)
+        lines.append(line)
         if run.name == "llama3-405b-8k-16384gpu":
             plot_case = (run.name, fitting, mine)
     lines += ["", "Sources:"] + [f"- {run.name}: {run.source}" for run in published.RUNS]
     return lines, plot_case
+
+
+def published_line(run) -> tuple[str, list[dict], dict | None]:
+    """(the table's row for one published run, the layouts that fit, the published layout's row)."""
+    device, rows, mine, rank = published_rows(run.argv, run.layout)
+    fitting = [r for r in rows if r["fits"]]
+    best = fitting[0] if fitting else None
+    said, predicted = measured_cells(run, mine)
+    memory = f"{mine['memory_bytes']['total'] / 2**30:,.1f} GiB{'' if mine['fits'] else ' (does not fit)'}" \
+        if mine else "-"
+    place = f"{rank:,} of {len(fitting):,} (top {rank / len(fitting):.1%})" if rank else "-"
+    first = f"{choose_layout.describe(best)}: {best['step_time_s']:.2f} s, MFU {best['mfu']:.1%}" if best else "-"
+    return (f"| {run.name} ({device}) | {choose_layout.describe(mine) if mine else 'not runnable here'} | "
+            f"{said} | {predicted} | {memory} | {place} | {first} |"), fitting, mine
+
+
+def replace_published_line(name: str, path: Path) -> str:
+    """Plan one published run again and put its row in place of the old one in `path` (the other runs take
+    minutes each): for a change that touches one run only."""
+    line = published_line(published.BY_NAME[name])[0]
+    old = path.read_text().splitlines()
+    path.write_text("\n".join(line if row.startswith(f"| {name} (") else row for row in old) + "\n")
+    return line
 
 
 def memory_bars(ax, shown: list[dict], labels: list[str], unit: float = 2**30) -> None:
@@ -248,8 +264,13 @@ def main():
     p.add_argument("--published", action="store_true", help="only the published configurations (no runs)")
     p.add_argument("--here", action="store_true", help="only the runs here (not the published configurations)")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--only", choices=list(published.BY_NAME), default=None,
+                   help="plan this published run again and replace its row of results/layouts_published.md")
     args = p.parse_args()
     RESULTS.mkdir(exist_ok=True)
+    if args.only:
+        print(replace_published_line(args.only, RESULTS / "layouts_published.md"))
+        return
     if not args.here:
         lines, case = check_published()
         (RESULTS / "layouts_published.md").write_text("Command: `python 07_choosing_a_layout/check_layouts.py`\n\n"
