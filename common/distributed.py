@@ -93,7 +93,7 @@ def set_cpu_threads() -> None:
 
     Without this every rank starts one thread per core and they fight over the cores, which makes
     an 8-rank run on a 4-core laptop many times slower than it needs to be. Where other work shares the
-    machine too (the test suite runs two files at once), `THREADS_PER_RANK=N` sets the slice instead:
+    machine too (the test suite runs three files at once), `THREADS_PER_RANK=N` sets the slice instead:
     two runs of one rank, each taking every core, spin against each other many times slower than one
     thread each.
     """

@@ -17,8 +17,8 @@ Every layer type of the course is a Block (the TP, SP, pipeline-stage, MoE and E
 pieces *inside* a block), so the mode reaches them all. `--recompute-layers K` applies the mode to the
 first K blocks of each pipeline stage only (the whole model is one stage without a pipeline), the others
 keep everything: the lever between all and nothing that Megatron-LM calls `--recompute-num-layers` (its
-"block" method). A stage's first blocks are the ones whose activations wait longest for their backward,
-and the memory falls by one block's saving per block recomputed, per micro-batch in flight. What recomputation repeats:
+"block" method). Each block recomputed frees one block's saving per micro-batch in flight and costs one
+block's forward. What recomputation repeats:
   - the block's collectives (TP's f and g, EP's all-to-alls), on the groups its modules hold: the
     same groups as in the forward, in the same order on every rank;
   - its random numbers: the RNG state at the forward is restored for the recomputation
