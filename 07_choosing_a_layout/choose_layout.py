@@ -39,6 +39,7 @@ from common.recompute import MODES  # noqa: E402
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")    # this chapter: models and devices
 layout_costs = import_module("07_choosing_a_layout.layout_costs")      # this chapter: one layout's numbers
 runnable = import_module("07_choosing_a_layout.runnable")              # this chapter: the scripts' own checks
+partial_recompute = import_module("07_choosing_a_layout.partial_recompute")  # this chapter: the fewest blocks
 explain_layout = import_module("07_choosing_a_layout.explain_layout")  # this chapter: the planner's words
 published = import_module("07_choosing_a_layout.published")            # this chapter: published runs
 
@@ -134,7 +135,7 @@ def plan(args) -> tuple[list[dict], object]:
     kept, plan.refused = runnable_candidates(cfg, args.model, args.world, args.global_batch, args.seq_len, gpn,
                                              args.dtype)
     # full recomputation also as a lever: the fewest blocks per stage that fit (--recompute-layers), the rest kept
-    partial = (replace(c, recompute_layers=k) for c in kept if (k := layout_costs.least_recompute_layers(run, c, dev)))
+    partial = (replace(c, recompute_layers=k) for c in kept if (k := partial_recompute.least_recompute_layers(run, c, dev)))
     rows = []
     for c in kept + list(partial):
         row = layout_costs.predict(run, c, dev, gpn)

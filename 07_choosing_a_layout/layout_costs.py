@@ -292,30 +292,6 @@ def fullest_rank(run: Run, c: Candidate, specs, peaks) -> tuple[int, dict]:
     return max(((r, rank_memory(run, c, specs, r, peak)) for r, peak in peaks), key=lambda rank_mem: rank_mem[1]["total"])
 
 
-def least_recompute_layers(run: Run, c: Candidate, dev) -> int | None:
-    """Under --recompute full, the fewest blocks per stage (--recompute-layers) that still fit `dev`: the
-    others keep their activations and rerun nothing. None where a stage has one block, where recomputing
-    none fits (--recompute none is then as small a step and a candidate of its own), where recomputing
-    every block does not fit either, or where every block must recompute. Memory falls as more blocks
-    recompute, so a bisection finds it."""
-    specs = specs_for(run.cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
-    rows = run.global_batch // c.dp // c.microbatches
-
-    def fits(k):
-        peaks = activation_peaks(run.cfg, "full", c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
-                                 run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel, run.dtype, k)
-        return fullest_rank(run, c, specs, peaks)[1]["total"] <= dev.memory
-
-    most = max(len(s.layers) for s in specs)
-    if c.recompute != "full" or most < 2 or not fits(most) or fits(0):
-        return None
-    lo, hi = 0, most                    # fits(hi), not fits(lo)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi if hi < most else None
-
-
 def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     """The planner's row for one layout: the JSON schema of choose_layout.py, plus the time's parts."""
     cfg, world = run.cfg, c.dp * c.tp * c.pp * c.cp

@@ -18,6 +18,7 @@ from harness import ROOT, ok, run_group
 choose_layout = import_module("07_choosing_a_layout.choose_layout")
 runnable = import_module("07_choosing_a_layout.runnable")
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
+partial_recompute = import_module("07_choosing_a_layout.partial_recompute")
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
 attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")
 
@@ -186,7 +187,7 @@ def test_partial_recomputation_is_the_fewest_blocks_per_stage_that_fit():
     c = layout_costs.Candidate(4, 1, 2, 1, 1, 0, "full", False, "1f1b", 4)          # 4 layers per stage
     none, full = row(TINY, 4, 1, 2, m=4), row(TINY, 4, 1, 2, m=4, mode="full")
     small = replace(H100, memory=(none["memory_bytes"]["total"] + full["memory_bytes"]["total"]) // 2)
-    k = layout_costs.least_recompute_layers(TINY, c, small)
+    k = partial_recompute.least_recompute_layers(TINY, c, small)
     assert k in (1, 2, 3), k
     at = {j: layout_costs.predict(TINY, replace(c, recompute_layers=j), small, 8) for j in (k - 1, k)}
     assert at[k]["fits"] and (k == 1 or not at[k - 1]["fits"])
@@ -194,7 +195,7 @@ def test_partial_recomputation_is_the_fewest_blocks_per_stage_that_fit():
         assert not none["memory_bytes"]["total"] <= small.memory
     assert full["step_time_s"] > at[k]["step_time_s"] > none["step_time_s"]
     assert full["memory_bytes"]["total"] < at[k]["memory_bytes"]["total"] < none["memory_bytes"]["total"]
-    assert layout_costs.least_recompute_layers(TINY, c, H100) is None                # none fits: no lever needed
+    assert partial_recompute.least_recompute_layers(TINY, c, H100) is None                # none fits: no lever needed
     assert "--recompute full --recompute-layers" in runnable.command(replace(c, recompute_layers=k), "tiny",
                                                                      PRESETS["tiny"], 16, 128)
 
