@@ -33,6 +33,7 @@ import torch.distributed as dist
 from common import comm
 from common.errors import require
 from common.model import Attention, SwiGLU, loss_sum
+from common.recompute import recomputed_of
 from common.step_protocol import replicas
 
 from . import tp_layers
@@ -195,8 +196,7 @@ def tp_collectives(cfg, rows: int, seq_len: int, tp: int, sequence_parallel: boo
     counts = [("all_reduce", rows * cfg.n_experts * 8)] if sequence_parallel and cfg.n_experts and route_counts else []
     out += n_layers * counts
     if recompute == "full":                                         # the forward again, up to what backward needs
-        rerun = n_layers if recomputed is None else min(recomputed, n_layers)
-        out += rerun * (region + counts if cfg.n_experts else region + regather)
+        out += recomputed_of(n_layers, recomputed) * (region + counts if cfg.n_experts else region + regather)
     if last:
         out += region + regather + 3 * [("all_reduce", rows * seq_len * 4)]
     return out

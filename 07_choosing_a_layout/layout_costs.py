@@ -37,6 +37,7 @@ from importlib import import_module
 from common import activation_ledger
 from common.comm import collective_bytes
 from common.mfu import attention_flops_per_token, flops_per_token, matmul_params
+from common.recompute import recomputed_of
 
 zero_accounting = import_module("01_data_parallel.zero_accounting")         # chapter 01: ZeRO memory and bytes
 gpu_efficiency = import_module("07_choosing_a_layout.gpu_efficiency")        # this chapter: a GPU's measured curve
@@ -67,7 +68,7 @@ def recompute_flops_per_token(cfg, seq_len: int, mode: str, blocks: int | None =
 
 def recomputed_blocks(stages, per_stage: int | None) -> int:
     """How many blocks of `stages` recompute under --recompute-layers `per_stage` (the first ones of each)."""
-    return sum(len(s.layers) if per_stage is None else min(per_stage, len(s.layers)) for s in stages)
+    return sum(recomputed_of(len(s.layers), per_stage) for s in stages)
 
 
 @dataclass(frozen=True)

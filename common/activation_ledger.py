@@ -44,7 +44,7 @@ buffers, counted once per micro-batch by the measurement).
 """
 from dataclasses import dataclass
 
-from common.recompute import MODES
+from common.recompute import MODES, recomputed_of
 
 FP32, INT64, BF16 = 4, 8, 2
 LOSS_SCALAR = 4       # the loss keeps one fp32 scalar (cross-entropy's total weight)
@@ -179,7 +179,7 @@ def microbatch_bytes(cfg, mode: str, rows: int, positions: int, n_layers: int, f
     parallelism."""
     shard = positions // tp if sequence_parallel else positions
     kv_copies = cp if gathered_kv else 1
-    k = n_layers if recomputed is None else min(recomputed, n_layers)
+    k = recomputed_of(n_layers, recomputed)
     terms = layer_terms(cfg, tp, kv_copies, dtype)
     total = sum(count * terms_bytes(terms, m, rows, positions, shard) for count, m in ((k, mode), (n_layers - k, "none")))
     if dtype == "bf16" and weight_casts:

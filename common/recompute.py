@@ -47,13 +47,18 @@ def _set(var: contextvars.ContextVar, value: bool):
         var.reset(token)
 
 
+def recomputed_of(n_layers: int, per_stage: int | None) -> int:
+    """How many of a stage's `n_layers` blocks --recompute-layers `per_stage` recomputes (None: all)."""
+    return n_layers if per_stage is None else min(per_stage, n_layers)
+
+
 def block_modes(mode: str, n_layers: int, per_stage: int | None = None, stages=None) -> list[str]:
     """Each block's mode: `mode` for the first `per_stage` blocks of every stage, "none" for the rest
     (per_stage None: every block). `stages`: each pipeline stage's layer indices (default: one stage)."""
     stages = stages or [range(n_layers)]
     modes = ["none"] * n_layers
-    for layers in stages:
-        for i in list(layers)[:per_stage]:         # [:None] is every layer of the stage
+    for layers in map(list, stages):
+        for i in layers[:recomputed_of(len(layers), per_stage)]:
             modes[i] = mode
     return modes
 
