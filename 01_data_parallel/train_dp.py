@@ -61,7 +61,8 @@ def main(argv=None) -> list[dict]:
     trainer = build_trainer(args, model, dp_group)            # naive | bucketed | DDP, the same verbs
     # the bytes autograd keeps, measured beside the ledger's prediction (`memory()`; ours only)
     predicted = activation_ledger.predicted_bytes(cfg, args, args.global_batch // dp // args.microbatches)
-    trainer = MeasuredActivations(trainer, model, predicted, measure=args.impl != "torch")
+    trainer = MeasuredActivations(trainer, model, predicted,
+                                  measure=args.impl != "torch" and not args.no_activation_meter)
     if resume:
         trainer.load_optim_state(resume["optim"])
 

@@ -80,7 +80,8 @@ def main(argv=None) -> list[dict]:
     # the bytes autograd keeps beside the ledger's prediction (`memory()`): ours, stages 1 and 2 (stage 3
     # saves through hooks of its own, FSDP2's parameters are DTensors)
     predicted = activation_ledger.predicted_bytes(cfg, args, args.global_batch // dp // args.microbatches)
-    trainer = MeasuredActivations(trainer, model, predicted, measure=args.impl == "ours" and args.zero_stage < 3)
+    trainer = MeasuredActivations(trainer, model, predicted,
+                                  measure=args.impl == "ours" and args.zero_stage < 3 and not args.no_activation_meter)
     if resume:
         trainer.load_optim_state(resume["optim"])
 

@@ -20,6 +20,10 @@ matmul for the backward pass, which would keep every gathered unit alive until b
 model again. `torch.autograd.graph.saved_tensors_hooks` lets us replace each saved tensor that lives
 in a gathered buffer by a small note ("unit u, this shape/stride/offset") and rebuild it from a fresh
 all-gather when backward asks for it. (FSDP does the same with storage resizing and its own hooks.)
+
+In a group of one (world size 1) each shard is its whole unit: nothing is gathered, noted or scattered,
+and the gradients add straight into the shard's, so the step costs what the plain loop's does
+(`make overhead`).
 """
 import torch
 
@@ -63,6 +67,7 @@ class ZeroStage3(ForwardBackward):
         super().__init__(tokens_per_step, bf16)
         self.model, self.group, self.prefetch, self.comm_name = model, group, prefetch, name
         world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        self.alone = world == 1            # a group of one: each shard IS its whole unit (see _issue_gather)
         self.units, self.shards, self.shard_grads, self.slots, pieces = [], [], [], [], []
         for _, named in units:
             unit = FlatLayout([p for _, p in named], world, rank, names=[n for n, _ in named])
@@ -91,6 +96,9 @@ class ZeroStage3(ForwardBackward):
     def _issue_gather(self, u: int) -> None:
         if u < 0 or u >= len(self.units) or self._full[u] is not None:
             return
+        if self.alone:                     # nothing to gather: use the shard itself (no copy, no bytes
+            self._full[u] = self.shards[u].detach()       # gathered; autograd saves its views as usual)
+            return
         unit = self.units[u]
         full = torch.empty(unit.padded, dtype=self.shards[u].dtype, device=self.shards[u].device)
         self._work[u] = comm.all_gather_into(full, self.shards[u].detach(), group=self.group,
@@ -110,11 +118,9 @@ class ZeroStage3(ForwardBackward):
 
     def _free(self, u: int) -> None:
         """Drop our reference; the buffer dies when autograd holds none (it holds only _Saved notes)."""
-        full = self._full[u]
-        if full is not None:
-            self._by_ptr.pop(full.untyped_storage().data_ptr(), None)
+        full, self._full[u] = self._full[u], None
+        if full is not None and self._by_ptr.pop(full.untyped_storage().data_ptr(), None) is not None:
             self.alive_bytes -= full.numel() * full.element_size()
-            self._full[u] = None
 
     # --- forward ------------------------------------------------------------------------------------
     def forward(self, tokens):
@@ -132,8 +138,11 @@ class ZeroStage3(ForwardBackward):
             self._issue_gather(u + 1)          # async: travels while unit u computes
         for (module, attr), w in zip(self.slots[u], weights):
             setattr(module, attr, w)
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            out = fn(*args)
+        if self.alone:                         # a group of one: nothing gathered, so nothing to note (the hooks'
+            out = fn(*args)                    # Python call per saved tensor would be their only effect)
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                out = fn(*args)
         for module, attr in self.slots[u]:
             setattr(module, attr, None)
         self._free(u)
@@ -161,6 +170,12 @@ class ZeroStage3(ForwardBackward):
     def reduce_scatter_grads(self, u: int, grads) -> None:
         """Unit u's weight gradients are complete: reduce-scatter them and free the full ones."""
         unit = self.units[u]
+        if self.alone:                          # a group of one: add into the shard's gradient in place
+            for view, g in zip(unit.split(self.shard_grads[u]), grads):
+                if g is not None:
+                    view.add_(g)
+            self._free(u)
+            return
         full = unit.flatten([g if g is not None else torch.zeros(s, device=self.shards[u].device)
                              for g, s in zip(grads, unit.shapes)])
         self._free(u)                           # its backward is done: no more unpacks of unit u

@@ -83,7 +83,8 @@ def main(argv=None) -> list[dict]:
     # the bytes autograd keeps, measured beside the ledger's prediction (`memory()`; ours only)
     predicted = activation_ledger.predicted_bytes(cfg, args, args.global_batch // dp // args.microbatches, tp,
                                                   args.sequence_parallel)
-    trainer = MeasuredActivations(trainer, trainer.model, predicted, measure=args.impl == "ours")
+    trainer = MeasuredActivations(trainer, trainer.model, predicted,
+                                  measure=args.impl == "ours" and not args.no_activation_meter)
     if resume:
         trainer.load_optim_state(resume["optim"])
 

@@ -3,6 +3,7 @@
     python 03_pipeline_parallel/bench_pp.py            # launches torchrun at 2 and 4 ranks, ~2 min on 2 cores
     python 03_pipeline_parallel/bench_pp.py --quick    # fewer configurations (for the notebook)
     python 03_pipeline_parallel/bench_pp.py --v-schedules   # the V schedules beside 1F1B and ZB-H1, ~3 min
+    python 03_pipeline_parallel/bench_pp.py --v-schedules --rounds 7   # more paired rounds: a tighter median
 
 Writes 03_pipeline_parallel/results/pp_bench.md, bubble.png, timelines_p2.png, timelines_p4.png
 (with --v-schedules: pp_bench_v.md, timelines_v_p2.png, timelines_v_p4.png, timelines_v_simulated.png).
@@ -35,7 +36,7 @@ V_SET = {"speed": [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)],   
          "memory": ("1f1b", "zb-h1", "zb-v", "dualpipev")}
 
 
-def configs(p: int, quick: bool, tmp: Path, chosen=CLASSIC) -> list[tuple[str, list[str]]]:
+def configs(p: int, quick: bool, tmp: Path, chosen=CLASSIC, n_rounds: int = 3) -> list[tuple[str, list[str]]]:
     common = ["--seq-len", "128", "--quiet", "--warmup", "2"]
     out = []
     for m in ([1, 2, 4, 8] if quick else [1, 2, 4, 8, 16]) if chosen is CLASSIC else []:    # bubble sweep
@@ -45,7 +46,7 @@ def configs(p: int, quick: bool, tmp: Path, chosen=CLASSIC) -> list[tuple[str, l
         out.append((f"memory {name}", common + ["--schedule", name, "--microbatches", "8", "--global-batch", "8",
                                                 "--steps", "2"]))
     steps = "4" if quick else "6"
-    for r in range(rounds(quick)):                    # throughput + timelines, ours and torch alternated
+    for r in range(n_rounds):                         # throughput + timelines, ours and torch alternated
         for name, v in chosen["speed"]:
             for impl in ("ours", "torch"):
                 flags = common + ["--schedule", name, "--virtual-stages", str(v), "--microbatches", "8",
@@ -56,18 +57,14 @@ def configs(p: int, quick: bool, tmp: Path, chosen=CLASSIC) -> list[tuple[str, l
     return out
 
 
-def rounds(quick: bool) -> int:
-    return 1 if quick else 3
-
-
-def worker(p: int, quick: bool, tmp: Path, chosen=CLASSIC) -> None:
+def worker(p: int, quick: bool, tmp: Path, chosen=CLASSIC, n_rounds: int = 3) -> None:
     """Runs inside torchrun: every configuration in turn, results written by rank 0."""
     import torch.distributed as dist
     from common.distributed import init_distributed
     train_pp = import_module("03_pipeline_parallel.train_pp")
     init_distributed()
     results = {}
-    for label, argv in configs(p, quick, tmp, chosen):
+    for label, argv in configs(p, quick, tmp, chosen, n_rounds):
         results[label] = train_pp.main(argv)
     if dist.get_rank() == 0:
         (tmp / f"p{p}.json").write_text(json.dumps(results))
@@ -79,10 +76,9 @@ def median(rows, key, skip=1):
     return statistics.median(r[key] for r in rows[skip:])
 
 
-def report(all_results: dict, tmp: Path, quick: bool, chosen=CLASSIC) -> None:
+def report(all_results: dict, tmp: Path, quick: bool, chosen=CLASSIC, n_rounds: int = 3) -> None:
     v_set = chosen is V_SET
     stem = "_v" if v_set else ""                      # --v-schedules writes its own files beside the classic ones
-    n_rounds = rounds(quick)
     pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
     plot_timeline = import_module("03_pipeline_parallel.plot_timeline")
     from common.metrics import format_bytes
@@ -92,7 +88,8 @@ def report(all_results: dict, tmp: Path, quick: bool, chosen=CLASSIC) -> None:
     OUT.mkdir(exist_ok=True)
     lines = ["# Chapter 03 — pipeline benchmark", "",
              "Machine: 2-core CPU, gloo, torch CPU; `tiny` model (8 layers), 128 tokens per sequence. "
-             f"Command: `python 03_pipeline_parallel/bench_pp.py{' --quick' if quick else ''}{' --v-schedules' if v_set else ''}`. "
+             f"Command: `python 03_pipeline_parallel/bench_pp.py{' --quick' if quick else ''}"
+             f"{' --v-schedules' if v_set else ''}{f' --rounds {n_rounds}' if n_rounds != (1 if quick else 3) else ''}`. "
              "With 4 ranks the 2 cores are oversubscribed 2×: see the README for what that does to the bubble.", ""]
     # --- bubble -----------------------------------------------------------------------------------
     lines += [] if v_set else ["## Bubble fraction, 1F1B, measured vs theory (p-1)/(m+p-1)", "",
@@ -179,19 +176,22 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--v-schedules", action="store_true", help="the V schedules (zb-v, dualpipev) beside 1f1b and zb-h1")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="paired rounds of the throughput runs (default 3, 1 with --quick)")
     ap.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     chosen = V_SET if args.v_schedules else CLASSIC
+    n_rounds = args.rounds or (1 if args.quick else 3)
     if args.worker:
-        return worker(args.worker, args.quick, Path(args.tmp), chosen)
+        return worker(args.worker, args.quick, Path(args.tmp), chosen, n_rounds)
     tmp = Path(tempfile.mkdtemp(prefix="bench_pp_"))
     results = {}
     for p in (2, 4):
-        launch(__file__, p, ["--worker", p, "--tmp", tmp] + (["--quick"] if args.quick else [])
+        launch(__file__, p, ["--worker", p, "--tmp", tmp, "--rounds", n_rounds] + (["--quick"] if args.quick else [])
                + (["--v-schedules"] if args.v_schedules else []))
         results[p] = json.loads((tmp / f"p{p}.json").read_text())
-    report(results, tmp, args.quick, chosen)
+    report(results, tmp, args.quick, chosen, n_rounds)
 
 
 if __name__ == "__main__":

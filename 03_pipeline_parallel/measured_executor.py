@@ -17,7 +17,7 @@ runs it unchanged and records, around the same four methods (receive, compute, s
 
 Both are on by default. The meter is the dearer of the two (a Python call for every tensor autograd
 saves, and a storage look-up for each at the end of every F); `meter_activations=False`
-(train_pp.py --no-activation-meter) leaves it out, and the peak is then None (not measured).
+(`--no-activation-meter`, a flag of every script) leaves it out, and the peak is then None (not measured).
 breakdown_pp.py measures what each costs per step.
 """
 import threading

@@ -68,9 +68,6 @@ def parse_args(argv=None, schedule=None):
                    help="ours: pipeline_executor.py; torch: torch.distributed.pipelining, same stages")
     p.add_argument("--timeline", type=OUTPUT_FILE, default=None,
                    help="write every rank's events as a Chrome trace JSON here (default: none)")
-    p.add_argument("--no-activation-meter", action="store_true",
-                   help="ours: do not count the activation bytes autograd saves (peak_activation_bytes null; "
-                        "faster, see breakdown_pp.py); the timeline is kept")
     p.add_argument("--print-schedule", action="store_true", help="draw the per-rank schedule as text and exit")
     return p.parse_args(argv)
 

@@ -176,7 +176,8 @@ def build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timelin
     return executor_class(
         model, specs, mesh.coord("pp"), mesh.group_ranks["pp"], mesh.group("pp"), act_shape,   # (mb, S or S/tp, D)
         loss_fn=loss_fn, loss_scale=args.global_batch * args.seq_len, device=device,
-        autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline, **more)
+        autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline,
+        meter_activations=not args.no_activation_meter, **more)
 
 
 def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shape, device, timeline,

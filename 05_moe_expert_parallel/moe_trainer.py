@@ -14,7 +14,7 @@ import torch
 
 from common.model import loss_sum, moe_layers
 from common.moe_args import routing_options
-from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr
+from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr, zero_grads
 from common.step_protocol import counted_here, replicas
 from common.training import consolidate_on_rank0, load_optim_state_by_name
 
@@ -79,7 +79,7 @@ class ExpertParallelTrainer:
         self.optimizer.step()
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=False)
+        zero_grads(self.optimizer)
         self.router.reset()
 
     def set_lr(self, lr: float) -> None:

@@ -75,7 +75,7 @@ def main(argv=None) -> list[dict]:
     expert_parallel.parallelize_experts(model, mesh.group("ep"))
     trainer = moe_trainer.ExpertParallelTrainer(model, mesh, args, cfg, rt.device)
     # the bytes autograd keeps (`memory()`); MoE layers route rows, which the ledger does not count: null
-    trainer = MeasuredActivations(trainer, model, predicted=None)
+    trainer = MeasuredActivations(trainer, model, predicted=None, measure=not args.no_activation_meter)
     if resume:
         trainer.load_optim_state(resume["optim"])
 

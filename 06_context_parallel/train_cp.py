@@ -95,7 +95,7 @@ def main(argv=None) -> list[dict]:
     # the activation bytes each micro-batch keeps, measured, beside the ledger's prediction for S/cp positions
     predicted = activation_ledger.predicted_bytes(cfg, args, args.global_batch // dp // args.microbatches, tp, cp=cp,
                                                   gathered_kv=cp > 1 and args.cp_attention == "allgather")
-    trainer = MeasuredActivations(trainer, trainer.model, predicted)
+    trainer = MeasuredActivations(trainer, trainer.model, predicted, measure=not args.no_activation_meter)
     if resume:
         trainer.load_optim_state(resume["optim"])
 
@@ -179,9 +179,9 @@ def summary_rows(history: list[dict]) -> dict:
     if not history:
         return {}
     last = history[-1]
-    imbalance = last["attn_work_imbalance"]
+    imbalance, peak = last["attn_work_imbalance"], last["peak_activation_bytes"]
     return {"CP bytes / step (this rank)": format_bytes(last["comm_bytes_cp"]),
-            "peak activation bytes (this rank)": format_bytes(last["peak_activation_bytes"]),
+            "peak activation bytes (this rank)": "not measured" if peak is None else format_bytes(peak),
             "attention work, max / min over CP": "-" if imbalance is None else f"{imbalance:.3f}"}
 
 

@@ -126,20 +126,26 @@ def side_by_side(args, path: str, flags: list[str], model_name: str) -> dict:
     return out
 
 
+# Each script runs twice per round: as it comes, and without the activation meter (its one optional cost
+# at world size 1: a Python call for every tensor autograd saves).
+VARIANTS = {"": [], "no meter": ["--no-activation-meter"]}
+
+
 def measure(args) -> dict:
-    """{name: [(script's seconds per step, plain loop's, [ratio of each pair of steps], max loss difference)]
-    per round}."""
-    rows = {name: [] for name in SCRIPTS}
+    """{(name, variant): [(script's seconds per step, plain loop's, [ratio of each pair of steps], max loss
+    difference)] per round}."""
+    rows = {(name, v): [] for name in SCRIPTS for v in VARIANTS}
     for r in range(args.rounds):
-        order = list(SCRIPTS)[r % len(SCRIPTS):] + list(SCRIPTS)[:r % len(SCRIPTS)]   # nobody always first
-        for name in order:
+        order = list(rows)[r % len(rows):] + list(rows)[:r % len(rows)]                # nobody always first
+        for name, variant in order:
             path, flags = SCRIPTS[name]
-            run = side_by_side(args, path, flags, "tiny-moe" if "tiny-moe" in flags else args.model)
+            run = side_by_side(args, path, flags + VARIANTS[variant], "tiny-moe" if "tiny-moe" in flags else args.model)
             ratios = [a / b for a, b in zip(run["seconds"], run["plain_seconds"])]
-            rows[name].append((statistics.median(run["seconds"]), statistics.median(run["plain_seconds"]), ratios,
-                               max_rel(run["losses"], run["plain_losses"])))
-            print(f"round {r + 1}: {name:30s} {rows[name][-1][0] * 1e3:8.1f} ms/step, plain loop "
-                  f"{rows[name][-1][1] * 1e3:8.1f}: × {statistics.median(ratios):.3f}", flush=True)
+            row = rows[(name, variant)]
+            row.append((statistics.median(run["seconds"]), statistics.median(run["plain_seconds"]), ratios,
+                        max_rel(run["losses"], run["plain_losses"])))
+            print(f"round {r + 1}: {name:30s} {variant:8s} {row[-1][0] * 1e3:8.1f} ms/step, plain loop "
+                  f"{row[-1][1] * 1e3:8.1f}: × {statistics.median(ratios):.3f}", flush=True)
     return rows
 
 
@@ -155,17 +161,22 @@ def table(args, rows: dict) -> str:
              f"{args.seq_len} tokens, {args.steps} steps (step 1 left out), {args.rounds} rounds. Each step of a "
              "script is followed by a step of the plain loop in the same process; a ratio is a script step over "
              "the plain step after it, and the table gives their median and middle half over all rounds. The "
-             "MoE script is compared with the plain loop on its own model (tiny-moe).",
+             "MoE script is compared with the plain loop on its own model (tiny-moe). Each script also runs "
+             "with `--no-activation-meter` (no `peak_activation_bytes`; ZeRO-3 meters nothing either way).",
              "",
              "| what ran | ms per step | the plain loop beside it | × the plain loop | middle half of the ratios "
-             "| loss vs the plain loop (max rel. diff) |",
-             "|---|---|---|---|---|---|"]
-    for name, runs in rows.items():
-        ratios = sorted(x for r in runs for x in r[2])
-        quarter = len(ratios) // 4
+             "| × without the meter | its middle half | loss vs the plain loop (max rel. diff) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in SCRIPTS:
+        cells = []
+        for variant in VARIANTS:
+            ratios = sorted(x for r in rows[(name, variant)] for x in r[2])
+            quarter = len(ratios) // 4
+            cells.append(f"{statistics.median(ratios):.3f} | {ratios[quarter]:.3f}–{ratios[-1 - quarter]:.3f}")
+        runs = rows[(name, "")]
         lines.append(f"| {name} | {statistics.median(r[0] for r in runs) * 1e3:.1f} | "
-                     f"{statistics.median(r[1] for r in runs) * 1e3:.1f} | {statistics.median(ratios):.3f} | "
-                     f"{ratios[quarter]:.3f}–{ratios[-1 - quarter]:.3f} | {max(r[3] for r in runs):.1e} |")
+                     f"{statistics.median(r[1] for r in runs) * 1e3:.1f} | {' | '.join(cells)} | "
+                     f"{max(r[3] for v in VARIANTS for r in rows[(name, v)]):.1e} |")
     return "\n".join(lines) + "\n"
 
 

@@ -95,9 +95,10 @@ def sum_of_squares(grads, groups=()) -> torch.Tensor:
     """Σ g² over `grads` (in float64), then summed over each process group in turn: clip_by_global_norm's
     first half, for a caller that adds several such sums (chapter 04's ZeRO, one per kind of state)."""
     grads = [g for g in grads if g is not None]
-    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else torch.device("cpu"))
-    for g in grads:
-        sq += g.detach().double().pow(2).sum()
+    if grads:   # each tensor's norm in float64: one op (not .double().pow(2).sum(), three), squared and added
+        sq = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float64) for g in grads]).square().sum()
+    else:
+        sq = torch.zeros((), dtype=torch.float64)
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(sq, group=group)
@@ -109,6 +110,19 @@ def clip_to(norm: float, max_norm: float, grads) -> None:
     if max_norm > 0 and norm > max_norm:
         # one multiply over the list (each element scaled exactly as g.mul_(scale) would: the same bits)
         torch._foreach_mul_([g for g in grads if g is not None], max_norm / (norm + 1e-6))
+
+
+def zero_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Every gradient the optimizer updates set to zero in place, in one call (not set to None: the flat
+    buffers and hooks that hold them stay). torch's own `zero_grad(set_to_none=False)` zeroes them one by
+    one when the optimizer runs per tensor, as the course's does on a CPU."""
+    by_kind = {}                       # one call per kind of tensor (a list may not mix DTensors with tensors)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                by_kind.setdefault(type(p.grad), []).append(p.grad)
+    for grads in by_kind.values():
+        torch._foreach_zero_(grads)
 
 
 def optim_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -39,7 +39,7 @@ from typing import Protocol
 
 import torch
 
-from .optim import set_lr
+from .optim import set_lr, zero_grads
 
 
 def mark_replicated(t: torch.Tensor, dim: str, copies: int) -> torch.Tensor:
@@ -88,7 +88,7 @@ class OptimizerVerbs:
         self.optimizer.step()
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=False)
+        zero_grads(self.optimizer)
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)

@@ -1,6 +1,7 @@
 """Speed on one device: per-preset training defaults, the GPU's peak memory in every metrics row, the
 overhead benchmark's plain loop, and `make gpu-check` on a machine without CUDA. All in this process
 (the GPU paths are stood in for: this suite runs on CPUs)."""
+import runpy
 from argparse import Namespace
 from importlib import import_module
 from unittest import mock
@@ -57,6 +58,32 @@ def test_the_plain_loop_reaches_the_scripts_losses():
         ["--steps", "2", "--seq-len", "32", "--global-batch", "2", "--quiet"])
     assert losses == pytest.approx([r["loss"] for r in history], rel=1e-6)
     assert len(step_times) == 1                             # step 1 (warm-up) is not timed
+
+
+def test_every_benchmarked_script_trains_the_plain_loops_losses_with_and_without_the_meter():
+    """What `make overhead` compares: each script at world size 1 (ZeRO-3 with its shard as the whole
+    unit, the pipeline with one stage, ...) reaches the plain loop's losses, with the activation meter and
+    with `--no-activation-meter`, which leaves peak_activation_bytes null and nothing else changed. The
+    metered runs take two micro-batches where the benchmark's flags leave the count free (the gradients
+    accumulate: ZeRO-3's shard gradient at world size 1 too)."""
+    args = Namespace(device="cpu", seed=1337, compile="none", seq_len=32, global_batch=2, steps=3, dtype="fp32",
+                     clock=bench_overhead.time.perf_counter)
+    plain = {m: bench_overhead.plain_loop(args, m)[0] for m in ("tiny", "tiny-moe")}
+    for name, (path, flags) in bench_overhead.SCRIPTS.items():
+        main = runpy.run_path(str(bench_overhead.ROOT / path))["main"]
+        two = [] if "--microbatches" in flags else ["--microbatches", "2"]
+        runs = [main(["--steps", "3", "--seq-len", "32", "--global-batch", "2", "--quiet", *flags, *more])
+                for more in (two, ["--no-activation-meter"])]
+        expected = plain["tiny-moe" if "tiny-moe" in flags else "tiny"]
+        for rows in runs:
+            assert [r["loss"] for r in rows] == pytest.approx(expected, rel=1e-6), name
+        peaks = [_listed(r.get("peak_activation_bytes")) for r in runs[0] + runs[1]]
+        assert all(p is None for row in peaks[len(runs[0]):] for p in row), name       # (a pipeline: per stage)
+        assert "zero" in path or all(p > 0 for row in peaks[:len(runs[0])] for p in row), name
+
+
+def _listed(value) -> list:
+    return value if isinstance(value, list) else [value]
 
 
 def test_gpu_check_without_cuda_says_so_in_one_line_and_exits_0(capsys, tmp_path):
