@@ -99,7 +99,11 @@ def set_cpu_threads() -> None:
     """
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
     share = max(1, (os.cpu_count() or 1) // local_world)
-    torch.set_num_threads(int(os.environ.get("THREADS_PER_RANK", share)))
+    given = os.environ.get("THREADS_PER_RANK")
+    require(given is None or (given.isdigit() and int(given) >= 1),
+            f"THREADS_PER_RANK must be a whole number ≥ 1, got {given!r}; unset it to give each rank its share "
+            f"of the cores ({share})")
+    torch.set_num_threads(share if given is None else int(given))
 
 
 def shutdown(rt: Runtime) -> None:

@@ -15,6 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from common.cli import Domain, Parser, pipeline_microbatches
+from common.distributed import set_cpu_threads
 from common.errors import ConfigError
 from harness import ROOT
 
@@ -239,3 +240,11 @@ def test_a_dense_only_script_refuses_a_mixture_of_experts_naming_the_script_that
         assert "train_4d.py" in str(refused.value), "TP and PP with experts is chapter 05's 4D run"
     if script.startswith("06"):
         assert "train_5d.py" in str(refused.value), "CP with experts is chapter 06's 5D run"
+
+
+@pytest.mark.parametrize("value", ["two", "0", "-1", "1.5", ""])
+def test_threads_per_rank_outside_its_domain_is_one_line(monkeypatch, value):
+    monkeypatch.setenv("THREADS_PER_RANK", value)
+    with pytest.raises(ConfigError) as err:
+        set_cpu_threads()
+    assert str(err.value).startswith(f"THREADS_PER_RANK must be a whole number ≥ 1, got {value!r}")
