@@ -41,7 +41,7 @@ bench: $(STAMP)
 	$(PY) 06_context_parallel/bench_cp.py
 
 # The trainer's own cost: each chapter's script at world size 1 against a plain loop on the same model
-# (results/overhead.md; about 2 minutes on 2 cores).
+# (results/overhead.md; about 6 minutes on 2 cores).
 overhead: $(STAMP)
 	$(PY) -m common.bench_overhead
 

@@ -1,6 +1,6 @@
 """The trainer's own overhead: each chapter's script at world size 1 against a plain loop on the same model.
 
-    python -m common.bench_overhead                 # tiny, 8 steps, 3 rounds: about 2½ minutes on 2 CPU cores
+    python -m common.bench_overhead                 # tiny, 10 steps, 4 rounds: about 6 minutes on 2 CPU cores
     python -m common.bench_overhead --model small --steps 6 --rounds 3 --device cuda --dtype bf16
 
 At world size 1 every collective of the course is skipped, so what a script costs beyond the plain
@@ -183,8 +183,8 @@ def table(args, rows: dict) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", choices=[n for n in PRESETS if "moe" not in n])
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=1337)
