@@ -49,3 +49,16 @@ def test_order_and_every_step_within_2x(runs):
     assert rho >= 0.9, (runs, rho)
     for name, predicted, measured in points:
         assert 0.5 <= predicted / measured <= 2, (name, predicted, measured)
+
+
+def test_only_replans_one_published_row_and_the_committed_one_is_current(tmp_path):
+    """`check_layouts.py --only NAME` plans one published run again and replaces its row, no other: here a
+    stale row is put back as the planner gives it today, which is the committed table's row."""
+    committed = (check_layouts.RESULTS / "layouts_published.md").read_text().splitlines()
+    name = "torchtitan-llama3-8b"                                   # the quickest to plan (seconds)
+    mine = next(i for i, row in enumerate(committed) if row.startswith(f"| {name} ("))
+    stale = committed[:mine] + [f"| {name} (h100) | stale |"] + committed[mine + 1:]
+    path = tmp_path / "layouts_published.md"
+    path.write_text("\n".join(stale) + "\n")
+    line = check_layouts.replace_published_line(name, path)
+    assert path.read_text().splitlines() == committed and line == committed[mine]
