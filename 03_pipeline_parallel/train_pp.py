@@ -86,8 +86,6 @@ def pipeline_layout(args, world: int) -> Layout:
             f"the {args.schedule} schedule holds two stages per rank (the V); drop --virtual-stages")
     check_common(args, dp=dp, microbatches=m)
     if args.impl == "torch":
-        require(not args.no_activation_meter, "--no-activation-meter is for --impl ours: "
-                "torch.distributed.pipelining's runs meter no activations; drop the flag")
         require(m >= pp * v or args.schedule == "gpipe",
                 f"torch.distributed.pipelining's {args.schedule} needs --microbatches ≥ the number of stages "
                 f"({pp * v}); use --microbatches {pp * v}")

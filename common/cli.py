@@ -283,6 +283,9 @@ def check_common(args, dp: int = 1, microbatches: int | None = None, cfg=None) -
     require(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir")
     require(args.recompute_layers is None or args.recompute != "none",
             f"--recompute-layers {args.recompute_layers} chooses blocks to recompute; add --recompute full (or selective)")
+    require(not args.no_activation_meter or getattr(args, "impl", None) != "torch",
+            "--no-activation-meter is for the course's own --impl: PyTorch's (--impl torch) meters no "
+            "activations; drop the flag")
     check_compile(args)
     if args.checkpoint_dir and not args.resume:
         checkpoint.refuse_fresh_run_over(args.checkpoint_dir)     # another run's checkpoints are kept

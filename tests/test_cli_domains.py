@@ -248,3 +248,10 @@ def test_threads_per_rank_outside_its_domain_is_one_line(monkeypatch, value):
     with pytest.raises(ConfigError) as err:
         set_cpu_threads()
     assert str(err.value).startswith(f"THREADS_PER_RANK must be a whole number ≥ 1, got {value!r}")
+
+
+@pytest.mark.parametrize("script", ["01_data_parallel.train_dp", "01_data_parallel.train_zero",
+                                    "02_tensor_parallel.train_tp", "03_pipeline_parallel.train_pp"])
+def test_no_activation_meter_with_pytorchs_implementation_is_refused(script):
+    with pytest.raises(ConfigError, match="--no-activation-meter is for the course's own --impl"):
+        run_until_training(script, ["--impl", "torch", "--no-activation-meter"])

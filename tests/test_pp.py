@@ -40,7 +40,7 @@ BAD = [  # (flags, a piece of the expected message)
     (["--schedule", "interleaved", "--virtual-stages", "8", "--microbatches", "4"], "too few for"),
     (["--microbatches", "3"], "does not split"),
     (["--pp", "3"], "does not divide the world size"),
-    (["--impl", "torch", "--no-activation-meter"], "--no-activation-meter is for --impl ours"),
+    (["--impl", "torch", "--no-activation-meter"], "--no-activation-meter is for the course's own --impl"),
 ]
 
 
