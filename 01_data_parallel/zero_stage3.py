@@ -22,8 +22,8 @@ in a gathered buffer by a small note ("unit u, this shape/stride/offset") and re
 all-gather when backward asks for it. (FSDP does the same with storage resizing and its own hooks.)
 
 In a group of one (world size 1) each shard is its whole unit: nothing is gathered, noted or scattered,
-and the gradients add straight into the shard's, so the step costs what the plain loop's does
-(`make overhead`).
+and the gradients add straight into the shard's: the step does the plain loop's work (`make overhead`
+compares the two).
 """
 import torch
 

@@ -139,7 +139,8 @@ def measure(args) -> dict:
         order = list(rows)[r % len(rows):] + list(rows)[:r % len(rows)]                # nobody always first
         for name, variant in order:
             path, flags = SCRIPTS[name]
-            run = side_by_side(args, path, flags + VARIANTS[variant], "tiny-moe" if "tiny-moe" in flags else args.model)
+            model = "tiny-moe" if "tiny-moe" in flags else args.model
+            run = side_by_side(args, path, flags + VARIANTS[variant], model)
             ratios = [a / b for a, b in zip(run["seconds"], run["plain_seconds"])]
             row = rows[(name, variant)]
             row.append((statistics.median(run["seconds"]), statistics.median(run["plain_seconds"]), ratios,
