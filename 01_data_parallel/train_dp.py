@@ -16,7 +16,8 @@ import torch
 
 from common import activation_ledger, checkpoint, comm
 from common.activation_meter import MeasuredActivations
-from common.cli import POSITIVE_REAL, base_parser, check_common
+from common.cli import base_parser, check_common
+from common.domains import POSITIVE_REAL
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import run_main

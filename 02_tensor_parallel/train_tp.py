@@ -19,7 +19,8 @@ import torch
 
 from common import activation_ledger, checkpoint, comm
 from common.activation_meter import MeasuredActivations
-from common.cli import POSITIVE_INT, base_parser, check_common
+from common.cli import base_parser, check_common
+from common.domains import POSITIVE_INT
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import require, run_main

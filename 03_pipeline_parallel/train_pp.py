@@ -22,7 +22,8 @@ import torch.distributed as dist
 from rich.table import Table
 
 from common import checkpoint, comm
-from common.cli import OUTPUT_FILE, POSITIVE_INT, base_parser, check_common, pipeline_microbatches
+from common.cli import base_parser, check_common, pipeline_microbatches
+from common.domains import OUTPUT_FILE, POSITIVE_INT
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import require, run_main

@@ -26,7 +26,8 @@ per step (the gradient all-reduce) and can overlap it: it goes across nodes.
 from dataclasses import dataclass, field
 from importlib import import_module
 
-from common.cli import NON_NEGATIVE_INT, OUTPUT_FILE, POSITIVE_INT, check_common, pipeline_microbatches
+from common.cli import check_common, pipeline_microbatches
+from common.domains import NON_NEGATIVE_INT, OUTPUT_FILE, POSITIVE_INT
 from common.errors import require
 from common.model import build_model
 from common.training import consolidate_on_rank0

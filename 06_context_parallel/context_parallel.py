@@ -26,7 +26,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from common.cli import POSITIVE_INT
+from common.domains import POSITIVE_INT
 from common.errors import require
 from common.model import apply_rope
 

@@ -31,7 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common` and the chapters
 
-from common.cli import OUTPUT_FILE, POSITIVE_INT, Domain, Parser, Refused, real, whole  # noqa: E402
+from common.cli import Parser  # noqa: E402
+from common.domains import OUTPUT_FILE, POSITIVE_INT, Domain, Refused, real, whole  # noqa: E402
 from common.errors import fail, require, run_main  # noqa: E402
 from common.model import PRESETS  # noqa: E402
 from common.recompute import MODES  # noqa: E402

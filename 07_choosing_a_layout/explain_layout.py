@@ -10,7 +10,7 @@ run's name (published.py) plans that run's cluster and batch and explains the la
 """
 from importlib import import_module
 
-from common.cli import Domain, Refused
+from common.domains import Domain, Refused
 from common.metrics import format_bytes
 from common.model import count_parameters
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 if __package__ in (None, ""):          # run as `python common/compare_metrics.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import NON_NEGATIVE_REAL, Parser  # noqa: E402
+from common.cli import Parser  # noqa: E402
+from common.domains import NON_NEGATIVE_REAL  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
 from common.metrics import read_rows  # noqa: E402
 

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from common import mfu
-from common.cli import Refused, read_utf8
+from common.domains import Refused, read_utf8
 from common.errors import ConfigError
 
 EXAMPLE_ROW = '{"step": 1, "loss": 5.5}'   # what a metrics file's line looks like, for messages

@@ -11,7 +11,7 @@ reaches the same verdict and exits with the same one-line message.
 import dataclasses
 import math
 
-from common.cli import NON_NEGATIVE_REAL, POSITIVE_INT, POSITIVE_REAL
+from common.domains import NON_NEGATIVE_REAL, POSITIVE_INT, POSITIVE_REAL
 from common.errors import require
 from common.model import PRESETS, ModelConfig
 from common.moe_routing import RoutingOptions

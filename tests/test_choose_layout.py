@@ -10,7 +10,7 @@ from importlib import import_module
 
 import pytest
 
-from common.cli import Domain
+from common.domains import Domain
 from common.errors import ConfigError
 from common.model import PRESETS
 from harness import ROOT, ok, run_group

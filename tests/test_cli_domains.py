@@ -14,7 +14,8 @@ from unittest import mock
 import pytest
 import torch.distributed as dist
 
-from common.cli import Domain, Parser, pipeline_microbatches
+from common.cli import Parser, pipeline_microbatches
+from common.domains import Domain
 from common.distributed import set_cpu_threads
 from common.errors import ConfigError
 from harness import ROOT
