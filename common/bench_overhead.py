@@ -14,7 +14,8 @@ it, and after each of its steps (at its metrics row, `RunLog.log_step`) one step
 runs, on its own model. A script's step is the time from the end of the plain step before it to its
 metrics row: the whole iteration, its tail included (metrics, meters, checks), not only the part a
 script's own timer sees. Each ratio divides a script step by the plain step right after it, and the
-table gives the median of all of them (step 1, the warm-up, left out).
+table gives the median of all of them (step 1, the warm-up, left out, and the last step, which also ends
+the run: chapter 04's scripts take their validation loss there).
 Why so close together: a shared CPU's speed moves within seconds. Measured here, the same plain loop
 ran at 205–213 ms per step while the core's neighbour was idle and 265–290 ms while it was busy, and
 at 187 ms and 345 ms a minute apart; whole runs compared with whole runs, even bracketed by plain runs
@@ -123,6 +124,9 @@ def side_by_side(args, path: str, flags: list[str], model_name: str) -> dict:
     with mock.patch.object(RunLog, "log_step", log_step_then_plain), \
             mock.patch("common.distributed.set_cpu_threads", lambda: None):
         out["losses"] = [r["loss"] for r in main(argv)]
+    # the last step also ends the run (chapter 04's validation loss comes before its metrics row), which
+    # is not a training step's cost: left out, like the first
+    out["seconds"], out["plain_seconds"] = out["seconds"][:-1], out["plain_seconds"][:-1]
     return out
 
 
@@ -159,7 +163,8 @@ def table(args, rows: dict) -> str:
              "",
              f"{torch.__version__}, {args.device}, {torch.get_num_threads()} thread(s), {args.clock_name} clock, "
              f"{args.dtype}, --compile {args.compile}; `{args.model}`, global batch {args.global_batch} × "
-             f"{args.seq_len} tokens, {args.steps} steps (step 1 left out), {args.rounds} rounds. Each step of a "
+             f"{args.seq_len} tokens, {args.steps} steps (the first and the last left out), {args.rounds} rounds. "
+             "Each step of a "
              "script is followed by a step of the plain loop in the same process; a ratio is a script step over "
              "the plain step after it, and the table gives their median and middle half over all rounds. The "
              "MoE script is compared with the plain loop on its own model (tiny-moe). Each script also runs "
