@@ -22,6 +22,9 @@ import sys
 import time
 
 PEER_GRACE_S = 5.0   # how long ranks other than 0 let rank 0 report a configuration error first
+# Under torchrun, which stops every rank as soon as rank 0 exits, the wait costs nothing when rank 0 fails
+# too, and a loaded machine can start rank 0 seconds after the others: there they wait longer.
+LAUNCHED_GRACE_S = 30.0
 
 
 class ConfigError(Exception):
@@ -45,7 +48,7 @@ def run_main(main) -> None:
             # moment for rank 0 to print and exit (the launcher then stops them, and the user reads the
             # message once); a rank that waited in vain (rank 0 slow, or the check failed only here)
             # prints the message itself.
-            time.sleep(PEER_GRACE_S)
+            time.sleep(LAUNCHED_GRACE_S if "TORCHELASTIC_RUN_ID" in os.environ else PEER_GRACE_S)
         fail("error", str(err), 2)
     except KeyboardInterrupt:
         exit_now(130)
