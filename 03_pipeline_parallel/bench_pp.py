@@ -173,10 +173,12 @@ def report(all_results: dict, tmp: Path, quick: bool, chosen=CLASSIC, n_rounds: 
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from common.cli import Parser
+    from common.domains import POSITIVE_INT
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--v-schedules", action="store_true", help="the V schedules (zb-v, dualpipev) beside 1f1b and zb-h1")
-    ap.add_argument("--rounds", type=int, default=None,
+    ap.add_argument("--rounds", type=POSITIVE_INT, default=None,
                     help="paired rounds of the throughput runs (default 3, 1 with --quick)")
     ap.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--tmp", default=None, help=argparse.SUPPRESS)

@@ -63,11 +63,8 @@ def saved_storages(leave_out: set[int]):
     hook keeps no reference, so backward frees each tensor as it would unmeasured."""
     found: dict[int, int] = {}
 
-    def pack(t):                       # (distinct_storages of one tensor, inlined: it runs for every save)
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in leave_out and ptr not in found:
-            found[ptr] = storage.nbytes()
+    def pack(t):
+        distinct_storages((t,), leave_out, found)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

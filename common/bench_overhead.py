@@ -25,7 +25,6 @@ On a CPU the clock is this process's CPU time, on one thread (`--clock cpu`, the
 other programs' time slices are not counted. On a GPU it is the wall clock (the loss's `.item()` in
 both loops waits for the GPU's queue, so the step's kernels are inside the interval).
 """
-import argparse
 import math
 import os
 import runpy
@@ -40,7 +39,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common.cli import Parser                             # noqa: E402
 from common.data import TextData                          # noqa: E402
+from common.domains import POSITIVE_INT, whole            # noqa: E402
 from common.distributed import set_cpu_threads            # noqa: E402
 from common.metrics import RunLog                         # noqa: E402
 from common.model import PRESETS, build_model, loss_sum   # noqa: E402
@@ -186,14 +187,15 @@ def table(args, rows: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", choices=[n for n in PRESETS if "moe" not in n])
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--steps", type=whole(3), default=10,
+                   help="steps per run; its first and last are not timed, so at least 3")
+    p.add_argument("--rounds", type=POSITIVE_INT, default=4)
+    p.add_argument("--global-batch", type=POSITIVE_INT, default=8)
+    p.add_argument("--seq-len", type=whole(2), default=128)
+    p.add_argument("--seed", type=whole(0, 2**32 - 1), default=1337)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     p.add_argument("--compile", default="none", choices=["none", "inductor", "aot_eager"])
@@ -202,7 +204,7 @@ def main():
     p.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                    help="only the scripts whose path holds one of these (e.g. --only train_dp train_3d)")
     p.add_argument("--out", type=Path, default=RESULTS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.only:
         for name in [n for n, (path, _) in SCRIPTS.items() if not any(t in path for t in args.only)]:
             del SCRIPTS[name]
@@ -220,4 +222,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from common.errors import run_main
+    run_main(main)

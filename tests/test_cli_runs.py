@@ -85,3 +85,25 @@ def test_the_3d_run_as_a_user_sees_it(tmp_path):
     assert float(last) < float(first) < 6.0                        # ~ln(256) = 5.5 at the start, then falling
     sample = out.split("sample from the trained model (prompt 'The '):")[1]
     assert sample.strip().startswith("The ") and len(sample.strip()) >= 20
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_other_ranks_give_rank_0_time_to_report_a_configuration_error(monkeypatch, launched):
+    """Rank 1 waits before printing, so that rank 0 prints the one line: under torchrun (which stops rank 1
+    as soon as rank 0 exits) long enough for a rank 0 that a loaded machine started late."""
+    from common import errors
+    waited, printed = [], []
+    monkeypatch.setattr(errors.time, "sleep", waited.append)
+    monkeypatch.setattr(errors, "fail", lambda prefix, reason, code: printed.append((prefix, reason, code)))
+    monkeypatch.setattr(errors, "exit_now", lambda code: None)
+    monkeypatch.setenv("RANK", "1")
+    if launched:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    else:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+
+    def main():
+        raise errors.ConfigError("--ep 4 does not divide the world size 2")
+    errors.run_main(main)
+    assert waited == [errors.LAUNCHED_GRACE_S if launched else errors.PEER_GRACE_S] and waited[0] >= 5
+    assert printed == [("error", "--ep 4 does not divide the world size 2", 2)]

@@ -98,3 +98,10 @@ def test_gpu_check_rows_say_what_failed():
     ok = {"ok": True, "loss": 4.6532541, "tokens_per_s": 12345.6, "peak": 3 * 2**30}
     assert gpu_check.row("`x.py`", "fp32", ok) == "| `x.py` | fp32 | yes | 4.653254 | 12,346 | 3.00 GiB |"
     assert {"01_data_parallel/train_dp.py", "06_context_parallel/train_cp.py"} <= set(gpu_check.SCRIPTS)
+
+
+def test_the_overhead_benchmark_refuses_too_few_steps_to_time():
+    """Each run's first and last steps are not timed: two steps would leave nothing to compare."""
+    from common.errors import ConfigError
+    with pytest.raises(ConfigError, match="--steps must be a whole number ≥ 3, got 2"):
+        bench_overhead.main(["--steps", "2"])
