@@ -20,11 +20,12 @@ run: $(STAMP)
 	$(TORCHRUN) --nproc_per_node=8 04_3d_combined/train_3d.py --metrics runs/3d/metrics.jsonl
 	$(PY) 04_3d_combined/plot_loss.py runs/3d/metrics.jsonl
 
-# The whole test suite (CPU, gloo; about 8–9 minutes on 2 cores). Three workers on two cores: half of a
-# test's time is spent waiting (ranks starting, messages between ranks that share the cores, a killed rank's
-# peers timing out), and a third file fills it; every rank takes one thread (tests/conftest.py).
+# The whole test suite (CPU, gloo; about 9 minutes on 2 cores). Four workers on two cores: part of a test's
+# time is spent waiting (ranks starting, messages between ranks that share the cores, a killed rank's peers
+# timing out), which the others fill; every rank takes one thread (tests/conftest.py). Each worker takes a
+# whole file at a time: its tests share their spawned groups.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 3 --dist loadfile tests
+	$(PY) -m pytest -q -n 4 --dist loadfile tests
 
 # Every chapter's benchmark, one after another (about 39 minutes on 2 cores: 2½ + 2½ + 5 + 2 + 1 + 2½ + 4 + 4½ + 10 + 5);
 # each writes the tables (and plots) under its chapter's results/ that the READMEs show.

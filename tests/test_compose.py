@@ -90,28 +90,40 @@ def reference():
     return {"dense": ok(dense), "moe": ok(moe)}
 
 
-@pytest.fixture(scope="module")
-def groups(tmp_path_factory):
-    """results[world][name]; the Llama miniature's checkpoint then resumed on one device ("resumed on one")."""
-    llama, deepseek = str(tmp_path_factory.mktemp("llama_ckpt")), str(tmp_path_factory.mktemp("deepseek_ckpt"))
-    saving = {"Llama 3 miniature": llama, "DeepSeek-V3 miniature": deepseek}
-    out = {}
-    for world, runs in RUNS.items():
+class Groups(dict):
+    """results[world][name], each world's group spawned when a test first asks for it (so each test's time
+    limit covers one group); the Llama miniature's checkpoint resumed on one device is world 1 ("resumed on
+    one"), after world 16 has saved it."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.llama, self.deepseek = (str(tmp_path_factory.mktemp(n)) for n in ("llama_ckpt", "deepseek_ckpt"))
+
+    def __missing__(self, world: int) -> dict:
+        if world == 1:
+            self[16]                                                            # the checkpoint to resume
+            _, (resumed,) = run_group(1, [("test_3d:point_latest_at", self.llama, "step_000002.pt"),
+                                          (THREE, BASE + ["--checkpoint-dir", self.llama, "--resume"])])
+            self[1] = {"resumed on one": [resumed]}
+            return self[1]
+        saving = {"Llama 3 miniature": self.llama, "DeepSeek-V3 miniature": self.deepseek}
         jobs = {}
-        for name, (script, flags, _) in runs.items():
+        for name, (script, flags, _) in RUNS[world].items():
             if name in RESUMES_AT:
-                jobs["point"] = ("test_3d:point_latest_at", deepseek, "step_000002.pt")
+                jobs["point"] = ("test_3d:point_latest_at", self.deepseek, "step_000002.pt")
             ckpt = ["--checkpoint-dir", saving[name], "--checkpoint-every", "2"] if name in saving else \
-                ["--checkpoint-dir", deepseek] if name in RESUMES_AT else []
+                ["--checkpoint-dir", self.deepseek] if name in RESUMES_AT else []
             steps = [] if name in saving or name in RESUMES_AT else SHORT     # the rest: 2 steps are enough
             jobs[name] = (script, BASE + flags + ckpt + steps)
         if world == 8:
             jobs.update({f"bad {k}": (script, ["--steps", "1", "--quiet"] + argv) for k, (script, argv, _) in BAD.items()})
-        out[world] = dict(zip(jobs, run_group(world, list(jobs.values()), timeout_s=900)))
-    _, (resumed,) = run_group(1, [("test_3d:point_latest_at", llama, "step_000002.pt"),
-                                  (THREE, BASE + ["--checkpoint-dir", llama, "--resume"])])
-    out[1] = {"resumed on one": [resumed]}
-    return out
+        self[world] = dict(zip(jobs, run_group(world, list(jobs.values()), timeout_s=900)))
+        return self[world]
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory):
+    return Groups(tmp_path_factory)
 
 
 @pytest.mark.parametrize("world, name", [(w, n) for w, runs in RUNS.items() for n in runs])

@@ -6,10 +6,8 @@ server or in a container image: there matplotlib's inline backend is never used,
 reach the notebook without it, whatever the environment the tests run in.
 Notebooks are found by glob, so a new chapter's notebook is tested as soon as it exists.
 
-Two kernels run at a time (one per core): most of a quick notebook is starting processes (the kernel,
-torchrun, its ranks), which leaves a core idle."""
+Each notebook is its own test, with its own time limit (pytest.ini), one after another on one test worker."""
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jupytext
@@ -28,30 +26,18 @@ def images_shown(nb) -> int:
 
 
 def execute(path: Path, tmp: Path):
-    """Run one notebook in its own kernel; (the executed notebook, its figures folder, or the error)."""
+    """Run one notebook in its own kernel: (the executed notebook, its figures folder)."""
     figures = tmp / "figures"
     env = {**os.environ, "MPLBACKEND": "Agg", "NOTEBOOK_QUICK": "1", "NOTEBOOK_FIGURES": str(figures),
            "TMPDIR": str(tmp)}
     nb = jupytext.read(path)
-    try:
-        NotebookClient(nb, kernel_name="python3", timeout=240, resources={"metadata": {"path": str(ROOT)}}).execute(env=env)
-    except Exception as error:            # reported by this notebook's own test below
-        return nb, figures, error
-    return nb, figures, None
-
-
-@pytest.fixture(scope="module")
-def executed(tmp_path_factory):
-    tmps = [tmp_path_factory.mktemp(p.stem) for p in NOTEBOOKS]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(NOTEBOOKS, pool.map(execute, NOTEBOOKS, tmps)))
+    NotebookClient(nb, kernel_name="python3", timeout=240, resources={"metadata": {"path": str(ROOT)}}).execute(env=env)
+    return nb, figures
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes_in_a_kernel(executed, path):
-    nb, figures, error = executed[path]
-    if error is not None:
-        raise error
+def test_notebook_executes_in_a_kernel(path, tmp_path):
+    nb, figures = execute(path, tmp_path)
     saved = sorted(figures.glob("*.png"))
     assert saved, f"{path.name} saved no plot under NOTEBOOK_FIGURES"
     assert images_shown(nb) >= 1, f"{path.name} plots, but the executed notebook holds no image (MPLBACKEND=Agg)"
