@@ -35,24 +35,24 @@ zero_torch = import_module("01_data_parallel.zero_torch")
 FORMULAS = {0: "M(1+1+α)", 1: "2M + αM/N", 2: "M + (1+α)M/N", 3: "(1+1+α)M/N"}
 
 
-def parse_args(argv=None):
+def parser():
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--zero-stage", type=int, default=3, choices=[1, 2, 3],
                    help="1: shard optimizer state; 2: + gradients; 3: + parameters")
     p.add_argument("--impl", default="ours", choices=["ours", "torch"],
                    help="ours: by hand; torch: ZeroRedundancyOptimizer (stage 1) or FSDP2 fully_shard (2, 3)")
     p.add_argument("--no-prefetch", action="store_true", help="stage 3 (ours): gather each unit only when needed")
-    args = p.parse_args(argv)
-    check_common(args, dp=env_world_size())
+    return p
+
+
+def checked_layout(args, world: int, cfg=None):
+    """Every check this run makes before any communication, on every rank: the model's configuration
+    (the DP degree is the world size). Chapter 07's planner asks the same function whether a layout runs
+    (`cfg`: a published shape)."""
+    check_common(args, dp=world, cfg=cfg)
     require(not (args.impl == "torch" and (args.checkpoint_dir or args.resume)),
             "checkpoints are implemented for --impl ours only; drop --checkpoint-dir/--resume or use --impl ours")
-    # Our stage 3 hands a unit its gathered weights for the forward and takes them away after it; a
-    # recomputation reruns the forward in backward, where the unit holds none (FSDP2 regathers them).
-    require(not (args.impl == "ours" and args.zero_stage == 3 and args.recompute != "none"),
-            f"--recompute {args.recompute} needs the weights again in backward, which --zero-stage 3 (ours) "
-            "gathers only for the saved tensors; use --recompute none, --zero-stage 1 or 2, --impl torch (FSDP2 "
-            "gathers them again), or 04_3d_combined/train_3d.py --zero-stage 3, which keeps them for the step")
-    return args
+    return cfg or dense_preset(args.model, "05_moe_expert_parallel/train_moe.py")   # a mixture is chapter 05's
 
 
 def identity(args) -> dict:
@@ -62,8 +62,8 @@ def identity(args) -> dict:
 
 
 def main(argv=None) -> list[dict]:
-    args = parse_args(argv)
-    cfg = dense_preset(args.model, "05_moe_expert_parallel/train_moe.py")   # a mixture of experts is chapter 05's
+    args = parser().parse_args(argv)
+    cfg = checked_layout(args, env_world_size())          # bad input fails here, on every rank
     rt = init_distributed(args.device, args.timeout)
     mesh = Mesh(rt.rank, rt.world_size, dp=rt.world_size)
     dp_group, dp_rank, dp = mesh.group("dp"), mesh.coord("dp"), mesh.size("dp")

@@ -21,13 +21,19 @@ model again. `torch.autograd.graph.saved_tensors_hooks` lets us replace each sav
 in a gathered buffer by a small note ("unit u, this shape/stride/offset") and rebuild it from a fresh
 all-gather when backward asks for it. (FSDP does the same with storage resizing and its own hooks.)
 
+Recomputation (--recompute) reruns a block's forward in backward, where its unit holds no weights:
+common/recompute.py enters `_weights_again` around the rerun, which gathers them again first (FSDP
+gathers them again too).
+
 In a group of one (world size 1) each shard is its whole unit: nothing is gathered, noted or scattered,
 and the gradients add straight into the shard's: the step does the plain loop's work (`make overhead`
 compares the two).
 """
+from contextlib import contextmanager
+
 import torch
 
-from common import comm
+from common import comm, recompute
 from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr
 
 from . import zero_accounting, zero_sharding
@@ -138,11 +144,14 @@ class ZeroStage3(ForwardBackward):
             self._issue_gather(u + 1)          # async: travels while unit u computes
         for (module, attr), w in zip(self.slots[u], weights):
             setattr(module, attr, w)
-        if self.alone:                         # a group of one: nothing gathered, so nothing to note (the hooks'
-            out = fn(*args)                    # Python call per saved tensor would be their only effect)
-        else:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                out = fn(*args)
+        # a recomputation of this unit's forward (--recompute) runs in backward, where the unit holds no
+        # weights: it gathers them again first (`_weights_again`)
+        with recompute.around_recomputation(lambda: self._weights_again(u)):
+            if self.alone:                     # a group of one: nothing gathered, so nothing to note (the hooks'
+                out = fn(*args)                # Python call per saved tensor would be their only effect)
+            else:
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    out = fn(*args)
         for module, attr in self.slots[u]:
             setattr(module, attr, None)
         self._free(u)
@@ -166,6 +175,23 @@ class ZeroStage3(ForwardBackward):
             prev = max((v for v in range(u) if self._needs_backward[v]), default=-1)
             self._issue_gather(prev)            # the previous unit's backward comes next
         return full.as_strided(saved.size, saved.stride, saved.offset)
+
+    @contextmanager
+    def _weights_again(self, u: int):
+        """Around a recomputation of unit u in backward: its weights gathered again (and the previous
+        unit's prefetched, its backward comes next), in the module for the rerun forward to read. They need
+        no path to the shard: the rerun only rebuilds saved tensors, the forward's graph carries the
+        gradients. They require grad, as in the forward, so the rerun saves what the forward saved."""
+        full = self.gathered(u)
+        if self.prefetch and (u > 1 or self._needs_backward[0]):
+            self._issue_gather(u - 1)
+        for (module, attr), w in zip(self.slots[u], self.units[u].split(full)):
+            setattr(module, attr, w.detach().requires_grad_())
+        try:
+            yield
+        finally:
+            for module, attr in self.slots[u]:
+                setattr(module, attr, None)
 
     def reduce_scatter_grads(self, u: int, grads) -> None:
         """Unit u's weight gradients are complete: reduce-scatter them and free the full ones."""

@@ -3,6 +3,7 @@
 Every number comes from a formula a chapter proved on real runs, imported from that chapter:
 
     parameters, gradients, AdamW    chapter 01's ZeRO formulas, zero_accounting.zero_memory_bytes(stage, M, N)
+                                    (DP alone under ZeRO-3: chapter 01's per-unit form, per_unit_memory)
     activations                     common/activation_ledger.pipeline_peaks: the ledger's bytes per micro-batch
                                     on each stage, times what the schedule keeps in flight (chapter 03's actions)
     bubble                          chapter 03's pipeline_schedules.theory_bubble
@@ -27,11 +28,13 @@ that decides whether a layout fits. The step time is a model, stated:
     links     per group, bytes ÷ the link's rate + messages × its latency; the link is NVLink when the
               group's ranks share a node (grid (edp, ep, pp, cp, tp), TP fastest), the network otherwise
     hidden    the DP all-reduce of a stage starts after its last backward and hides behind the others'
-              cool-down (the bubble); the ring's hops hide behind attention's own compute; TP, PP and EP
-              sit on the critical path
+              cool-down (the bubble); chapter 01's per-unit ZeRO-3 gathers the next unit while one
+              computes; the ring's hops hide behind attention's own compute; TP, PP and EP sit on the
+              critical path
 """
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from types import SimpleNamespace
 from importlib import import_module
 
 from common import activation_ledger
@@ -47,6 +50,7 @@ pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")  #
 pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")    # chapter 03: messages
 expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")   # chapter 05: all-to-all bytes
 attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # chapter 06: the ring's bytes
+runnable = import_module("07_choosing_a_layout.runnable")                  # this chapter: which script runs it
 
 
 
@@ -154,6 +158,33 @@ def activation_peaks(cfg, mode: str, schedule: str, pp: int, m: int, v: int, row
     return tuple(zip(ranks, peaks))
 
 
+def per_unit(run: Run, c: Candidate) -> bool:
+    """Does chapter 01's ZeRO-3 run layout `c` (runnable.py): one unit's weights gathered at a time."""
+    return runnable.script_of(run.cfg, c) == "zero"
+
+
+def zero3_units(cfg) -> list[int]:
+    """The parameters of chapter 01's ZeRO-3 units (zero_sharding.model_units): the embedding, each
+    block, the final norm with the head."""
+    block, _ = stage_params(cfg, SimpleNamespace(layers=[0], first=False, last=False), 1, 1)
+    return [cfg.vocab_size * cfg.dim] + [block] * cfg.n_layers + [cfg.dim + cfg.vocab_size * cfg.dim]
+
+
+def per_unit_memory(run: Run, c: Candidate, peak_activation: int, dense: int) -> dict:
+    """Chapter 01's ZeRO-3 at the peak of a step: the fp32 shards of weights, gradients and AdamW, plus the
+    gathered weights of two neighbouring units (one computing, the next prefetched: its run's
+    peak_param_bytes) and the full gradients of two units (one being reduce-scattered, the next being
+    flattened: at most one reduce-scatter is in flight)."""
+    units = [4 * n for n in zero3_units(run.cfg)]
+    between = zero_accounting.zero_memory_components(3, 4 * dense, c.dp)
+    out = {"params": between["param_bytes"] + max(a + b for a, b in zip(units, units[1:])),
+           "grads": between["grad_bytes"] + 2 * max(units), "optim_bytes": between["optim_bytes"]}
+    if run.dtype == "bf16":
+        out["params"] += 2 * dense        # each unit's bf16 casts, saved for backward (memory_by_component)
+    return {**out, "peak_activation_bytes": peak_activation, "total": sum(out.values()) + peak_activation,
+            "held_between_steps": sum(between.values())}
+
+
 def memory_by_component(run: Run, c: Candidate, peak_activation: int, dense: int, experts: int) -> dict:
     """One rank's bytes by component at the peak of a step, as chapter 04's ZeroTrainer3D holds them
     (its `memory_formula` gives the same between steps): the fp32 weights whole and the full gradients
@@ -185,6 +216,8 @@ def rank_memory(run: Run, c: Candidate, specs, pp_rank: int, peak_activation: in
     for s in pipeline_stages.rank_stages(specs, c.pp, pp_rank):
         d, x = stage_params(run.cfg, s, c.tp, c.ep)
         dense, experts = dense + d, experts + x
+    if per_unit(run, c):
+        return per_unit_memory(run, c, peak_activation, dense)
     return memory_by_component(run, c, peak_activation, dense, experts)
 
 
@@ -199,10 +232,17 @@ def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
     rerun = recomputed_blocks(mine, c.recompute_layers) if c.recompute == "full" else 0
     runs = ((rerun, 2), (layers - rerun, 1))
     nbytes, msgs = dict.fromkeys(("dp", "tp", "pp", "ep", "cp"), 0), dict.fromkeys(("dp", "tp", "pp", "ep", "cp"), 0)
+    if per_unit(run, c) and c.dp > 1:
+        # chapter 01's ZeRO-3, every micro-batch: each unit gathered for forward, again for backward (the
+        # embedding's backward needs no weights), and its gradients reduce-scattered
+        units = [4 * n for n in zero3_units(cfg)]
+        share = (c.dp - 1) / c.dp
+        nbytes["dp"] = int(2 * m * share * (3 * sum(units) - units[0]))
+        msgs["dp"] = m * (3 * len(units) - 1)
     for s in mine:
         dense, experts = stage_params(cfg, s, c.tp, c.ep)
         for M, N in ((4 * dense, c.dp * c.cp), (4 * experts, c.dp // c.ep * c.cp)):
-            if N > 1 and M:
+            if N > 1 and M and not per_unit(run, c):
                 nbytes["dp"] += (collective_bytes("all_reduce", M, N) if c.zero_stage == 0 else
                                  int(2 * zero_accounting.zero_sent_share(c.zero_stage, N, per_microbatch=False) * M))
                 msgs["dp"] += 1 if c.zero_stage == 0 else (len(s.layers) + 2) * (2 + (c.zero_stage == 3))
@@ -283,6 +323,10 @@ def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, ms
         link_rate, latency = link_of(g, c, dev, gpus_per_node)
         seconds[g] = nbytes[g] / link_rate + msgs[g] * latency
     exposed = {**seconds, "dp": max(0.0, seconds["dp"] - idle), "cp": max(0.0, seconds["cp"] - attention)}
+    if per_unit(run, c):
+        # chapter 01's prefetch: each unit's gather travels while the unit before it computes, so the first
+        # unit's waits and whatever the compute cannot cover
+        exposed["dp"] = max(seconds["dp"] / len(zero3_units(cfg)), seconds["dp"] - compute)
     return {"compute": compute, "bubble": idle, **{f"comm_{g}": t for g, t in exposed.items()}}
 
 

@@ -3,6 +3,10 @@
 The planner writes no rule of its own about which degrees compose. A candidate layout becomes the
 flags of the first chapter's script that has all its dimensions,
 
+    dense, DP alone, ZeRO-3
+                      01_data_parallel/train_zero.py      (a unit's weights gathered just in time, freed
+                                                           after use, as FSDP does: chapter 04's grid
+                                                           gathers the whole model once per step)
     dense, no CP      04_3d_combined/train_3d.py          (DP × TP × PP, ZeRO, SP, recomputation)
     experts, no CP    05_moe_expert_parallel/train_4d.py  (+ EP among the data-parallel ranks)
     CP                06_context_parallel/train_5d.py     (+ CP)
@@ -24,14 +28,19 @@ from common.errors import ConfigError
 from common.model import PRESETS
 
 # (script path, module) of each chapter's run; the module's checked_layout(args, world, cfg) -> (layout, ...)
-SCRIPTS = {"3d": ("04_3d_combined/train_3d.py", "04_3d_combined.train_3d"),
+SCRIPTS = {"zero": ("01_data_parallel/train_zero.py", "01_data_parallel.train_zero"),
+           "3d": ("04_3d_combined/train_3d.py", "04_3d_combined.train_3d"),
            "4d": ("05_moe_expert_parallel/train_4d.py", "05_moe_expert_parallel.train_4d"),
            "5d": ("06_context_parallel/train_5d.py", "06_context_parallel.train_5d")}
 
 
 def script_of(cfg, c) -> str:
     """The first chapter whose script has every dimension of layout `c`."""
-    return "5d" if c.cp > 1 else "4d" if cfg.n_experts else "3d"
+    if c.cp > 1:
+        return "5d"
+    if cfg.n_experts:
+        return "4d"
+    return "zero" if c.zero_stage == 3 and c.tp == c.pp == 1 else "3d"
 
 
 def preset_name(model: str, cfg) -> str:
@@ -40,8 +49,11 @@ def preset_name(model: str, cfg) -> str:
 
 
 def flags(c, model: str, cfg, global_batch: int, seq_len: int, dtype: str) -> list[str]:
-    """The training script's flags for layout `c`: every degree and lever written out."""
-    out = ["--model", preset_name(model, cfg), "--dp", str(c.dp), "--tp", str(c.tp), "--pp", str(c.pp)]
+    """The training script's flags for layout `c`: every degree and lever written out (chapter 01's ZeRO
+    has no degree flags: its DP degree is the world size)."""
+    out = ["--model", preset_name(model, cfg)]
+    if script_of(cfg, c) != "zero":
+        out += ["--dp", str(c.dp), "--tp", str(c.tp), "--pp", str(c.pp)]
     if c.cp > 1:
         out += ["--cp", str(c.cp)]
     if cfg.n_experts:

@@ -36,6 +36,9 @@ MODES = ("none", "selective", "full")
 
 _cheap_ops = contextvars.ContextVar("recompute_cheap_ops", default=False)     # inside a selective block
 _recomputing = contextvars.ContextVar("recomputing", default=False)          # inside a recomputation
+# what a recomputation must enter first, as the forward it repeats was entered: a context factory, or None
+# (ZeRO-3 sets one: the weights it gathered for the forward are gone by backward, so it gathers them again)
+_around = contextvars.ContextVar("recompute_around", default=None)
 
 
 @contextmanager
@@ -65,9 +68,23 @@ def block_modes(mode: str, n_layers: int, per_stage: int | None = None, stages=N
 
 def recomputed(fn, *args):
     """fn(*args) whose saved tensors are dropped after the forward and rebuilt in backward from
-    `args` (which are kept), under the forward's RNG state."""
+    `args` (which are kept), under the forward's RNG state, inside `around_recomputation`'s context if
+    the forward ran under one."""
+    around = _around.get()
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
-                      context_fn=lambda: (nullcontext(), _set(_recomputing, True)))
+                      context_fn=lambda: (nullcontext(), _recomputation(around)))
+
+
+@contextmanager
+def _recomputation(around):
+    with _set(_recomputing, True), (around() if around else nullcontext()):
+        yield
+
+
+def around_recomputation(factory):
+    """Context of a forward: a recomputation of what it computes enters `factory()` first (the weights a
+    forward had and its backward has not: ZeRO-3's, 01_data_parallel/zero_stage3.py)."""
+    return _set(_around, factory)
 
 
 def selective(on: bool):

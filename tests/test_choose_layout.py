@@ -110,13 +110,23 @@ def test_bytes_equal_the_chapters_formulas():
 def test_memory_is_what_the_grid_trainers_hold():
     """At the peak of a step the grid's trainers hold the weights whole (ZeRO-3 gathers them once per step)
     and the full gradients (stages 2-3 reduce-scatter after the schedule); AdamW's moments are sharded from
-    stage 1. Between steps, chapter 01's formula per stage (the runs' memory_formula)."""
+    stage 1. Between steps, chapter 01's formula per stage (the runs' memory_formula). Data parallelism
+    alone under ZeRO-3 runs as chapter 01's, a unit at a time: the shards, two units' weights and two
+    units' gradients (test_zero.py checks them against its runs)."""
     plain = row(TINY, 4, 1, 1, m=2)["memory_bytes"]
     assert (plain["params"], plain["grads"], plain["optim_bytes"]) == (M, M, 2 * M)            # M(1 + 1 + α)
-    for stage, held in {1: M + M + 2 * M / 4, 2: M + M / 4 + 2 * M / 4, 3: M / 4 + M / 4 + 2 * M / 4}.items():
-        mem = row(TINY, 4, 1, 1, m=2, zero=stage)["memory_bytes"]
-        assert [mem["params"], mem["grads"], mem["optim_bytes"]] == [M, M, int(2 * M / 4)], stage
-        assert mem["held_between_steps"] == int(held), stage
+    held = {1: M + M + 2 * M / 4, 2: M + M / 4 + 2 * M / 4, 3: M / 4 + M / 4 + 2 * M / 4}
+    for stage, tp in ((1, 1), (2, 1), (3, 2)):          # tp 2: ZeRO-3 on chapter 04's grid
+        mem = row(TINY, 4, tp, 1, m=2, zero=stage)["memory_bytes"]
+        whole = M if tp == 1 else mem["params"]          # (tp 2: each rank its TP shard, whole)
+        assert [mem["params"], mem["grads"], mem["optim_bytes"]] == [whole, whole, int(2 * whole / 4)], stage
+        if tp == 1:
+            assert mem["held_between_steps"] == int(held[stage]), stage
+    assert runnable.script_of(TINY.cfg, layout_costs.Candidate(4, 1, 1, 1, 1, 3, "none", False, "1f1b", 2)) == "zero"
+    unit = 4 * (2 * D * D + 2 * D * 64 + 2 * D + 3 * D * 384)                  # a block of tiny (the largest unit)
+    mem = row(TINY, 4, 1, 1, m=2, zero=3)["memory_bytes"]
+    assert [mem["params"], mem["grads"], mem["optim_bytes"]] == [M / 4 + 2 * unit, M / 4 + 2 * unit, 2 * M / 4]
+    assert mem["held_between_steps"] == int(held[3])
     # each pipeline rank its own weights and its own activations: the last holds the head, the first the most
     # micro-batches; the fullest is the larger of the two sums, not one rank's weights plus another's peak
     r = row(TINY, 1, 1, 4, m=8)

@@ -201,6 +201,17 @@ def test_four_ranks_equivalence_memory_and_bytes(reference):
             assert rows[s]["comm_bytes_sent"] == pytest.approx(ZERO_ACCOUNTING.zero_sent_share(s, N) * Mp, abs=16)
         embed = 256 * 128 * 4                                      # not re-gathered for backward
         assert rows[3]["comm_bytes_sent"] == pytest.approx(3 * (N - 1) / N * Mp - (N - 1) / N * embed, abs=16), rank
+    # chapter 07's planner runs a dense layout of DP alone under ZeRO-3 as this chapter's: its bytes per step and
+    # its weights at the peak (the shard and the two units gathered at once) are this run's
+    layout_costs = import_module("07_choosing_a_layout.layout_costs")
+    from common.model import PRESETS
+    run = layout_costs.Run(PRESETS["tiny"], 8, 32, "fp32")
+    c = layout_costs.Candidate(N, 1, 1, 1, 1, 3, "none", False, "1f1b", 1)
+    planned = layout_costs.predict(run, c, import_module("07_choosing_a_layout.layout_inputs").device_for("cpu", "fp32", N), 8)
+    row0 = last[3][0]
+    assert planned["comm_bytes"]["dp"] == row0["comm_bytes"]
+    assert planned["memory_bytes"]["params"] == row0["param_bytes"] + row0["peak_param_bytes"]
+    assert planned["memory_bytes"]["held_between_steps"] == row0["param_bytes"] + row0["grad_bytes"] + row0["optim_bytes"]
 
 
 def test_torchrun_rejects_bad_stage():
