@@ -154,9 +154,9 @@ def pipeline_microbatches(args, dp: int, pp: int) -> int:
     if args.global_batch % dp:
         return args.microbatches or 1        # check_common refuses the batch split, with its own fix
     rows, step = args.global_batch // dp, pp if args.schedule == "interleaved" else 1
-    fits = [m for m in range(step, rows + 1, step) if rows % m == 0]
     if args.microbatches is not None and args.microbatches % step == 0:
         return args.microbatches
+    fits = [m for m in range(step, rows + 1, step) if rows % m == 0]
     if args.microbatches is None and [m for m in fits if m <= 2 * pp]:
         return max(m for m in fits if m <= 2 * pp)
     given = "" if args.microbatches is None else f", got --microbatches {args.microbatches}"
