@@ -3,7 +3,7 @@
 Every number comes from a formula a chapter proved on real runs, imported from that chapter:
 
     parameters, gradients, AdamW    chapter 01's ZeRO formulas, zero_accounting.zero_memory_bytes(stage, M, N)
-                                    (DP alone under ZeRO-3: chapter 01's per-unit form, per_unit_memory)
+                                    (DP alone under ZeRO-3: chapter 01's per-unit form, per_unit_zero.py)
     activations                     common/activation_ledger.pipeline_peaks: the ledger's bytes per micro-batch
                                     on each stage, times what the schedule keeps in flight (chapter 03's actions)
     bubble                          chapter 03's pipeline_schedules.theory_bubble
@@ -19,7 +19,7 @@ the rank a run's metrics report (its comm_bytes_*); the memory is the fullest pi
 that decides whether a layout fits. The step time is a model, stated:
 
     compute   model FLOPs of the step (common/mfu.flops_per_token; plus, under full recomputation, each
-              block's forward again up to what backward needs: recompute_flops_per_token)
+              block's forward again up to what backward needs: common/mfu.recompute_flops_per_token)
               ÷ (ranks × peak × efficiency); on a CPU the ranks share
               its cores, so the divisor has at most as many ranks as cores; on a GPU with a measured
               curve (gpu_efficiency.py) the efficiency falls with the rank's matmul size (matmul_flops)
@@ -39,7 +39,7 @@ from importlib import import_module
 
 from common import activation_ledger
 from common.comm import collective_bytes
-from common.mfu import attention_flops_per_token, flops_per_token, matmul_params
+from common.mfu import attention_flops_per_token, flops_per_token, recompute_flops_per_token
 from common.recompute import recomputed_of
 
 zero_accounting = import_module("01_data_parallel.zero_accounting")         # chapter 01: ZeRO memory and bytes
@@ -51,23 +51,8 @@ pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")    #
 expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")   # chapter 05: all-to-all bytes
 attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # chapter 06: the ring's bytes
 runnable = import_module("07_choosing_a_layout.runnable")                  # this chapter: which script runs it
+per_unit_zero = import_module("07_choosing_a_layout.per_unit_zero")        # this chapter: chapter 01's ZeRO-3
 
-
-
-def recompute_flops_per_token(cfg, seq_len: int, mode: str, blocks: int | None = None) -> float:
-    """The FLOPs per token that --recompute adds to a step: none for `selective` (norms and SwiGLU's silu,
-    elementwise); for `full`, each recomputed block's forward again (`blocks` of them; None: every block)
-    as far as backward needs it. The recomputation
-    stops at the last tensor backward uses, so a dense block skips its down projection (its output only
-    feeds the residual sum), where a mixture reruns its experts whole (the combine weights their outputs,
-    which backward needs): the bytes of chapter 02's tp_collectives(recompute="full") say the same."""
-    if mode != "full":
-        return 0.0
-    D = cfg.dim
-    down = 0 if cfg.n_experts else D * cfg.ffn_hidden
-    block = (matmul_params(cfg) - D * cfg.vocab_size) / cfg.n_layers - down    # weights one token meets again
-    share = 1.0 if blocks is None else blocks / cfg.n_layers
-    return share * (cfg.n_layers * 2 * block + attention_flops_per_token(cfg, seq_len) / 3)
 
 
 def recomputed_blocks(stages, per_stage: int | None) -> int:
@@ -164,25 +149,9 @@ def per_unit(run: Run, c: Candidate) -> bool:
 
 
 def zero3_units(cfg) -> list[int]:
-    """The parameters of chapter 01's ZeRO-3 units (zero_sharding.model_units): the embedding, each
-    block, the final norm with the head."""
+    """The parameters of chapter 01's ZeRO-3 units (per_unit_zero.py), a block's as stage_params counts it."""
     block, _ = stage_params(cfg, SimpleNamespace(layers=[0], first=False, last=False), 1, 1)
-    return [cfg.vocab_size * cfg.dim] + [block] * cfg.n_layers + [cfg.dim + cfg.vocab_size * cfg.dim]
-
-
-def per_unit_memory(run: Run, c: Candidate, peak_activation: int, dense: int) -> dict:
-    """Chapter 01's ZeRO-3 at the peak of a step: the fp32 shards of weights, gradients and AdamW, plus the
-    gathered weights of two neighbouring units (one computing, the next prefetched: its run's
-    peak_param_bytes) and the full gradients of two units (one being reduce-scattered, the next being
-    flattened: at most one reduce-scatter is in flight)."""
-    units = [4 * n for n in zero3_units(run.cfg)]
-    between = zero_accounting.zero_memory_components(3, 4 * dense, c.dp)
-    out = {"params": between["param_bytes"] + max(a + b for a, b in zip(units, units[1:])),
-           "grads": between["grad_bytes"] + 2 * max(units), "optim_bytes": between["optim_bytes"]}
-    if run.dtype == "bf16":
-        out["params"] += 2 * dense        # each unit's bf16 casts, saved for backward (memory_by_component)
-    return {**out, "peak_activation_bytes": peak_activation, "total": sum(out.values()) + peak_activation,
-            "held_between_steps": sum(between.values())}
+    return per_unit_zero.unit_params(cfg, block)
 
 
 def memory_by_component(run: Run, c: Candidate, peak_activation: int, dense: int, experts: int) -> dict:
@@ -217,7 +186,7 @@ def rank_memory(run: Run, c: Candidate, specs, pp_rank: int, peak_activation: in
         d, x = stage_params(run.cfg, s, c.tp, c.ep)
         dense, experts = dense + d, experts + x
     if per_unit(run, c):
-        return per_unit_memory(run, c, peak_activation, dense)
+        return per_unit_zero.memory(zero3_units(run.cfg), c.dp, run.dtype, peak_activation)
     return memory_by_component(run, c, peak_activation, dense, experts)
 
 
@@ -232,13 +201,8 @@ def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
     rerun = recomputed_blocks(mine, c.recompute_layers) if c.recompute == "full" else 0
     runs = ((rerun, 2), (layers - rerun, 1))
     nbytes, msgs = dict.fromkeys(("dp", "tp", "pp", "ep", "cp"), 0), dict.fromkeys(("dp", "tp", "pp", "ep", "cp"), 0)
-    if per_unit(run, c) and c.dp > 1:
-        # chapter 01's ZeRO-3, every micro-batch: each unit gathered for forward, again for backward (the
-        # embedding's backward needs no weights), and its gradients reduce-scattered
-        units = [4 * n for n in zero3_units(cfg)]
-        share = (c.dp - 1) / c.dp
-        nbytes["dp"] = int(2 * m * share * (3 * sum(units) - units[0]))
-        msgs["dp"] = m * (3 * len(units) - 1)
+    if per_unit(run, c) and c.dp > 1:                # chapter 01's ZeRO-3: every unit, every micro-batch
+        nbytes["dp"], msgs["dp"] = per_unit_zero.traffic(zero3_units(cfg), c.dp, m)
     for s in mine:
         dense, experts = stage_params(cfg, s, c.tp, c.ep)
         for M, N in ((4 * dense, c.dp * c.cp), (4 * experts, c.dp // c.ep * c.cp)):
@@ -323,10 +287,8 @@ def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, ms
         link_rate, latency = link_of(g, c, dev, gpus_per_node)
         seconds[g] = nbytes[g] / link_rate + msgs[g] * latency
     exposed = {**seconds, "dp": max(0.0, seconds["dp"] - idle), "cp": max(0.0, seconds["cp"] - attention)}
-    if per_unit(run, c):
-        # chapter 01's prefetch: each unit's gather travels while the unit before it computes, so the first
-        # unit's waits and whatever the compute cannot cover
-        exposed["dp"] = max(seconds["dp"] / len(zero3_units(cfg)), seconds["dp"] - compute)
+    if per_unit(run, c):          # chapter 01's prefetch: a unit's gather travels while the one before computes
+        exposed["dp"] = per_unit_zero.exposed(seconds["dp"], compute, len(zero3_units(cfg)))
     return {"compute": compute, "bubble": idle, **{f"comm_{g}": t for g, t in exposed.items()}}
 
 

@@ -72,6 +72,22 @@ def flops_per_token(cfg, seq_len: int) -> float:
     return 6 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
 
 
+def recompute_flops_per_token(cfg, seq_len: int, mode: str, blocks: int | None = None) -> float:
+    """The FLOPs per token that --recompute adds to a step: none for `selective` (norms and SwiGLU's silu,
+    elementwise); for `full`, each recomputed block's forward again (`blocks` of them; None: every block)
+    as far as backward needs it. The recomputation
+    stops at the last tensor backward uses, so a dense block skips its down projection (its output only
+    feeds the residual sum), where a mixture reruns its experts whole (the combine weights their outputs,
+    which backward needs): the bytes of chapter 02's tp_collectives(recompute="full") say the same."""
+    if mode != "full":
+        return 0.0
+    D = cfg.dim
+    down = 0 if cfg.n_experts else D * cfg.ffn_hidden
+    block = (matmul_params(cfg) - D * cfg.vocab_size) / cfg.n_layers - down    # weights one token meets again
+    share = 1.0 if blocks is None else blocks / cfg.n_layers
+    return share * (cfg.n_layers * 2 * block + attention_flops_per_token(cfg, seq_len) / 3)
+
+
 def measure_peak_flops(device, dtype: torch.dtype, seconds: float = PROBE_SECONDS) -> float:
     """The best FLOP/s of square matmuls on `device` over `seconds` (the max filters out the moments
     another process had the core)."""
