@@ -1,7 +1,8 @@
 """The layout planner's step time on this CPU (07_choosing_a_layout/calibrate_cpu.py): the committed
 calibration is the fit of the committed measured runs, the planner's step time is that model, and it puts
 the runs in their measured order (Spearman ρ ≥ 0.9) with every step time within 2× of the measured, on the
-runs it was fitted on and on chapter 06's, which it never saw. These read committed tables: no timing here."""
+runs it was fitted on and on chapter 06's, which it never saw. These read committed tables: no timing here.
+On a GPU, chapter 01's per-unit ZeRO-3 hides each unit's gather under the compute of the unit before."""
 import json
 from importlib import import_module
 
@@ -62,3 +63,24 @@ def test_only_replans_one_published_row_and_the_committed_one_is_current(tmp_pat
     path.write_text("\n".join(stale) + "\n")
     line = check_layouts.replace_published_line(name, path)
     assert path.read_text().splitlines() == committed and line == committed[mine]
+
+
+def test_per_unit_zero3_hides_each_gather_under_the_unit_before():
+    """Data parallelism alone under ZeRO-3 (chapter 01's per-unit form) on a GPU: each unit's gather travels
+    while the unit before computes, so the exposed dp time is the first unit's share, or what the compute
+    cannot cover; the grid's ZeRO-3 (tp 2) hides nothing without a bubble. The step is still the sum."""
+    h100 = layout_inputs.device_for("h100", "bf16", 8)
+    for run in (layout_costs.Run(PRESETS["tiny"], 16, 128, "bf16"),                         # the gathers outlast it
+                layout_costs.Run(layout_inputs.model_for("llama3-8b"), 16, 8192, "bf16")):  # the compute covers them
+        units = len(layout_costs.zero3_units(run.cfg))
+        for c in (layout_costs.Candidate(8, 1, 1, 1, 1, 3, "none", False, "1f1b", 2),
+                  layout_costs.Candidate(4, 2, 1, 1, 1, 3, "none", False, "1f1b", 2)):
+            r = layout_costs.predict(run, c, h100, 8)
+            parts = r["time_parts_s"]
+            nbytes, msgs = layout_costs.rank0_traffic(run, c, layout_costs.specs_for(run.cfg, 1, 1, run.seq_len),
+                                                      layout_costs.plan_for("1f1b", 1, 2, 1))
+            rate, latency = layout_costs.link_of("dp", c, h100, 8)
+            seconds = nbytes["dp"] / rate + msgs["dp"] * latency
+            want = max(seconds / units, seconds - parts["compute"]) if c.tp == 1 else seconds
+            assert parts["comm_dp"] == pytest.approx(want, rel=1e-12), c
+            assert r["step_time_s"] == pytest.approx(sum(parts.values()), rel=1e-12), c
