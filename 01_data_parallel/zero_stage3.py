@@ -172,9 +172,18 @@ class ZeroStage3(ForwardBackward):
         prefetching = self._full[u] is None
         full = self.gathered(u)                 # gather again (or collect the prefetch)
         if prefetching and self.prefetch:
-            prev = max((v for v in range(u) if self._needs_backward[v]), default=-1)
-            self._issue_gather(prev)            # the previous unit's backward comes next
+            self._prefetch_previous(u)
         return full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _prefetch_previous(self, u: int) -> None:
+        """Start gathering the unit whose backward comes after unit u's and needs its weights: the nearest
+        earlier one that noted a saved weight or reruns its forward (a recomputed block)."""
+        self._issue_gather(max((v for v in range(u) if self._needs_backward[v] or self._reruns(v)), default=-1))
+
+    def _reruns(self, u: int) -> bool:
+        """Does unit u rerun its forward in backward (a block under --recompute)?"""
+        layers = self.model.layers
+        return 1 <= u <= len(layers) and layers[u - 1].recompute_mode != "none"
 
     @contextmanager
     def _weights_again(self, u: int):
@@ -183,8 +192,8 @@ class ZeroStage3(ForwardBackward):
         no path to the shard: the rerun only rebuilds saved tensors, the forward's graph carries the
         gradients. They require grad, as in the forward, so the rerun saves what the forward saved."""
         full = self.gathered(u)
-        if self.prefetch and (u > 1 or self._needs_backward[0]):
-            self._issue_gather(u - 1)
+        if self.prefetch:
+            self._prefetch_previous(u)
         for (module, attr), w in zip(self.slots[u], self.units[u].split(full)):
             setattr(module, attr, w.detach().requires_grad_())
         try:

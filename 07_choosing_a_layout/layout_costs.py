@@ -34,8 +34,8 @@ that decides whether a layout fits. The step time is a model, stated:
 """
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from types import SimpleNamespace
 from importlib import import_module
+from types import SimpleNamespace
 
 from common import activation_ledger
 from common.comm import collective_bytes
@@ -148,10 +148,11 @@ def per_unit(run: Run, c: Candidate) -> bool:
     return runnable.script_of(run.cfg, c) == "zero"
 
 
-def zero3_units(cfg) -> list[int]:
+@lru_cache(maxsize=None)
+def zero3_units(cfg) -> tuple[int, ...]:
     """The parameters of chapter 01's ZeRO-3 units (per_unit_zero.py), a block's as stage_params counts it."""
     block, _ = stage_params(cfg, SimpleNamespace(layers=[0], first=False, last=False), 1, 1)
-    return per_unit_zero.unit_params(cfg, block)
+    return tuple(per_unit_zero.unit_params(cfg, block))
 
 
 def memory_by_component(run: Run, c: Candidate, peak_activation: int, dense: int, experts: int) -> dict:
@@ -201,12 +202,13 @@ def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
     rerun = recomputed_blocks(mine, c.recompute_layers) if c.recompute == "full" else 0
     runs = ((rerun, 2), (layers - rerun, 1))
     nbytes, msgs = dict.fromkeys(("dp", "tp", "pp", "ep", "cp"), 0), dict.fromkeys(("dp", "tp", "pp", "ep", "cp"), 0)
-    if per_unit(run, c) and c.dp > 1:                # chapter 01's ZeRO-3: every unit, every micro-batch
+    unit_by_unit = per_unit(run, c)
+    if unit_by_unit and c.dp > 1:                    # chapter 01's ZeRO-3: every unit, every micro-batch
         nbytes["dp"], msgs["dp"] = per_unit_zero.traffic(zero3_units(cfg), c.dp, m)
     for s in mine:
         dense, experts = stage_params(cfg, s, c.tp, c.ep)
         for M, N in ((4 * dense, c.dp * c.cp), (4 * experts, c.dp // c.ep * c.cp)):
-            if N > 1 and M and not per_unit(run, c):
+            if N > 1 and M and not unit_by_unit:
                 nbytes["dp"] += (collective_bytes("all_reduce", M, N) if c.zero_stage == 0 else
                                  int(2 * zero_accounting.zero_sent_share(c.zero_stage, N, per_microbatch=False) * M))
                 msgs["dp"] += 1 if c.zero_stage == 0 else (len(s.layers) + 2) * (2 + (c.zero_stage == 3))
