@@ -45,10 +45,11 @@ def parser():
     return p
 
 
-def checked_layout(args, world: int, cfg=None):
+def checked_layout(args, world: int, cfg=None, build: bool = True):
     """Every check this run makes before any communication, on every rank: the model's configuration
     (the DP degree is the world size). Chapter 07's planner asks the same function whether a layout runs
-    (`cfg`: a published shape)."""
+    (`cfg`: a published shape; `build` as in the later chapters' scripts, which build a pipeline plan: here
+    there is none)."""
     check_common(args, dp=world, cfg=cfg)
     require(not (args.impl == "torch" and (args.checkpoint_dir or args.resume)),
             "checkpoints are implemented for --impl ours only; drop --checkpoint-dir/--resume or use --impl ours")

@@ -71,8 +71,7 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> list[list[Action]]:
     micro-batches through chunk 0, then the same p through chunk 1, ... Backwards run the chunks in
     reverse. Needs m % p == 0 so that every group of p micro-batches is complete.
     """
-    require(m % p == 0, f"the interleaved schedule needs --microbatches to be a multiple of --pp ({p}), "
-                        f"got {m}; use --microbatches {max(p, (m // p + 1) * p)}")
+    _needs_whole_groups(p, m)
     total = m * v
 
     def virtual(k: int, forward: bool, r: int) -> tuple[int, int]:
@@ -166,7 +165,15 @@ def placement(schedule: list[list[Action]]) -> tuple[int, ...]:
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """The schedule by its command-line name; checks what every schedule needs."""
+    """The schedule by its command-line name, once check_schedule accepts it."""
+    check_schedule(name, p, m, v)
+    return [list(actions) for actions in _built(name, p, m, v)]      # a fresh list per rank: the caller's
+
+
+def check_schedule(name: str, p: int, m: int, v: int = 1) -> None:
+    """Everything a schedule needs of (p, m, v), checked without building it: building one for thousands of
+    micro-batches takes seconds, and chapter 07's planner asks this of hundreds of thousands of layouts.
+    (A test builds every schedule this accepts on a grid of small p, m, v.)"""
     names = SCHEDULES + V_SCHEDULES
     require(name in names, f"unknown schedule {name!r}; choose one of {', '.join(names)}")
     require(m >= 1, "--microbatches must be at least 1")
@@ -179,7 +186,13 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
         require(v == 1 or name == "interleaved",
                 f"--virtual-stages {v} only works with --schedule interleaved (the {name} schedule holds one "
                 "stage per rank); use --schedule interleaved or --virtual-stages 1")
-    return [list(actions) for actions in _built(name, p, m, v)]      # a fresh list per rank: the caller's
+    if name == "interleaved":
+        _needs_whole_groups(p, m)
+
+
+def _needs_whole_groups(p: int, m: int) -> None:
+    require(m % p == 0, f"the interleaved schedule needs --microbatches to be a multiple of --pp ({p}), "
+                        f"got {m}; use --microbatches {max(p, (m // p + 1) * p)}")
 
 
 @lru_cache(maxsize=None)    # chapter 07's planner asks for the same schedules thousands of times

@@ -108,14 +108,16 @@ def decide_layout(args, cfg, world: int, degrees=None) -> Layout:
     return Layout(dp, tp, pp, m)
 
 
-def plan_pipeline(args, cfg, layout: Layout) -> tuple[list, list]:
+def plan_pipeline(args, cfg, layout: Layout, build: bool = True) -> tuple[list, list | None]:
     """Chapter 03's plan for this layout: all p·v stages (stage_specs, which checks the model has
-    enough layers) and every rank's actions (build_schedule)."""
+    enough layers) and every rank's actions (build_schedule); with `build` False the schedule's checks
+    alone, and None for the actions."""
     v = pipeline_schedules.stages_per_rank(args.schedule, args.virtual_stages)          # the V schedules: 2
     rank_of = pipeline_schedules.stage_ranks(args.schedule, layout.pp, v)                # a loop, or a V
     specs = pipeline_stages.stage_specs(cfg, layout.pp, v, args.seq_len, rank_of)
-    actions = pipeline_schedules.build_schedule(args.schedule, layout.pp, layout.microbatches, v)
-    return specs, actions
+    if not build:
+        return specs, pipeline_schedules.check_schedule(args.schedule, layout.pp, layout.microbatches, v)
+    return specs, pipeline_schedules.build_schedule(args.schedule, layout.pp, layout.microbatches, v)
 
 
 def build_local_model(cfg, args, layout: Layout, specs, mesh, device, full_state=None, then=None):

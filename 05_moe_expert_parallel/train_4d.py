@@ -52,16 +52,17 @@ def parse_args(argv=None):
     return parser().parse_args(argv)
 
 
-def checked_layout(args, world: int, cfg=None):
+def checked_layout(args, world: int, cfg=None, build: bool = True):
     """Every check this run makes before any communication, on every rank: (layout, cfg, specs, plan).
-    Chapter 07's planner asks the same function whether a layout runs (`cfg`: a published shape)."""
+    Chapter 07's planner asks the same function whether a layout runs (`cfg`: a published shape; `build`
+    False: the checks without building every rank's actions, plan None)."""
     layout, cfg = parallel_4d.decide_layout(args, world, cfg)            # bad layouts fail here, on every rank
     if args.pair_overlap:
         require(args.schedule == "dualpipev", f"--pair-overlap runs DualPipeV's pairs, but --schedule {args.schedule} "
                                               f"has none; add --schedule dualpipev")
         require((args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu", "--pair-overlap runs a pair on two CPU threads (on a GPU it "
                                                       "would need a second CUDA stream); add --device cpu")
-    specs, plan = parallel_3d.plan_pipeline(args, cfg, layout)           # chapter 03: stages and actions
+    specs, plan = parallel_3d.plan_pipeline(args, cfg, layout, build)    # chapter 03: stages and actions
     return layout, cfg, specs, plan
 
 

@@ -48,11 +48,12 @@ def parse_args(argv=None):
     return parser().parse_args(argv)
 
 
-def checked_layout(args, world: int, cfg=None):
+def checked_layout(args, world: int, cfg=None, build: bool = True):
     """Every check this run makes before any communication, on every rank: (layout, cfg, specs, plan).
-    Chapter 07's planner asks the same function whether a layout runs (`cfg`: a published shape)."""
+    Chapter 07's planner asks the same function whether a layout runs (`cfg`: a published shape; `build`
+    False: the checks without building every rank's actions, plan None)."""
     layout, cfg = parallel_5d.decide_layout(args, world, cfg)            # bad layouts fail here, on every rank
-    specs, plan = parallel_3d.plan_pipeline(args, cfg, layout)           # chapter 03: stages and actions
+    specs, plan = parallel_3d.plan_pipeline(args, cfg, layout, build)    # chapter 03: stages and actions
     return layout, cfg, specs, plan
 
 

@@ -37,6 +37,7 @@ from common import mfu  # noqa: E402
 from common.model import PRESETS  # noqa: E402
 
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
+schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
 MODEL_FILE = HERE / "results" / "cpu_time_model.json"
 BENCH_3D = HERE.parent / "04_3d_combined" / "results" / "3d_bench.md"
 TIME_CP = HERE.parent / "06_context_parallel" / "results" / "time.md"
@@ -70,8 +71,7 @@ def per_rank_work(layout: dict) -> tuple[float, float, float, float]:
     world = L["dp"] * L["tp"] * L["pp"] * L["cp"]
     run = layout_costs.Run(cfg, L["batch"], L["seq"], "fp32")
     c = layout_costs.Candidate(L["dp"], L["tp"], L["pp"], L["cp"], 1, 0, "none", False, "1f1b", L["m"])
-    specs, plan = layout_costs.specs_for(cfg, L["pp"], 1, L["seq"]), layout_costs.plan_for("1f1b", L["pp"], L["m"], 1)
-    nbytes, msgs = layout_costs.rank0_traffic(run, c, specs, plan)
+    nbytes, msgs = layout_costs.rank0_traffic(run, c, schedule_costs.specs_for(cfg, L["pp"], 1, L["seq"]))
     flops = mfu.flops_per_token(cfg, L["seq"]) * L["batch"] * L["seq"] / world
     return world / CORES, flops, sum(msgs.values()), sum(nbytes.values())
 

@@ -33,6 +33,7 @@ from common.model import PRESETS  # noqa: E402
 
 bench_3d = import_module("04_3d_combined.bench_3d")                   # chapter 04: the 8-rank layouts
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
+schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
 choose_layout = import_module("07_choosing_a_layout.choose_layout")
 RESULTS = HERE / "results"
@@ -76,7 +77,7 @@ def predicted_here(name: str, dev) -> tuple[dict, list[int], dict]:
     m = int(bench_3d.microbatches({"dp": dp, "pp": pp})[1])
     run = layout_costs.Run(PRESETS["tiny"], 16, 128, "fp32")
     c = layout_costs.Candidate(dp, tp, pp, 1, 1, 0, "none", False, "1f1b", m)
-    specs, plan = layout_costs.specs_for(run.cfg, pp, 1, 128), layout_costs.plan_for("1f1b", pp, m, 1)
+    specs, plan = schedule_costs.specs_for(run.cfg, pp, 1, 128), schedule_costs.plan_for("1f1b", pp, m, 1)
     peaks = activation_ledger.pipeline_peaks(run.cfg, "none", plan, specs, 16 // dp // m, 128, tp)
     return layout_costs.predict(run, c, dev, 8), peaks, layout_costs.rank_memory(run, c, specs, 0, peaks[0])
 

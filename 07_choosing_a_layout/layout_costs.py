@@ -5,11 +5,13 @@ Every number comes from a formula a chapter proved on real runs, imported from t
     parameters, gradients, AdamW    chapter 01's ZeRO formulas, zero_accounting.zero_memory_bytes(stage, M, N)
                                     (DP alone under ZeRO-3: chapter 01's per-unit form, per_unit_zero.py)
     activations                     common/activation_ledger.pipeline_peaks: the ledger's bytes per micro-batch
-                                    on each stage, times what the schedule keeps in flight (chapter 03's actions)
+                                    on each stage, times what the schedule keeps in flight (chapter 03's actions,
+                                    schedule_costs.py)
     bubble                          chapter 03's pipeline_schedules.theory_bubble
     bytes per step, by group        dp: chapter 01's all-reduce of each stage's gradients (ZeRO: zero_sent_share)
                                     tp: chapter 02's tensor_parallel.tp_collectives, each at common.comm's volume
                                     pp: chapter 03's pipeline_executor.message_count × one activation
+                                        (schedule_costs.py)
                                     ep: chapter 05's expert_parallel.expected_ep_bytes (balanced routing)
                                     cp: this chapter's attention_bookkeeping.cp_bytes, per layer and micro-batch
 
@@ -32,12 +34,12 @@ that decides whether a layout fits. The step time is a model, stated:
               computes; the ring's hops hide behind attention's own compute; TP, PP and EP sit on the
               critical path
 """
-from dataclasses import dataclass, replace
+from collections import Counter
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib import import_module
 from types import SimpleNamespace
 
-from common import activation_ledger
 from common.comm import collective_bytes
 from common.mfu import attention_flops_per_token, flops_per_token, recompute_flops_per_token
 from common.recompute import recomputed_of
@@ -46,12 +48,12 @@ zero_accounting = import_module("01_data_parallel.zero_accounting")         # ch
 gpu_efficiency = import_module("07_choosing_a_layout.gpu_efficiency")        # this chapter: a GPU's measured curve
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")       # chapter 02: TP collectives
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")     # chapter 03: stages
-pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: actions, bubble
-pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")    # chapter 03: messages
+pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: the bubble
 expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")   # chapter 05: all-to-all bytes
 attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # chapter 06: the ring's bytes
 runnable = import_module("07_choosing_a_layout.runnable")                  # this chapter: which script runs it
 per_unit_zero = import_module("07_choosing_a_layout.per_unit_zero")        # this chapter: chapter 01's ZeRO-3
+schedule_costs = import_module("07_choosing_a_layout.schedule_costs")      # this chapter: in flight, messages
 
 
 
@@ -97,50 +99,6 @@ def stage_params(cfg, spec, tp: int, ep: int) -> tuple[int, int]:
     n = len(spec.layers)
     dense = n * (attn + mlp) + (V // tp * D if spec.first else 0) + (D + V // tp * D if spec.last else 0)
     return dense, n * experts
-
-
-def ledger_config(cfg, tp: int):
-    """The ledger counts dense blocks: a mixture is read as a dense block whose SwiGLU is the k experts
-    a token visits (whole on each TP rank: the width is multiplied back by tp)."""
-    return replace(cfg, n_experts=0, ffn_hidden=cfg.top_k * cfg.expert_hidden * tp) if cfg.n_experts else cfg
-
-
-@lru_cache(maxsize=None)
-def specs_for(cfg, pp: int, v: int, seq_len: int, schedule: str = "1f1b") -> list:
-    """The p·v stages, each on its rank: a loop (stage k on rank k % p), or a V (zb-v, dualpipev)."""
-    return pipeline_stages.stage_specs(cfg, pp, v, seq_len, pipeline_schedules.stage_ranks(schedule, pp, v))
-
-
-@lru_cache(maxsize=None)
-def plan_for(schedule: str, pp: int, m: int, v: int) -> list:
-    return pipeline_schedules.build_schedule(schedule, pp, m, v)
-
-
-@lru_cache(maxsize=None)
-def rank0_messages(schedule: str, pp: int, m: int, v: int) -> int:
-    plan = plan_for(schedule, pp, m, v)
-    return pipeline_executor.message_count(plan[0], pp * v, pp, pipeline_schedules.placement(plan))
-
-
-def fullest_candidates(specs, pp: int) -> list[int]:
-    """The pipeline ranks whose activations can peak highest: the first two keep the most micro-batches in
-    flight, the last holds the loss's (B, S, V) logits, and a middle rank holding more layers than the
-    others may outweigh its fewer micro-batches (the first such rank keeps the most of them)."""
-    layers = [sum(len(s.layers) for s in pipeline_stages.rank_stages(specs, pp, r)) for r in range(pp)]
-    return sorted({0, min(1, pp - 1), pp - 1, layers.index(max(layers))})
-
-
-@lru_cache(maxsize=None)
-def activation_peaks(cfg, mode: str, schedule: str, pp: int, m: int, v: int, rows: int, seq_len: int,
-                     positions: int, tp: int, sp: bool, dtype: str = "fp32",
-                     recomputed: int | None = None) -> tuple[tuple[int, int], ...]:
-    """((pipeline rank, its peak activation bytes), ...) of the ranks that can peak highest, from the
-    ledger in the run's dtype and the schedule's actions (common/activation_ledger.pipeline_peaks)."""
-    specs, plan = specs_for(cfg, pp, v, seq_len, schedule), plan_for(schedule, pp, m, v)
-    ranks = fullest_candidates(specs, pp)
-    peaks = activation_ledger.pipeline_peaks(ledger_config(cfg, tp), mode, [plan[r] for r in ranks], specs, rows,
-                                             positions, tp, sp, dtype=dtype, weight_casts=False, recomputed=recomputed)
-    return tuple(zip(ranks, peaks))
 
 
 def per_unit(run: Run, c: Candidate) -> bool:
@@ -191,7 +149,7 @@ def rank_memory(run: Run, c: Candidate, specs, pp_rank: int, peak_activation: in
     return memory_by_component(run, c, peak_activation, dense, experts)
 
 
-def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
+def rank0_traffic(run: Run, c: Candidate, specs) -> tuple[dict, dict]:
     """({group: bytes}, {group: messages}) global rank 0 sends + receives in one step."""
     cfg, m, v = run.cfg, c.microbatches, c.virtual_stages
     rows, positions = run.global_batch // c.dp // m, run.seq_len // c.cp
@@ -219,7 +177,7 @@ def rank0_traffic(run: Run, c: Candidate, specs, plan) -> tuple[dict, dict]:
             nbytes["tp"] += m * micro + grads
             msgs["tp"] += m * n_micro + n_grads
     if c.pp > 1:
-        msgs["pp"] = rank0_messages(c.schedule, c.pp, m, v)
+        msgs["pp"] = schedule_costs.rank0_messages(c.schedule, c.pp, m, v)
         nbytes["pp"] = msgs["pp"] * rows * (positions // c.tp if c.sequence_parallel else positions) * cfg.dim * e
     if c.ep > 1 and cfg.n_experts:
         nbytes["ep"] = sum(int(expert_parallel.expected_ep_bytes(n, rows * m * positions, cfg.top_k, cfg.dim,
@@ -242,8 +200,13 @@ def stage_tp_traffic(cfg, rows: int, positions: int, tp: int, sp: bool, n_layers
     micro = tensor_parallel.tp_collectives(cfg, rows, positions, tp, sp, n_layers, first, last, e,
                                            route_counts=route_counts, recompute=recompute, recomputed=recomputed)
     grads = tensor_parallel.tp_gradient_collectives(cfg, tp, sp, n_layers, last, ep)
-    return (sum(collective_bytes(k, n, tp) for k, n in micro), len(micro),
-            sum(collective_bytes(k, n, tp) for k, n in grads), len(grads))
+    return bytes_of(micro, tp), len(micro), bytes_of(grads, tp), len(grads)
+
+
+def bytes_of(collectives: list, n: int) -> int:
+    """The bytes of (kind, elements) collectives over n ranks, each distinct one priced once (a stage of many
+    layers repeats the same few)."""
+    return sum(times * collective_bytes(kind, elements, n) for (kind, elements), times in Counter(collectives).items())
 
 
 def link_of(group: str, c: Candidate, dev, gpus_per_node: int) -> tuple[float, float]:
@@ -268,7 +231,7 @@ def matmul_flops(run: Run, c: Candidate) -> float:
 def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, msgs: dict, bubble: float) -> dict:
     """{compute, bubble, comm_<group>: seconds} of one step; the step is their sum (the module docstring)."""
     cfg, world = run.cfg, c.dp * c.tp * c.pp * c.cp
-    blocks = recomputed_blocks(specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule), c.recompute_layers)
+    blocks = recomputed_blocks(schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule), c.recompute_layers)
     flops = (flops_per_token(cfg, run.seq_len) + recompute_flops_per_token(cfg, run.seq_len, c.recompute, blocks)) \
         * run.global_batch * run.seq_len
     if dev.call_s is not None:
@@ -304,13 +267,12 @@ def fullest_rank(run: Run, c: Candidate, specs, peaks) -> tuple[int, dict]:
 def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     """The planner's row for one layout: the JSON schema of choose_layout.py, plus the time's parts."""
     cfg, world = run.cfg, c.dp * c.tp * c.pp * c.cp
-    specs, plan = specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule), plan_for(c.schedule, c.pp, c.microbatches,
-                                                                                 c.virtual_stages)
+    specs = schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
     rows = run.global_batch // c.dp // c.microbatches
-    peaks = activation_peaks(cfg, c.recompute, c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
+    peaks = schedule_costs.activation_peaks(cfg, c.recompute, c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
                              run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel, run.dtype, c.recompute_layers)
     fullest, memory = fullest_rank(run, c, specs, peaks)
-    nbytes, msgs = rank0_traffic(run, c, specs, plan)
+    nbytes, msgs = rank0_traffic(run, c, specs)
     bubble = pipeline_schedules.theory_bubble(c.schedule, c.pp, c.microbatches, c.virtual_stages) if c.pp > 1 else 0.0
 
     parts = time_parts(run, c, dev, gpus_per_node, nbytes, msgs, bubble)

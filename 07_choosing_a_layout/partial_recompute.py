@@ -9,6 +9,7 @@ one is enough.
 from importlib import import_module
 
 layout_costs = import_module("07_choosing_a_layout.layout_costs")      # this chapter: one layout's numbers
+schedule_costs = import_module("07_choosing_a_layout.schedule_costs")  # this chapter: in flight, messages
 
 
 def least_recompute_layers(run, c, dev) -> int | None:
@@ -17,12 +18,12 @@ def least_recompute_layers(run, c, dev) -> int | None:
     none fits (--recompute none is then as small a step and a candidate of its own), where recomputing
     every block does not fit either, or where every block must recompute. Memory falls as more blocks
     recompute, so a bisection finds it."""
-    specs = layout_costs.specs_for(run.cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
+    specs = schedule_costs.specs_for(run.cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
     rows = run.global_batch // c.dp // c.microbatches
 
     def fits(k):
-        peaks = layout_costs.activation_peaks(run.cfg, "full", c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
-                                 run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel, run.dtype, k)
+        peaks = schedule_costs.activation_peaks(run.cfg, "full", c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
+                                                 run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel, run.dtype, k)
         return layout_costs.fullest_rank(run, c, specs, peaks)[1]["total"] <= dev.memory
 
     most = max(len(s.layers) for s in specs)

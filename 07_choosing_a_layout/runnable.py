@@ -27,7 +27,7 @@ from importlib import import_module
 from common.errors import ConfigError
 from common.model import PRESETS
 
-# (script path, module) of each chapter's run; the module's checked_layout(args, world, cfg) -> (layout, ...)
+# (script path, module) of each chapter's run; the module's checked_layout(args, world, cfg, build) -> (layout, ...)
 SCRIPTS = {"zero": ("01_data_parallel/train_zero.py", "01_data_parallel.train_zero"),
            "3d": ("04_3d_combined/train_3d.py", "04_3d_combined.train_3d"),
            "4d": ("05_moe_expert_parallel/train_4d.py", "05_moe_expert_parallel.train_4d"),
@@ -85,7 +85,7 @@ def refusal(c, model: str, cfg, global_batch: int, seq_len: int, dtype: str = "f
     # >>> exercise 07.refusal
     try:
         args = parser_of(kind).parse_args(flags(c, model, cfg, global_batch, seq_len, dtype))
-        import_module(SCRIPTS[kind][1]).checked_layout(args, world, cfg)
+        import_module(SCRIPTS[kind][1]).checked_layout(args, world, cfg, build=False)   # (not every rank's actions)
     except ConfigError as err:
         return str(err)
     return None

@@ -13,11 +13,12 @@ import pytest
 from common.domains import Domain
 from common.errors import ConfigError
 from common.model import PRESETS
-from harness import ROOT, ok, run_group
+from harness import ROOT
 
 choose_layout = import_module("07_choosing_a_layout.choose_layout")
 runnable = import_module("07_choosing_a_layout.runnable")
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
+schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
 partial_recompute = import_module("07_choosing_a_layout.partial_recompute")
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
 attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")
@@ -130,8 +131,8 @@ def test_memory_is_what_the_grid_trainers_hold():
     # each pipeline rank its own weights and its own activations: the last holds the head, the first the most
     # micro-batches; the fullest is the larger of the two sums, not one rank's weights plus another's peak
     r = row(TINY, 1, 1, 4, m=8)
-    specs = layout_costs.specs_for(TINY.cfg, 4, 1, S)
-    ranks = dict(layout_costs.activation_peaks(TINY.cfg, "none", "1f1b", 4, 8, 1, 2, S, S, 1, False))
+    specs = schedule_costs.specs_for(TINY.cfg, 4, 1, S)
+    ranks = dict(schedule_costs.activation_peaks(TINY.cfg, "none", "1f1b", 4, 8, 1, 2, S, S, 1, False))
     totals = {k: layout_costs.rank_memory(TINY, layout_costs.Candidate(1, 1, 4, 1, 1, 0, "none", False, "1f1b", 8),
                                           specs, k, peak)["total"] for k, peak in ranks.items()}
     assert r["memory_bytes"]["total"] == int(max(totals.values())) and r["fullest_pp_rank"] == max(totals, key=totals.get)
@@ -208,45 +209,6 @@ def test_partial_recomputation_is_the_fewest_blocks_per_stage_that_fit():
     assert partial_recompute.least_recompute_layers(TINY, c, H100) is None                # none fits: no lever needed
     assert "--recompute full --recompute-layers" in runnable.command(replace(c, recompute_layers=k), "tiny",
                                                                      PRESETS["tiny"], 16, 128)
-
-
-@pytest.fixture(scope="module")
-def tiny_plans():
-    return {world: choose_layout.main(["--model", "tiny", "--world", str(world), "--device", "h100", "--top", "3"])
-            for world in (8, 16)}
-
-
-def test_every_candidate_is_a_layout_the_chapters_accept():
-    """The candidates the planner ranks are those the scripts' own checks (checked_layout) accept, each asked
-    again; and the filter acts: the raw enumeration holds layouts the scripts refuse (more stages than
-    layers, heads that do not split). (No ranking here: exercise 07.refusal is graded before 07.ranking.)"""
-    cfg = PRESETS["tiny"]
-    for world in (8, 16):
-        kept, refused = choose_layout.runnable_candidates(cfg, "tiny", world, 16, 128, 8)
-        assert kept and refused > 0, (world, len(kept), refused)
-        for c in kept:
-            assert runnable.refusal(c, "tiny", cfg, 16, 128) is None, c
-    refused = [c for c in choose_layout.candidates(cfg, 16, 16, 128, 16) if runnable.refusal(c, "tiny", cfg, 16, 128)]
-    assert any(c.pp * c.virtual_stages > cfg.n_layers for c in refused) and any(c.tp == 16 for c in refused)
-
-
-def test_a_refused_layout_gets_its_chapter_s_own_message():
-    """The refusal is the script's message, word for word: chapter 02's for heads that do not split."""
-    c = layout_costs.Candidate(1, 16, 1, 1, 1, 0, "none", False, "1f1b", 1)
-    assert "the model's 8 query heads do not split over --tp 16" in (runnable.refusal(c, "tiny", PRESETS["tiny"], 16, 128)
-                                                                      or "accepted")
-
-
-def test_the_first_three_start_and_train_two_steps(tiny_plans):
-    """The top three of the tiny model's 8-rank plan, run as their commands say (two steps), in one group."""
-    jobs = []
-    for r in tiny_plans[8][:3]:
-        script = r["command"].split()[2].removesuffix(".py").replace("/", ".")
-        argv = r["command"].split()[3:] + ["--steps", "2", "--quiet", "--sample-tokens", "0", "--val-every", "0"]
-        jobs.append((f"{script}:main", argv))
-    for (path, argv), result in zip(jobs, run_group(8, jobs, timeout_s=600)):
-        history = ok(result)
-        assert [h["step"] for h in history] == [1, 2] and all(h["loss"] > 0 for h in history), argv
 
 
 def test_explain_a_layout_and_a_published_run(capsys):

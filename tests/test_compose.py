@@ -154,10 +154,10 @@ def test_llama3_miniature_resumes_on_one_device_and_its_activations_are_the_ledg
 
 def _planner_bytes(preset: str, c) -> dict:
     layout_costs = import_module("07_choosing_a_layout.layout_costs")
+    schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
     from common.model import PRESETS
     run = layout_costs.Run(PRESETS[preset], 8, 32, "fp32")
-    want, _ = layout_costs.rank0_traffic(run, c, layout_costs.specs_for(run.cfg, c.pp, c.virtual_stages, 32),
-                                         layout_costs.plan_for(c.schedule, c.pp, c.microbatches, c.virtual_stages))
+    want, _ = layout_costs.rank0_traffic(run, c, schedule_costs.specs_for(run.cfg, c.pp, c.virtual_stages, 32))
     return want
 
 

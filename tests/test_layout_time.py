@@ -13,6 +13,7 @@ from common.model import PRESETS
 calibrate_cpu = import_module("07_choosing_a_layout.calibrate_cpu")
 check_layouts = import_module("07_choosing_a_layout.check_layouts")
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
+schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
 
 MODEL = json.loads(calibrate_cpu.MODEL_FILE.read_text())
@@ -77,8 +78,7 @@ def test_per_unit_zero3_hides_each_gather_under_the_unit_before():
                   layout_costs.Candidate(4, 2, 1, 1, 1, 3, "none", False, "1f1b", 2)):
             r = layout_costs.predict(run, c, h100, 8)
             parts = r["time_parts_s"]
-            nbytes, msgs = layout_costs.rank0_traffic(run, c, layout_costs.specs_for(run.cfg, 1, 1, run.seq_len),
-                                                      layout_costs.plan_for("1f1b", 1, 2, 1))
+            nbytes, msgs = layout_costs.rank0_traffic(run, c, schedule_costs.specs_for(run.cfg, 1, 1, run.seq_len))
             rate, latency = layout_costs.link_of("dp", c, h100, 8)
             seconds = nbytes["dp"] / rate + msgs["dp"] * latency
             want = max(seconds / units, seconds - parts["compute"]) if c.tp == 1 else seconds

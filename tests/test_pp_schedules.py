@@ -202,6 +202,26 @@ def test_1f1b_warmup_is_min_p_minus_r_minus_1_m():
             assert first_b == min(p - r - 1, m) + (1 if m > p - r - 1 else 0)
 
 
+def test_what_check_schedule_accepts_is_built_whole():
+    """check_schedule answers without building (chapter 07's planner asks it of every layout): on a grid of
+    p, m, v every schedule it accepts builds whole (each action once, in order), and the grid's bad cases
+    are refused."""
+    accepted = 0
+    for name in pipeline_schedules.SCHEDULES + pipeline_schedules.V_SCHEDULES:
+        for p in (1, 2, 3, 4):
+            for m in range(1, 13):
+                for v in (1, 2, 3, 4):
+                    try:
+                        pipeline_schedules.check_schedule(name, p, m, v)
+                    except ConfigError:
+                        continue
+                    every_forward_has_its_backward_once(name, p, m, v)
+                    accepted += 1
+    # gpipe, 1f1b, zb-h1 at v 1: 3 × 48; interleaved where p divides m (12 + 6 + 4 + 3), any v: 100; zb-v at v 2:
+    # 48; dualpipev at v 2 where m ≥ 2p (11 + 9 + 7 + 5): 32
+    assert accepted == 144 + 100 + 48 + 32
+
+
 def test_bad_schedules_say_how_to_fix():
     with pytest.raises(ConfigError, match="multiple of --pp"):
         pipeline_schedules.build_schedule("interleaved", 4, 6, 2)

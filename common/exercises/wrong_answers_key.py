@@ -100,7 +100,7 @@ WRONG_EDITS = {
     },
     "07.refusal": {
         "refuses_nothing": ("        return str(err)\n    return None\n", "        return None\n    return None\n"),
-        "parser_only": ("        import_module(SCRIPTS[kind][1]).checked_layout(args, world, cfg)\n", ""),
+        "parser_only": ("        import_module(SCRIPTS[kind][1]).checked_layout(args, world, cfg, build=False)   # (not every rank's actions)\n", ""),
         "message_lost": ("        return str(err)\n    return None\n", "        return \"refused\"\n    return None\n"),
     },
     "07.ranking": {

@@ -1,0 +1,71 @@
+"""Only the layouts the course runs (chapter 07's runnable.py): the planner's candidates are those the
+training scripts' own checks accept, a refusal is the script's own message, and the first three of a plan
+start and train."""
+from dataclasses import replace
+from importlib import import_module
+
+import pytest
+
+from common.errors import ConfigError
+from common.model import PRESETS
+from harness import ok, run_group
+
+choose_layout = import_module("07_choosing_a_layout.choose_layout")
+runnable = import_module("07_choosing_a_layout.runnable")
+layout_costs = import_module("07_choosing_a_layout.layout_costs")
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    return choose_layout.main(["--model", "tiny", "--world", "8", "--device", "h100", "--top", "3"])
+
+
+def test_every_candidate_is_a_layout_the_chapters_accept():
+    """The candidates the planner ranks are those the scripts' own checks (checked_layout) accept, each asked
+    again; and the filter acts: the raw enumeration holds layouts the scripts refuse (more stages than
+    layers, heads that do not split). (No ranking here: exercise 07.refusal is graded before 07.ranking.)"""
+    cfg = PRESETS["tiny"]
+    for world in (8, 16):
+        kept, refused = choose_layout.runnable_candidates(cfg, "tiny", world, 16, 128, 8)
+        assert kept and refused > 0, (world, len(kept), refused)
+        for c in kept:
+            assert runnable.refusal(c, "tiny", cfg, 16, 128) is None, c
+    refused = [c for c in choose_layout.candidates(cfg, 16, 16, 128, 16) if runnable.refusal(c, "tiny", cfg, 16, 128)]
+    assert any(c.pp * c.virtual_stages > cfg.n_layers for c in refused) and any(c.tp == 16 for c in refused)
+    # the planner asks without building every rank's actions: the answer of the run that builds them, also
+    # where the schedule refuses the micro-batches (interleaved: a multiple of pp; dualpipev: at least 2·pp)
+    every = list(choose_layout.candidates(cfg, 8, 16, 128, 8))
+    every += [replace(c, microbatches=m) for c in every if c.pp > 1 and c.zero_stage == 0 for m in (2, 4)]
+    answers = [(runnable.refusal(c, "tiny", cfg, 16, 128), refusal_when_built(c, cfg)) for c in every]
+    assert all(asked == built for asked, built in answers)
+    assert any(asked and "dualpipev needs" in asked for asked, _ in answers)
+    assert any(asked and "multiple of --pp" in asked for asked, _ in answers)
+
+
+def refusal_when_built(c, cfg) -> str | None:
+    kind = runnable.script_of(cfg, c)
+    args = runnable.parser_of(kind).parse_args(runnable.flags(c, "tiny", cfg, 16, 128, "fp32"))
+    try:
+        import_module(runnable.SCRIPTS[kind][1]).checked_layout(args, c.dp * c.tp * c.pp * c.cp, cfg)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def test_a_refused_layout_gets_its_chapter_s_own_message():
+    """The refusal is the script's message, word for word: chapter 02's for heads that do not split."""
+    c = layout_costs.Candidate(1, 16, 1, 1, 1, 0, "none", False, "1f1b", 1)
+    assert "the model's 8 query heads do not split over --tp 16" in (runnable.refusal(c, "tiny", PRESETS["tiny"], 16, 128)
+                                                                      or "accepted")
+
+
+def test_the_first_three_start_and_train_two_steps(tiny_plan):
+    """The top three of the tiny model's 8-rank plan, run as their commands say (two steps), in one group."""
+    jobs = []
+    for r in tiny_plan[:3]:
+        script = r["command"].split()[2].removesuffix(".py").replace("/", ".")
+        argv = r["command"].split()[3:] + ["--steps", "2", "--quiet", "--sample-tokens", "0", "--val-every", "0"]
+        jobs.append((f"{script}:main", argv))
+    for (path, argv), result in zip(jobs, run_group(8, jobs, timeout_s=600)):
+        history = ok(result)
+        assert [h["step"] for h in history] == [1, 2] and all(h["loss"] > 0 for h in history), argv
