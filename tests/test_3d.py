@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import LOSS_RTOL, ROOT, assert_same_run, every_rank, free_port, max_rel_diff, ok, run_group
+from harness import (LOSS_RTOL, REFUSAL_TIMEOUT_S, ROOT, assert_same_run, every_rank, free_port,
+                     max_rel_diff, ok, run_group)
 
 STEPS = 3          # enough for every layout bug we have seen to show; the resumes start from step 1
 # A saving run stops after step 2 (checkpoints every step): the course keeps the newest two on disk
@@ -192,7 +193,7 @@ def test_bad_degrees_exit_nonzero_on_every_rank_with_one_message():
     procs = [subprocess.Popen([sys.executable, "04_3d_combined/train_3d.py", "--dp", "2", "--tp", "2", "--pp", "2"],
                               cwd=ROOT, env=_env(r, 2, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
+    outs = [p.communicate(timeout=REFUSAL_TIMEOUT_S) for p in procs]
     assert all(p.returncode == 2 for p in procs)
     errors = [line for _, err in outs for line in err.splitlines() if line.startswith("error:")]
     assert errors and all("must equal the world size 2" in e for e in errors)

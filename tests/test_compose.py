@@ -31,7 +31,8 @@ from importlib import import_module
 
 import pytest
 
-from harness import ROOT, assert_one_config_error, assert_same_run, every_rank, max_rel_diff, ok, run_group
+from harness import (REFUSAL_TIMEOUT_S, ROOT, assert_one_config_error, assert_same_run, every_rank,
+                     max_rel_diff, ok, run_group)
 
 THREE, FOUR, FIVE = "04_3d_combined.train_3d:main", "05_moe_expert_parallel.train_4d:main", \
     "06_context_parallel.train_5d:main"
@@ -204,7 +205,7 @@ def test_refusal_is_one_line_and_exit_2():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "8", "RANK": "0", "LOCAL_RANK": "0"}
     script, argv, message = BAD["capacity with SP"]
     proc = subprocess.run([sys.executable, "05_moe_expert_parallel/train_4d.py", *argv, "--steps", "1", "--quiet"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=REFUSAL_TIMEOUT_S)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr

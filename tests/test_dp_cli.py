@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dp_jobs import RESUME_ARGS, world_results
-from harness import ROOT, losses, ok
+from harness import REFUSAL_TIMEOUT_S, ROOT, losses, ok
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 SCRIPT = str(ROOT / "01_data_parallel" / "train_dp.py")
@@ -37,7 +37,7 @@ def test_bad_input_under_torchrun(tmp_path, kind, args, message):
     (corrupt / "latest").write_text("step_000002.pt")
     args = [a.format(corrupt=corrupt) for a in args]
     proc = torchrun(args + ["--steps", "2"], tmp_path, kind)
-    assert proc.wait(timeout=120) != 0
+    assert proc.wait(timeout=REFUSAL_TIMEOUT_S) != 0
     _, err = read(tmp_path, kind)
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert errors and message in errors[0], err

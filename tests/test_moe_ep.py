@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from common.model import PRESETS
-from harness import ROOT, assert_one_config_error, assert_same_run, every_rank, losses, max_rel_diff, ok, run_group
+from harness import (REFUSAL_TIMEOUT_S, ROOT, assert_one_config_error, assert_same_run, every_rank, losses,
+                     max_rel_diff, ok, run_group)
 
 TRAIN = "05_moe_expert_parallel.train_moe:main"
 STEPS = 6
@@ -313,7 +314,7 @@ def test_bad_ep_under_torchrun():
     script = ROOT / "05_moe_expert_parallel" / "train_moe.py"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(script), "--ep", "4", "--steps", "1", "--quiet"], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          timeout=REFUSAL_TIMEOUT_S, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
     assert "error: --ep 4 does not divide the world size 2" in proc.stderr, proc.stderr
     assert proc.stderr.count("error: ") == 1, proc.stderr

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from harness import ROOT, assert_same_run, every_rank, ok, run_group
+from harness import REFUSAL_TIMEOUT_S, ROOT, assert_same_run, every_rank, ok, run_group
 
 STEPS = 6           # steps 2..6 use AdamW's moments; a resume at step 3 leaves three to compare
 RESUME_AT = 3
@@ -148,7 +148,7 @@ def test_torchrun_bad_input_exits_cleanly():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "03_pipeline_parallel/train_1f1b.py",
            "--virtual-stages", "2", "--quiet"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=REFUSAL_TIMEOUT_S)
     assert proc.returncode != 0
     assert "error: --virtual-stages 2 only works with --schedule interleaved" in proc.stderr
     for script in ("train_1f1b.py", "train_pp.py", "pipeline_schedules.py"):     # no traceback from our ranks

@@ -15,7 +15,7 @@ import pytest
 
 from common.comm import collective_bytes
 from common.model import PRESETS
-from harness import ROOT, assert_same_run, every_rank, ok, run_group
+from harness import REFUSAL_TIMEOUT_S, ROOT, assert_same_run, every_rank, ok, run_group
 
 TP = import_module("02_tensor_parallel.tensor_parallel")
 
@@ -162,7 +162,7 @@ def test_bad_tp_under_torchrun():
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                            str(ROOT / "02_tensor_parallel" / "train_tp.py"), "--sequence-parallel",
                            "--seq-len", "31", "--steps", "1", "--quiet"],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+                          capture_output=True, text=True, timeout=REFUSAL_TIMEOUT_S, env=env, cwd=ROOT)
     assert proc.returncode != 0
     assert "error: --sequence-parallel splits each sequence over --tp 2" in proc.stderr
     assert "use a --seq-len divisible by 2" in proc.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, assert_same_run, every_rank, grad_norms, losses, ok, run_group
+from harness import REFUSAL_TIMEOUT_S, ROOT, assert_same_run, every_rank, grad_norms, losses, ok, run_group
 
 ZERO_ACCOUNTING = import_module("01_data_parallel.zero_accounting")
 
@@ -218,7 +218,7 @@ def test_torchrun_rejects_bad_stage():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node=2",
                            "01_data_parallel/train_zero.py", "--zero-stage", "0", "--quiet"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=REFUSAL_TIMEOUT_S)
     assert proc.returncode != 0
     assert "error: argument --zero-stage: invalid choice: 0" in proc.stderr
     assert 'train_zero.py", line' not in proc.stderr            # one line, no traceback from our ranks
