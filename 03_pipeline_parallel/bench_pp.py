@@ -80,6 +80,7 @@ def report(all_results: dict, tmp: Path, quick: bool, chosen=CLASSIC, n_rounds: 
     v_set = chosen is V_SET
     stem = "_v" if v_set else ""                      # --v-schedules writes its own files beside the classic ones
     pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
+    schedule_simulator = import_module("03_pipeline_parallel.schedule_simulator")
     plot_timeline = import_module("03_pipeline_parallel.plot_timeline")
     from common.metrics import format_bytes
     from common.timeline import load_trace
@@ -102,7 +103,7 @@ def report(all_results: dict, tmp: Path, quick: bool, chosen=CLASSIC, n_rounds: 
                 m = int(label.split("m=")[1])
                 ms.append(m)
                 meas.append(median(rows, "bubble_fraction"))
-                sim = pipeline_schedules.simulate(pipeline_schedules.build_schedule("1f1b", p, m), p)["bubble"]
+                sim = schedule_simulator.simulate(pipeline_schedules.build_schedule("1f1b", p, m), p)["bubble"]
                 theory = pipeline_schedules.theory_bubble("1f1b", p, m)
                 lines.append(f"| {p} | {m} | {meas[-1]:.3f} | {theory:.3f} | {sim:.3f} |")
     if not v_set:

@@ -13,7 +13,7 @@ Every schedule (gpipe, 1f1b, interleaved v = 2, zb-h1) runs with m = 1, 2, 4, 8,
 per p runs them all. Steps 2..8 of each trace are read (step 1 warms up). For each step,
 pipeline_costs.fit_costs measures what the theory leaves out: the mean F, B, W time of each stage,
 each rank's executor gap between two actions, and its hand-over of a message it waited for. Then
-pipeline_schedules.simulate runs the same schedule on paper three ways, each adding one term:
+schedule_simulator.simulate runs the same schedule on paper three ways, each adding one term:
     stage costs   each action takes its stage's mean time for its kind; messages and gaps are free
     + gaps        and each rank pays its mean executor gap between two actions
     + hand-overs  and each message its receiver waited for costs that rank's mean hand-over: the model,
@@ -77,6 +77,7 @@ def analyse(path: Path, name: str, p: int, m: int, v: int) -> dict:
     """Mean over steps 2.. of each column's bubble, and of the fitted costs (ms)."""
     from common.timeline import bubble_fraction, load_trace
     schedules = import_module("03_pipeline_parallel.pipeline_schedules")
+    simulator = import_module("03_pipeline_parallel.schedule_simulator")
     costs = import_module("03_pipeline_parallel.pipeline_costs")
     events, _ = load_trace(path)
     plan, n = schedules.build_schedule(name, p, m, v), p * v
@@ -84,7 +85,7 @@ def analyse(path: Path, name: str, p: int, m: int, v: int) -> dict:
     for step in sorted({e["step"] for e in events})[1:]:
         fit = costs.fit_costs(events, step, n)
         rows.append({"theory": schedules.theory_bubble(name, p, m, v),
-                     **{col: schedules.simulate(plan, n, **model(fit))["bubble"] for col, model in (
+                     **{col: simulator.simulate(plan, n, **model(fit))["bubble"] for col, model in (
                          ("stage costs", costs.stage_costs), ("+ gaps", partial(costs.mean_costs, handovers=False)),
                          ("+ hand-overs", costs.mean_costs), ("own times", costs.own_times))},
                      **(zero_bubble_what_ifs(fit, p, m) if name == "zb-h1" else {}),
@@ -138,6 +139,7 @@ def zero_bubble_what_ifs(fit: dict, p: int, m: int) -> dict:
     B is empty: nobody waits for the gradient of the tokens); every stage costing the mean of the
     stages; B = W, each half of the backward; F = B = W. The last one is the theory's ratio."""
     schedules = import_module("03_pipeline_parallel.pipeline_schedules")
+    simulator = import_module("03_pipeline_parallel.schedule_simulator")
     stages = range(p)
     c = dict(fit["cost"])
     chain = [dict(c)]
@@ -155,7 +157,7 @@ def zero_bubble_what_ifs(fit: dict, p: int, m: int) -> dict:
     def bubble(name, cost):
         if name == "1f1b":                                   # the same work, backward not split
             cost = {**cost, **{("B", s): cost[("B", s)] + cost[("W", s)] for s in stages}}
-        return schedules.simulate(schedules.build_schedule(name, p, m), p,
+        return simulator.simulate(schedules.build_schedule(name, p, m), p,
                                   lambda r, a: cost[(a.kind, a.stage)])["bubble"]
     return {label: bubble("zb-h1", cost) / bubble("1f1b", cost) for label, cost in zip(ZB_STEPS, chain)}
 

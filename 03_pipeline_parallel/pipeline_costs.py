@@ -15,7 +15,7 @@ rank there are two kinds of time, and each action's start tells which one it pai
 So an action whose cross-rank input ended after the rank became free is a sample of the hand-over;
 every other action (the first of each rank excepted) is a sample of the gap. `fit_costs` returns
 each rank's mean of both, the mean F, B, W time per stage (8 numbers at p = 2, 10 with W) and each
-action's own time, which is what pipeline_schedules.simulate takes: feed them in and the simulated
+action's own time, which is what schedule_simulator.simulate takes: feed them in and the simulated
 bubble can be set beside the measured one, term by term (bubble_pp.py).
 """
 from collections import defaultdict
@@ -23,7 +23,8 @@ from statistics import fmean
 
 from common.timeline import COMPUTE
 
-from .pipeline_schedules import Action, inputs
+from .pipeline_schedules import Action
+from .schedule_simulator import inputs
 
 
 def step_spans(events: list[dict], step: int) -> dict[tuple, tuple[int, float, float]]:

@@ -3,8 +3,8 @@
 A schedule answers one question for every pipeline rank: in what order do I run the forward (F)
 and backward (B) passes of my micro-batches? (And, for zero-bubble, the weight-gradient passes W.)
 Each function here returns `schedule[r]` = rank r's ordered list of `Action`s, nothing else: no
-processes, no tensors. So a schedule can be printed (`format_schedule`), checked
-(`simulate` + the unit tests) and drawn (`plot_timeline.py --simulate`) on its own, and ONE
+processes, no tensors. So a schedule can be printed and checked on paper (schedule_simulator.py:
+`format_schedule`, `simulate` + the unit tests) and drawn (`plot_timeline.py --simulate`) on its own, and ONE
 executor (pipeline_executor.py) runs whichever list it is given.
 
 Vocabulary. p pipeline ranks, m micro-batches per step, v virtual stages (model chunks) per rank.
@@ -221,104 +221,6 @@ def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:
         # micro-batch and its last W, 2m + 2p - 1 slots. Both: (p-1) + 2m + max(m, p).
         return 1 - 3 * m / (2 * m + p - 1 + max(m, p))
     return (p - 1) / (m + p - 1)
-
-
-def inputs(a: Action, n_stages: int) -> list[tuple]:
-    """The actions `a` waits for, as (kind, mb, stage): F(mb, s) needs F(mb, s-1); B(mb, s) needs
-    F(mb, s) and B(mb, s+1); W(mb, s) needs B(mb, s)."""
-    if a.kind == "F":
-        return [("F", a.mb, a.stage - 1)] if a.stage > 0 else []
-    if a.kind == "B":
-        return [("F", a.mb, a.stage)] + ([("B", a.mb, a.stage + 1)] if a.stage < n_stages - 1 else [])
-    return [("B", a.mb, a.stage)]
-
-
-def simulate(schedule: list[list[Action]], n_stages: int, cost=None, handover: float = 0.0,
-             gap: float = 0.0) -> dict:
-    """Run a schedule on paper: each rank executes its list in order, an action waits for its inputs.
-
-    Sends never block (the executor's sends are asynchronous); an action can start when its rank is
-    free and its `inputs` are done.
-    cost      what an action takes: {"F": 1, "B": 2, "W": 1} (the default, unit time: F = 1, a whole
-              backward 2; split into B = W = 1 by zero bubble), or a function cost(rank, action) ->
-              seconds (per stage and kind from a measured run, or each action's own measured time)
-    handover  the time between an action on one rank ending and the action on ANOTHER rank that
-              waits for its message starting (posting the send, the transfer, waking the receiver)
-    gap       the executor's time between two actions of one rank when nothing is awaited (posting
-              the next receive, the send, Python): rank r starts its next action at
-              max(its last end + gap, each input's end (+ handover if it comes from another rank))
-              Both are seconds, or functions (rank, action) -> seconds (each action's own, measured).
-    Returns {"events": [(rank, action, start, end)], "makespan", "bubble" (1 − Σ busy / (p ×
-    makespan): the measured bubble's definition, common/timeline.py), "in_flight": per-rank peak of
-    micro-batches forwarded but not yet fully backwarded}.
-    Raises ValueError on a deadlock (nobody can move) or a missing/duplicated action.
-    """
-    split = any(a.kind == "W" for acts in schedule for a in acts)
-    if not callable(cost):
-        table = cost or {"F": 1.0, "B": 2.0, "W": 1.0}
-        if split and table.get("B") == 2.0 and "W" in table:   # default costs: B + W = one whole backward
-            table = {**table, "B": 1.0}
-        cost = lambda r, a: table[a.kind]                       # noqa: E731
-    p = len(schedule)
-    done, pos, free_at = {}, [0] * p, [None] * p               # done: (kind, mb, stage) -> (end, rank)
-    events, live, peak = [], [set() for _ in range(p)], [0] * p
-    remaining = sum(len(a) for a in schedule)
-    while remaining:
-        progressed = False
-        for r in range(p):
-            if pos[r] == len(schedule[r]):
-                continue
-            a = schedule[r][pos[r]]
-            deps = inputs(a, n_stages)
-            if any(d not in done for d in deps):
-                continue
-            if (a.kind, a.mb, a.stage) in done:
-                raise ValueError(f"rank {r} runs {a} twice")
-            h = handover(r, a) if callable(handover) else handover
-            ready = [end + (h if src != r else 0.0) for end, src in (done[d] for d in deps)]
-            if free_at[r] is not None:                          # the rank's first action pays no gap
-                ready.append(free_at[r] + (gap(r, a) if callable(gap) else gap))
-            start = max(ready + [0.0])
-            end = start + cost(r, a)
-            done[(a.kind, a.mb, a.stage)] = (end, r)
-            free_at[r] = end
-            events.append((r, a, start, end))
-            if a.kind == "F":
-                live[r].add((a.mb, a.stage))
-                peak[r] = max(peak[r], len(live[r]))
-            elif a.kind == ("W" if split else "B"):
-                live[r].discard((a.mb, a.stage))
-            pos[r] += 1
-            remaining -= 1
-            progressed = True
-        if not progressed:
-            stuck = {r: schedule[r][pos[r]] for r in range(p) if pos[r] < len(schedule[r])}
-            raise ValueError(f"deadlock: every rank waits: {stuck}")
-    makespan = max(e for e in free_at if e is not None)
-    busy = sum(e - s for _, _, s, e in events)
-    return {"events": events, "makespan": makespan, "bubble": 1 - busy / (p * makespan), "in_flight": peak}
-
-
-def format_schedule(schedule: list[list[Action]], n_stages: int, cost=None, width: int = 4) -> str:
-    """The schedule as a text table: one row per rank, one column per unit of (simulated) time.
-
-    Each cell shows the action and micro-batch (F3, B3, W3; with virtual stages F3.1 = chunk 1),
-    '.' is idle. Times come from `simulate` with unit costs, so the gaps are the bubble.
-    """
-    sim = simulate(schedule, n_stages, cost)
-    p = len(schedule)
-    unit = min(e - s for _, _, s, e in sim["events"])
-    cols = int(round(sim["makespan"] / unit))
-    grid = [["." * 1] * cols for _ in range(p)]
-    v = n_stages // p
-    for r, a, s, e in sim["events"]:
-        label = f"{a.kind}{a.mb}" + (f".{a.stage // p}" if v > 1 else "")
-        for c in range(int(round(s / unit)), int(round(e / unit))):
-            grid[r][c] = label
-    w = max(width, max(len(c) for row in grid for c in row) + 1)
-    lines = [f"rank {r} | " + "".join(c.ljust(w) for c in row) for r, row in enumerate(grid)]
-    lines.append(f"simulated bubble {sim['bubble']:.3f}   peak micro-batches in flight per rank {sim['in_flight']}")
-    return "\n".join(lines)
 
 
 from . import v_schedules  # noqa: E402  (the V schedules build on Action, above)

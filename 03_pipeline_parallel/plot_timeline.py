@@ -30,6 +30,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from common.timeline import COMPUTE, bubble_fraction, idle_events, load_trace  # noqa: E402
 
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
+schedule_simulator = import_module("03_pipeline_parallel.schedule_simulator")
 COLORS = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452", "idle": "#dddddd", "recv": "#c44e52", "send": "#8172b3"}
 LABELS = {"F": "forward F", "B": "backward B", "W": "weight-grad W", "idle": "idle",
           "recv": "waiting for a recv", "send": "posting / waiting for sends"}
@@ -39,7 +40,7 @@ MESSAGES = ("send", "recv")
 def simulated_events(name: str, p: int, m: int, v: int = 1) -> tuple[list[dict], dict]:
     """A schedule's timeline on paper (unit costs), as timeline events + metadata."""
     v = pipeline_schedules.stages_per_rank(name, v)            # the V schedules: always two stages per rank
-    sim = pipeline_schedules.simulate(pipeline_schedules.build_schedule(name, p, m, v), p * v)
+    sim = schedule_simulator.simulate(pipeline_schedules.build_schedule(name, p, m, v), p * v)
     scale = 1 / v                                  # a chunk is 1/v of a stage: same total work for any v
     events = [{"rank": r, "step": 1, "kind": a.kind, "mb": a.mb, "stage": a.stage,
                "start": s * scale, "end": e * scale} for r, a, s, e in sim["events"]]

@@ -37,6 +37,7 @@ from common.training import (StepTimer, consolidate_on_rank0, global_sum, load_o
                              stop_if_not_finite)
 
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")   # who runs what, when
+schedule_simulator = import_module("03_pipeline_parallel.schedule_simulator")   # a schedule on paper
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")         # the model cut into stages
 measured_executor = import_module("03_pipeline_parallel.measured_executor")     # runs a schedule, measured
 pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")       # the loop's verbs
@@ -196,7 +197,7 @@ def print_schedule(name: str, layout: Layout, plan, specs) -> list:
     """--print-schedule: the theory bubble, then the schedule drawn as text (no processes)."""
     print(f"{name}: p={layout.pp} m={layout.m} v={layout.v}; "
           f"theory bubble {pipeline_schedules.theory_bubble(name, layout.pp, layout.m, layout.v):.3f}")
-    print(pipeline_schedules.format_schedule(plan, len(specs)))
+    print(schedule_simulator.format_schedule(plan, len(specs)))
     return []
 
 

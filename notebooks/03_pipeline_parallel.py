@@ -30,6 +30,7 @@ QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
 P, M, STEPS = (2, 4, 2) if QUICK else (4, 8, 10)    # m > p: 1F1B's memory saving shows on stage 0
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
+schedule_simulator = import_module("03_pipeline_parallel.schedule_simulator")
 out_dir = Path(tempfile.mkdtemp(prefix="nb03_"))
 
 # %% [markdown]
@@ -47,7 +48,7 @@ for n in (2, 3, 4):
 # ## 2. A schedule is a list of actions per rank
 
 # %%
-print(pipeline_schedules.format_schedule(pipeline_schedules.build_schedule("1f1b", P, M), P))
+print(schedule_simulator.format_schedule(pipeline_schedules.build_schedule("1f1b", P, M), P))
 
 # %% [markdown]
 # ## 3. Every schedule gives the single-device losses

@@ -28,6 +28,7 @@ from common.timeline import load_trace  # noqa: E402
 QUICK = bool(os.environ.get("NOTEBOOK_QUICK"))
 P, STEPS = (2, 2) if QUICK else (4, 3)
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
+schedule_simulator = import_module("03_pipeline_parallel.schedule_simulator")
 plot_timeline = import_module("03_pipeline_parallel.plot_timeline")
 out_dir = Path(tempfile.mkdtemp(prefix="nb_bubbles_"))
 
@@ -41,7 +42,7 @@ ms = [1, 2, 4, 8, 16, 32]
 fig, ax = plt.subplots(figsize=(7, 4))
 for p in (2, 4, 8):
     theory = [pipeline_schedules.theory_bubble("1f1b", p, m) for m in ms]
-    zb_h1 = [pipeline_schedules.simulate(pipeline_schedules.build_schedule("zb-h1", p, m), p)["bubble"] for m in ms]
+    zb_h1 = [schedule_simulator.simulate(pipeline_schedules.build_schedule("zb-h1", p, m), p)["bubble"] for m in ms]
     line, = ax.plot(ms, theory, "o-", label=f"GPipe/1F1B theory (p−1)/(m+p−1), p={p}")
     ax.plot(ms, zb_h1, "x:", color=line.get_color(), label=f"ZB-H1 p={p} (simulated)")
 ax.set_xscale("log", base=2); ax.set_xlabel("micro-batches m"); ax.set_ylabel("bubble fraction")
@@ -52,7 +53,7 @@ show(fig, "bubbles_vs_m")
 # ## 2. Four schedules on paper, p = 4, m = 8
 
 # %%
-print(pipeline_schedules.format_schedule(pipeline_schedules.build_schedule("1f1b", 4, 8), 4))
+print(schedule_simulator.format_schedule(pipeline_schedules.build_schedule("1f1b", 4, 8), 4))
 panels = [plot_timeline.simulated_events(n, 4, 8, v) for n, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]]
 show_png(plot_timeline.plot(panels, out_dir / "simulated.png", "units"), "bubbles_simulated_p4_m8")
 

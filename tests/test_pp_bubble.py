@@ -1,14 +1,36 @@
-"""Chapter 03's bubble model on paper: simulate with per-stage costs, gaps and hand-overs against closed
-forms, and pipeline_costs.fit_costs recovering the costs of a synthetic trace. No processes, no timing."""
+"""Chapter 03's bubble on paper (schedule_simulator.py): the simulated bubble against the closed forms, with
+unit costs and with per-stage costs, gaps and hand-overs; pipeline_costs.fit_costs recovering the costs of a
+synthetic trace; a simulated step through a trace file and back; the printed table. No processes, no timing."""
 from importlib import import_module
 
 import pytest
 
+from common import timeline
 from common.timeline import bubble_fraction
 
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
+schedule_simulator = import_module("03_pipeline_parallel.schedule_simulator")
 pipeline_costs = import_module("03_pipeline_parallel.pipeline_costs")
-build, simulate = pipeline_schedules.build_schedule, pipeline_schedules.simulate
+build, simulate = pipeline_schedules.build_schedule, schedule_simulator.simulate
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_bubble_matches_theory(p, m):
+    for name in ("gpipe", "1f1b"):
+        sim = schedule_simulator.simulate(pipeline_schedules.build_schedule(name, p, m), p)
+        assert sim["bubble"] == pytest.approx(pipeline_schedules.theory_bubble(name, p, m))
+    if m % p == 0:
+        sim = schedule_simulator.simulate(pipeline_schedules.build_schedule("interleaved", p, m, 2), 2 * p)
+        assert sim["bubble"] == pytest.approx(pipeline_schedules.theory_bubble("interleaved", p, m, 2))
+    zb = schedule_simulator.simulate(pipeline_schedules.build_schedule("zb-h1", p, m), p)["bubble"]
+    assert zb <= pipeline_schedules.theory_bubble("1f1b", p, m) + 1e-9
+    assert zb == pytest.approx(pipeline_schedules.theory_bubble("zb-h1", p, m))     # m < p too (p=4, m=1: 2/3)
+    for name in ("zb-v", "dualpipev") if m >= 2 * p else ("zb-v",):                  # F = B = W per half-stage
+        sim = schedule_simulator.simulate(pipeline_schedules.build_schedule(name, p, m, 2), 2 * p)
+        assert sim["bubble"] == pytest.approx(pipeline_schedules.theory_bubble(name, p, m, 2))
+        if m >= 2 * p - 1:                                                           # the V full: (p-1)/(6m+p-1)
+            assert sim["bubble"] == pytest.approx((p - 1) / (6 * m + p - 1)) and sim["bubble"] < zb
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -71,3 +93,19 @@ def test_fit_recovers_the_costs_of_a_synthetic_trace(name, v):
     for model in (pipeline_costs.mean_costs, pipeline_costs.own_times):
         assert simulate(build(name, p, m, v), p * v, **model(fit))["bubble"] == pytest.approx(measured)
     assert simulate(build(name, p, m, v), p * v, **pipeline_costs.stage_costs(fit))["bubble"] < measured
+
+
+def test_timeline_roundtrip_and_bubble(tmp_path):
+    sim = schedule_simulator.simulate(pipeline_schedules.one_f_one_b(2, 2), 2)
+    events = [{"rank": r, "step": 1, "kind": a.kind, "start": s, "end": e, "mb": a.mb}
+              for r, a, s, e in sim["events"]]
+    assert bubble_fraction(events) == pytest.approx(sim["bubble"])
+    path = timeline.write_chrome_trace(tmp_path / "t.json", events, {"schedule": "1f1b"})
+    back, meta = timeline.load_trace(path)
+    assert meta["schedule"] == "1f1b" and len(back) == len(events)
+    assert bubble_fraction(back) == pytest.approx(sim["bubble"])
+
+
+def test_print_schedule_table():
+    text = schedule_simulator.format_schedule(pipeline_schedules.build_schedule("1f1b", 4, 8), 4)
+    assert sum(line.startswith("rank ") for line in text.splitlines()) == 4 and "F7" in text and "B7" in text and "bubble 0.273" in text

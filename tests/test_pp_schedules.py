@@ -4,11 +4,11 @@ from importlib import import_module
 
 import pytest
 
-from common import timeline
 from common.errors import ConfigError
 from common.model import PRESETS
 
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
+schedule_simulator = import_module("03_pipeline_parallel.schedule_simulator")
 pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")
 
@@ -73,7 +73,7 @@ def test_v_dependencies_and_in_flight_limit(name, p, m, v):
 
 def dependencies_and_in_flight_limit(name, p, m, v):
     # raises on deadlock / missing input
-    sim = pipeline_schedules.simulate(pipeline_schedules.build_schedule(name, p, m, v), p * v)
+    sim = schedule_simulator.simulate(pipeline_schedules.build_schedule(name, p, m, v), p * v)
     # the V's counts are of half-stages (2p stages): 2p of them weigh what p micro-batches of 1F1B's rank 0 do
     promise = {"gpipe": [m] * p, "1f1b": [min(p - r, m) for r in range(p)], "zb-h1": [min(p, m)] * p,
                "interleaved": [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) for r in range(p)],
@@ -151,25 +151,6 @@ def test_interleaved_needs_asynchronous_sends():
     (each rank sends a chunk's activation while its peer sends a gradient back). Hence isend."""
     with pytest.raises(RuntimeError, match="deadlock"):
         run_protocol(pipeline_schedules.interleaved_1f1b(2, 4, 2), 4, blocking_sends=True)
-
-
-@pytest.mark.parametrize("p", [2, 4])
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
-def test_bubble_matches_theory(p, m):
-    for name in ("gpipe", "1f1b"):
-        sim = pipeline_schedules.simulate(pipeline_schedules.build_schedule(name, p, m), p)
-        assert sim["bubble"] == pytest.approx(pipeline_schedules.theory_bubble(name, p, m))
-    if m % p == 0:
-        sim = pipeline_schedules.simulate(pipeline_schedules.build_schedule("interleaved", p, m, 2), 2 * p)
-        assert sim["bubble"] == pytest.approx(pipeline_schedules.theory_bubble("interleaved", p, m, 2))
-    zb = pipeline_schedules.simulate(pipeline_schedules.build_schedule("zb-h1", p, m), p)["bubble"]
-    assert zb <= pipeline_schedules.theory_bubble("1f1b", p, m) + 1e-9
-    assert zb == pytest.approx(pipeline_schedules.theory_bubble("zb-h1", p, m))     # m < p too (p=4, m=1: 2/3)
-    for name in ("zb-v", "dualpipev") if m >= 2 * p else ("zb-v",):                  # F = B = W per half-stage
-        sim = pipeline_schedules.simulate(pipeline_schedules.build_schedule(name, p, m, 2), 2 * p)
-        assert sim["bubble"] == pytest.approx(pipeline_schedules.theory_bubble(name, p, m, 2))
-        if m >= 2 * p - 1:                                                           # the V full: (p-1)/(6m+p-1)
-            assert sim["bubble"] == pytest.approx((p - 1) / (6 * m + p - 1)) and sim["bubble"] < zb
 
 
 def test_v_schedules_have_torch_s_order_rank_by_rank():
@@ -260,22 +241,6 @@ def test_pruned_stage_keeps_reference_names():
             assert n in full and (p == full[n]).all()
             names.add(n)
     assert names == set(full)                        # the stages together hold the whole model once
-
-
-def test_timeline_roundtrip_and_bubble(tmp_path):
-    sim = pipeline_schedules.simulate(pipeline_schedules.one_f_one_b(2, 2), 2)
-    events = [{"rank": r, "step": 1, "kind": a.kind, "start": s, "end": e, "mb": a.mb}
-              for r, a, s, e in sim["events"]]
-    assert timeline.bubble_fraction(events) == pytest.approx(sim["bubble"])
-    path = timeline.write_chrome_trace(tmp_path / "t.json", events, {"schedule": "1f1b"})
-    back, meta = timeline.load_trace(path)
-    assert meta["schedule"] == "1f1b" and len(back) == len(events)
-    assert timeline.bubble_fraction(back) == pytest.approx(sim["bubble"])
-
-
-def test_print_schedule_table():
-    text = pipeline_schedules.format_schedule(pipeline_schedules.build_schedule("1f1b", 4, 8), 4)
-    assert sum(line.startswith("rank ") for line in text.splitlines()) == 4 and "F7" in text and "B7" in text and "bubble 0.273" in text
 
 
 # --- zero bubble's B/W split, one process ---------------------------------------------------------
