@@ -37,7 +37,8 @@ def test_every_candidate_is_a_layout_the_chapters_accept():
     every = list(choose_layout.candidates(cfg, 8, 16, 128, 8))
     every += [replace(c, microbatches=m) for c in every if c.pp > 1 and c.zero_stage == 0 for m in (2, 4)]
     answers = [(runnable.refusal(c, "tiny", cfg, 16, 128), refusal_when_built(c, cfg)) for c in every]
-    assert all(asked == built for asked, built in answers)
+    differ = [(c, asked, built) for c, (asked, built) in zip(every, answers) if asked != built]
+    assert not differ, differ[:1]                     # (layout, the planner's answer, the building run's)
     assert any(asked and "dualpipev needs" in asked for asked, _ in answers)
     assert any(asked and "multiple of --pp" in asked for asked, _ in answers)
 
