@@ -23,6 +23,7 @@ from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed
 from common.errors import run_main
 from common.mesh import Mesh
+from common.live_memory import LivePeak
 from common.metrics import RunLog
 from common.model import dense_preset
 from common.optim import lr_at
@@ -38,6 +39,9 @@ run_tail = import_module("04_3d_combined.run_tail")                            #
 def parser():
     p = base_parser(__doc__.splitlines()[0], pipeline=True)
     parallel_3d.add_layout_args(p)
+    p.add_argument("--measure-memory", action="store_true",
+                   help="live_peak_bytes in each row: every byte rank 0's tensors hold at once in a step "
+                        "(common/live_memory.py; slower: every operation is counted)")
     return p
 
 
@@ -73,6 +77,8 @@ def main(argv=None) -> list[dict]:
     # AdamW, or ZeRO-1 with --zero-stage 1: chosen here, once; the loop drives either through the same verbs
     trainer = trainer_3d.build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, shape, rt.device,
                                        timeline, resume and resume["optim"])
+    if args.measure_memory:                               # every tensor counted: the peak a GPU's allocator sees
+        trainer = LivePeak(trainer)
     start, tokens_per_step = (resume["step"] if resume else 0), args.global_batch * args.seq_len
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet, append=args.resume)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)

@@ -204,6 +204,7 @@ def step_metrics(memory: dict, timeline, mesh, layout, device, groups: tuple, co
             **{f"comm_bytes_{g}": comm.COUNTER.total(counted_as.get(g, g)) for g in groups},
             **{k: memory[k] for k in ("param_bytes", "grad_bytes", "optim_bytes")},
             "activation_bytes_predicted": memory["activation_bytes_predicted"],
+            **({"live_peak_bytes": memory["live_peak_bytes"]} if "live_peak_bytes" in memory else {}),
             **pipeline_trainer.step_stats(timeline, memory["peak_activation_bytes"], mesh.group("pp"), layout.pp, device)}
 
 
