@@ -41,6 +41,7 @@ GROUPS = ("dp", "tp", "pp")
 
 published = import_module("07_choosing_a_layout.published")           # this chapter: the published runs
 calibrate_cpu = import_module("07_choosing_a_layout.calibrate_cpu")   # this chapter: the CPU's time model
+working_set = import_module("07_choosing_a_layout.working_set")       # this chapter: beyond the ledger
 
 
 def measured_here(steps: int) -> dict:
@@ -79,7 +80,7 @@ def predicted_here(name: str, dev) -> tuple[dict, list[int], dict]:
     c = layout_costs.Candidate(dp, tp, pp, 1, 1, 0, "none", False, "1f1b", m)
     specs, plan = schedule_costs.specs_for(run.cfg, pp, 1, 128), schedule_costs.plan_for("1f1b", pp, m, 1)
     peaks = activation_ledger.pipeline_peaks(run.cfg, "none", plan, specs, 16 // dp // m, 128, tp)
-    return layout_costs.predict(run, c, dev, 8), peaks, layout_costs.rank_memory(run, c, specs, 0, peaks[0])
+    return layout_costs.predict(run, c, dev, 8), peaks, layout_costs.rank_memory(run, c, specs, 0, peaks[0], gloo=True)
 
 
 def check_here(steps: int) -> tuple[list[str], list[tuple]]:
@@ -215,7 +216,7 @@ def replace_published_line(name: str, path: Path) -> str:
 def memory_bars(ax, shown: list[dict], labels: list[str], unit: float = 2**30) -> None:
     """One horizontal bar per row: its fullest rank's memory by component, in `unit` bytes."""
     left = [0.0] * len(shown)
-    for part in ("params", "grads", "optim_bytes", "peak_activation_bytes"):
+    for part in ("params", "grads", "optim_bytes", "peak_activation_bytes", "working"):
         vals = [r["memory_bytes"][part] / unit for r in shown]
         ax.barh(range(len(shown)), vals, left=left, label=part.replace("_", " "))
         left = [b + v for b, v in zip(left, vals)]
@@ -232,6 +233,7 @@ def plot_memory(case, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 5))
     memory_bars(ax, shown, [choose_layout.describe(r) + (" (published)" if r is mine else "") for r in shown])
     ax.axvline(80, color="k", ls="--", lw=1, label="80 GiB: one H100")
+    ax.axvline(80 * (1 - working_set.HEADROOM), color="k", ls=":", lw=1, label="less the headroom")
     ax.set_xlabel("GiB per GPU (the fullest pipeline rank)")
     ax.set_title(f"{name}:\nthe planner's fastest layouts that fit, and the published one", loc="right")
     ax.legend(fontsize=8)

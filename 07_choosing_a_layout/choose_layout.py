@@ -15,7 +15,7 @@ published ones by check_layouts.py (the chapter's README shows both tables).
 
 `--json PATH` writes every layout as a row: dp, tp, pp, cp, ep, zero_stage, recompute, recompute_layers
 (--recompute-layers: full recomputation of the first blocks of each stage only, null for all), sequence_parallel, schedule, virtual_stages, microbatches, memory_bytes {params, grads, optim_bytes,
-peak_activation_bytes, total, held_between_steps} (the fullest pipeline rank's, fullest_pp_rank),
+peak_activation_bytes, working (working_set.py), total, held_between_steps} (the fullest pipeline rank's, fullest_pp_rank),
 comm_bytes {dp, tp, pp, ep, cp} (per optimizer step, global rank 0's, sent + received: the metrics'
 comm_bytes_*), bubble, step_time_s, time_parts_s, fits, command (null for a published shape: its miniature is
 printed instead).
@@ -258,7 +258,8 @@ def main(argv=None) -> list[dict]:
     if not any(r["fits"] for r in rows):
         best, ranks = rows[0], f"{args.world} {dev.name} rank{'s' if args.world > 1 else ''}"   # sorted by memory
         raise NothingFits(f"no layout of {ranks} fits: the smallest, {describe(best)}, "
-                          f"still holds {gib(best['memory_bytes']['total'])} per rank against {gib(dev.memory)}; "
+                          f"still holds {gib(best['memory_bytes']['total'])} per rank against "
+                          f"{explain_layout.capacity(dev)}; "
                           f"use more ranks (--world), a smaller --global-batch or a shorter --seq-len")
     return rows
 

@@ -54,9 +54,14 @@ def gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else format_bytes(n)
 
 
+def capacity(dev) -> str:
+    """What a rank of `dev` may hold, in words: its memory, less the headroom a GPU keeps free."""
+    return gib(dev.memory) + (f" less its {dev.headroom:.0%} headroom" if dev.headroom else "")
+
+
 def memory_words(mem: dict) -> str:
     return (f"weights {gib(mem['params'])}, gradients {gib(mem['grads'])}, AdamW {gib(mem['optim_bytes'])}, "
-            f"activations {gib(mem['peak_activation_bytes'])}")
+            f"activations {gib(mem['peak_activation_bytes'])}, working set {gib(mem['working'])}")
 
 
 def decision_tree(rows: list[dict], cfg, dev, args, describe, top: int) -> list[str]:
@@ -97,7 +102,7 @@ def explain_one(spec: dict, rows: list[dict], dev, describe, refusal_of, run_it)
     r, fitting = found[0], [x for x in rows if x["fits"]]
     first, mem, parts = fitting[0] if fitting else rows[0], r["memory_bytes"], r["time_parts_s"]
     where = (f"ranks {fitting.index(r) + 1} of the {len(fitting)} layouts that fit" if r["fits"] else
-             f"does not fit: {gib(mem['total'])} on pipeline rank {r['fullest_pp_rank']} against {gib(dev.memory)}")
+             f"does not fit: {gib(mem['total'])} on pipeline rank {r['fullest_pp_rank']} against {capacity(dev)}")
     out = [f"{describe(r)} ({len(found)} layouts have the fields asked; this is the best ranked): {where}.",
            f"  memory, its fullest pipeline rank ({r['fullest_pp_rank']}) at the peak of a step: "
            f"{memory_words(mem)}; total {gib(mem['total'])}, {gib(mem['held_between_steps'])} "

@@ -53,6 +53,7 @@ expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")   # ch
 attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # chapter 06: the ring's bytes
 runnable = import_module("07_choosing_a_layout.runnable")                  # this chapter: which script runs it
 per_unit_zero = import_module("07_choosing_a_layout.per_unit_zero")        # this chapter: chapter 01's ZeRO-3
+working_set = import_module("07_choosing_a_layout.working_set")            # this chapter: beyond the ledger
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")      # this chapter: in flight, messages
 
 
@@ -138,15 +139,24 @@ def memory_by_component(run: Run, c: Candidate, peak_activation: int, dense: int
             "held_between_steps": sum(held.values())}
 
 
-def rank_memory(run: Run, c: Candidate, specs, pp_rank: int, peak_activation: int) -> dict:
-    """What pipeline rank `pp_rank` holds, by component, with `peak_activation` bytes of activations."""
+def rank_memory(run: Run, c: Candidate, specs, pp_rank: int, peak_activation: int, gloo: bool) -> dict:
+    """What pipeline rank `pp_rank` holds, by component, with `peak_activation` bytes of activations and
+    its working set (working_set.py; `gloo`: the executor posts every receive of a step at its start)."""
     dense = experts = 0
-    for s in pipeline_stages.rank_stages(specs, c.pp, pp_rank):
+    mine = pipeline_stages.rank_stages(specs, c.pp, pp_rank)
+    for s in mine:
         d, x = stage_params(run.cfg, s, c.tp, c.ep)
         dense, experts = dense + d, experts + x
     if per_unit(run, c):
-        return per_unit_zero.memory(zero3_units(run.cfg), c.dp, run.dtype, peak_activation)
-    return memory_by_component(run, c, peak_activation, dense, experts)
+        memory = per_unit_zero.memory(zero3_units(run.cfg), c.dp, run.dtype, peak_activation)
+    else:
+        memory = memory_by_component(run, c, peak_activation, dense, experts)
+    rows, positions, e = run.global_batch // c.dp // c.microbatches, run.seq_len // c.cp, 2 if run.dtype == "bf16" else 4
+    boundary = rows * (positions // c.tp if c.sequence_parallel else positions) * run.cfg.dim * e
+    last = c.pp == 1 or (pp_rank == c.pp - 1 and c.virtual_stages == 1)
+    working = working_set.working_set(run.cfg, rows, positions, c.tp, e, any(s.last for s in mine), boundary,
+                                      c.microbatches, last, gloo)
+    return {**memory, "working": working, "total": memory["total"] + working}
 
 
 def rank0_traffic(run: Run, c: Candidate, specs) -> tuple[dict, dict]:
@@ -257,11 +267,22 @@ def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, ms
     return {"compute": compute, "bubble": idle, **{f"comm_{g}": t for g, t in exposed.items()}}
 
 
-def fullest_rank(run: Run, c: Candidate, specs, peaks) -> tuple[int, dict]:
-    """(pipeline rank, its memory by component) of the fullest rank: each rank its own weights and its own
+def fullest_rank(run: Run, c: Candidate, specs, peaks, gloo: bool) -> tuple[int, dict]:
+    """(pipeline rank, its memory by component) of the fullest rank: each rank its own weights, its own
     activations (the ends hold the embedding and the head, the first ranks keep the most micro-batches in
-    flight), the fullest decides whether the layout fits."""
-    return max(((r, rank_memory(run, c, specs, r, peak)) for r, peak in peaks), key=lambda rank_mem: rank_mem[1]["total"])
+    flight) and its own working set; the fullest decides whether the layout fits."""
+    return max(((r, rank_memory(run, c, specs, r, peak, gloo)) for r, peak in peaks),
+               key=lambda rank_mem: rank_mem[1]["total"])
+
+
+def gloo(dev) -> bool:
+    """Does chapter 03's executor post every receive of a step at its start (gloo: a CPU's ranks)?"""
+    return dev.cores is not None
+
+
+def fits(memory: dict, dev) -> bool:
+    """A rank's total within the device's memory less its headroom (working_set.py)."""
+    return memory["total"] <= dev.memory * (1 - dev.headroom)
 
 
 def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
@@ -271,7 +292,7 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     rows = run.global_batch // c.dp // c.microbatches
     peaks = schedule_costs.activation_peaks(cfg, c.recompute, c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
                              run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel, run.dtype, c.recompute_layers)
-    fullest, memory = fullest_rank(run, c, specs, peaks)
+    fullest, memory = fullest_rank(run, c, specs, peaks, gloo(dev))
     nbytes, msgs = rank0_traffic(run, c, specs)
     bubble = pipeline_schedules.theory_bubble(c.schedule, c.pp, c.microbatches, c.virtual_stages) if c.pp > 1 else 0.0
 
@@ -285,5 +306,5 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
             "comm_bytes": nbytes, "bubble": bubble, "step_time_s": step,
             # model FLOPs over the peak of every rank (common/mfu's definition; recomputation not counted)
             "mfu": flops_per_token(cfg, run.seq_len) * tokens / (workers * dev.peak) / step,
-            "fits": memory["total"] <= dev.memory, "time_parts_s": parts,
+            "fits": fits(memory, dev), "time_parts_s": parts,
             "virtual_stages": c.virtual_stages, "fullest_pp_rank": fullest}

@@ -73,6 +73,8 @@ class Device:
     # a GPU whose matmul rate was measured by size (gpu_efficiency.py): ((FLOPs, share of peak), ...); the
     # stated efficiency then holds for the largest matmuls and falls with the curve for smaller ones
     curve: tuple | None = None
+    # the share of `memory` a run cannot use (working_set.py: a GPU's CUDA context and allocator fragmentation)
+    headroom: float = 0.0
 
 
 def datasheet_peak(fragment: str, dtype: str) -> float:
@@ -83,9 +85,12 @@ def datasheet_peak(fragment: str, dtype: str) -> float:
 
 def gpu(name: str, dtype: str) -> Device:
     curve = import_module("07_choosing_a_layout.gpu_efficiency").load_curve(name, dtype)    # None: not measured
+    headroom = import_module("07_choosing_a_layout.working_set").HEADROOM                    # stated
     if name == "h100":
-        return Device("h100", 80 * GIB, datasheet_peak("H100", dtype), 900 * GB, 100 * GB, 10e-6, 20e-6, curve=curve)
-    return Device("a100", 80 * GIB, datasheet_peak("A100", dtype), 600 * GB, 50 * GB, 10e-6, 20e-6, curve=curve)
+        return Device("h100", 80 * GIB, datasheet_peak("H100", dtype), 900 * GB, 100 * GB, 10e-6, 20e-6, curve=curve,
+                      headroom=headroom)
+    return Device("a100", 80 * GIB, datasheet_peak("A100", dtype), 600 * GB, 50 * GB, 10e-6, 20e-6, curve=curve,
+                  headroom=headroom)
 
 
 def cpu(dtype: str, world: int) -> Device:

@@ -24,7 +24,7 @@ def least_recompute_layers(run, c, dev) -> int | None:
     def fits(k):
         peaks = schedule_costs.activation_peaks(run.cfg, "full", c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
                                                  run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel, run.dtype, k)
-        return layout_costs.fullest_rank(run, c, specs, peaks)[1]["total"] <= dev.memory
+        return layout_costs.fits(layout_costs.fullest_rank(run, c, specs, peaks, layout_costs.gloo(dev))[1], dev)
 
     most = max(len(s.layers) for s in specs)
     if c.recompute != "full" or most < 2 or not fits(most) or fits(0):

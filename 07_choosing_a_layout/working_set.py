@@ -1,0 +1,62 @@
+"""The working set: what a rank holds at the peak of a step beyond its weights, gradients, AdamW moments and
+saved activations (the ledger's). Measured on this CPU (calibrate_memory.py: every tensor of rank 0, counted
+by common/live_memory.py), it is:
+
+  transients    the backward of one micro-batch through a block: gradients of its activations and the
+                tensors each operation makes on the way, a few of width D and a few of the MLP's. In copies
+                of a micro-batch's [tokens, width] tensor, fitted on the runs (results/cpu_working_set.json):
+                    a · t·D  +  b · t·F/tp                       bytes × the run's element size
+  the head      on the rank that holds it, the backward of the loss: the softmax and the logits' gradient,
+                h fp32 copies of [t, V/tp], fitted on one-process runs of a model whose vocabulary is far wider
+                than its blocks (the course's byte vocabulary is narrower than tiny's MLP, so there the blocks'
+                moment is the peak); the larger of the two moments counts
+  receives      chapter 03's executor posts its irecvs ahead: with gloo every receive of the step at its
+                start (pipeline_executor.py, "When to post"), so a stage that is not the last holds the
+                m − 1 gradients it has not consumed yet (one micro-batch's boundary tensor each); with NCCL
+                one action ahead, so one. Counted, not fitted.
+  headroom      on a GPU, the part of its memory a run cannot use: the CUDA context and the caching
+                allocator's fragmentation, stated as HEADROOM of the device (a layout fits when its total
+                is within the rest); on a CPU none (no allocator cache; the operating system's pages).
+
+t = rows × positions of one micro-batch on the rank (positions: S / cp); D the model width; F the MLP's
+(a mixture: the k experts a token visits); V the vocabulary.
+"""
+import json
+from pathlib import Path
+
+COEF_FILE = Path(__file__).resolve().parent / "results" / "cpu_working_set.json"
+HEADROOM = 0.05                 # of a GPU's memory: CUDA context and the allocator's fragmentation (stated)
+
+
+def terms(cfg, rows: int, positions: int, tp: int, e: int) -> tuple[float, float]:
+    """(t·D, t·F/tp) in bytes: the two widths the blocks' transients are copies of."""
+    t = rows * positions
+    ffn = cfg.top_k * cfg.expert_hidden if cfg.n_experts else cfg.ffn_hidden // tp
+    return t * cfg.dim * e, t * ffn * e
+
+
+def logits(cfg, rows: int, positions: int, tp: int) -> int:
+    """One fp32 [t, V/tp] tensor in bytes: the width the head's moment is copies of."""
+    return rows * positions * (cfg.vocab_size // tp) * 4
+
+
+def receives(boundary_bytes: int, microbatches: int, last_stage: bool, gloo: bool) -> int:
+    """The receive buffers chapter 03's executor has posted and not consumed at a stage's peak."""
+    if last_stage:
+        return 0
+    return (microbatches - 1 if gloo else 1) * boundary_bytes
+
+
+def load() -> tuple[float, float, float]:
+    """(a, b, h): the committed calibration's copies of each width."""
+    fit = json.loads(COEF_FILE.read_text())
+    return fit["a"], fit["b"], fit["h"]
+
+
+def working_set(cfg, rows: int, positions: int, tp: int, e: int, holds_head: bool, boundary_bytes: int,
+                microbatches: int, last_stage: bool, gloo: bool, coef=None) -> float:
+    """One rank's working set in bytes (the module docstring)."""
+    a, b, h = coef or load()
+    td, tf = terms(cfg, rows, positions, tp, e)
+    peak = max(a * td + b * tf, h * logits(cfg, rows, positions, tp) if holds_head else 0)
+    return peak + receives(boundary_bytes, microbatches, last_stage, gloo)
