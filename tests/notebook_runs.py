@@ -6,7 +6,9 @@ server or in a container image: there matplotlib's inline backend is never used,
 reach the notebook without it, whatever the environment the tests run in.
 Notebooks are found by glob, so a new chapter's notebook is tested as soon as it exists.
 
-Each notebook is its own test, with its own time limit (pytest.ini), one after another on one test worker."""
+Each notebook is its own test, with its own time limit (pytest.ini). The notebooks are shared by three test
+files (test_notebooks_1.py … _3.py, every third one each), so three test workers run them side by side:
+one file would keep one worker busy for minutes after the others finished."""
 import os
 from pathlib import Path
 
@@ -35,8 +37,16 @@ def execute(path: Path, tmp: Path):
     return nb, figures
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes_in_a_kernel(path, tmp_path):
+FILES = 3
+
+
+def share(k: int):
+    """Every notebook of the k-th test file (1 ≤ k ≤ FILES), parametrized by its name."""
+    mine = NOTEBOOKS[k - 1::FILES]
+    return pytest.mark.parametrize("path", mine, ids=[p.stem for p in mine])
+
+
+def check_notebook(path: Path, tmp_path: Path) -> None:
     nb, figures = execute(path, tmp_path)
     saved = sorted(figures.glob("*.png"))
     assert saved, f"{path.name} saved no plot under NOTEBOOK_FIGURES"
