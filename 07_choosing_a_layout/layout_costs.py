@@ -151,11 +151,7 @@ def rank_memory(run: Run, c: Candidate, specs, pp_rank: int, peak_activation: in
         memory = per_unit_zero.memory(zero3_units(run.cfg), c.dp, run.dtype, peak_activation)
     else:
         memory = memory_by_component(run, c, peak_activation, dense, experts)
-    rows, positions, e = run.global_batch // c.dp // c.microbatches, run.seq_len // c.cp, 2 if run.dtype == "bf16" else 4
-    boundary = rows * (positions // c.tp if c.sequence_parallel else positions) * run.cfg.dim * e
-    last = c.pp == 1 or (pp_rank == c.pp - 1 and c.virtual_stages == 1)
-    working = working_set.working_set(run.cfg, rows, positions, c.tp, e, any(s.last for s in mine), boundary,
-                                      c.microbatches, last, gloo)
+    working = working_set.of_rank(run, c, mine, pp_rank, gloo)
     return {**memory, "working": working, "total": memory["total"] + working}
 
 
@@ -275,16 +271,6 @@ def fullest_rank(run: Run, c: Candidate, specs, peaks, gloo: bool) -> tuple[int,
                key=lambda rank_mem: rank_mem[1]["total"])
 
 
-def gloo(dev) -> bool:
-    """Does chapter 03's executor post every receive of a step at its start (gloo: a CPU's ranks)?"""
-    return dev.cores is not None
-
-
-def fits(memory: dict, dev) -> bool:
-    """A rank's total within the device's memory less its headroom (working_set.py)."""
-    return memory["total"] <= dev.memory * (1 - dev.headroom)
-
-
 def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     """The planner's row for one layout: the JSON schema of choose_layout.py, plus the time's parts."""
     cfg, world = run.cfg, c.dp * c.tp * c.pp * c.cp
@@ -292,7 +278,7 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     rows = run.global_batch // c.dp // c.microbatches
     peaks = schedule_costs.activation_peaks(cfg, c.recompute, c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
                              run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel, run.dtype, c.recompute_layers)
-    fullest, memory = fullest_rank(run, c, specs, peaks, gloo(dev))
+    fullest, memory = fullest_rank(run, c, specs, peaks, working_set.gloo(dev))
     nbytes, msgs = rank0_traffic(run, c, specs)
     bubble = pipeline_schedules.theory_bubble(c.schedule, c.pp, c.microbatches, c.virtual_stages) if c.pp > 1 else 0.0
 
@@ -306,5 +292,5 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
             "comm_bytes": nbytes, "bubble": bubble, "step_time_s": step,
             # model FLOPs over the peak of every rank (common/mfu's definition; recomputation not counted)
             "mfu": flops_per_token(cfg, run.seq_len) * tokens / (workers * dev.peak) / step,
-            "fits": fits(memory, dev), "time_parts_s": parts,
+            "fits": working_set.fits(memory, dev), "time_parts_s": parts,
             "virtual_stages": c.virtual_stages, "fullest_pp_rank": fullest}

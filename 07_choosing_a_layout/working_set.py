@@ -22,6 +22,7 @@ t = rows × positions of one micro-batch on the rank (positions: S / cp); D the 
 (a mixture: the k experts a token visits); V the vocabulary.
 """
 import json
+from functools import lru_cache
 from pathlib import Path
 
 COEF_FILE = Path(__file__).resolve().parent / "results" / "cpu_working_set.json"
@@ -47,16 +48,30 @@ def receives(boundary_bytes: int, microbatches: int, last_stage: bool, gloo: boo
     return (microbatches - 1 if gloo else 1) * boundary_bytes
 
 
+@lru_cache(maxsize=None)
 def load() -> tuple[float, float, float]:
     """(a, b, h): the committed calibration's copies of each width."""
     fit = json.loads(COEF_FILE.read_text())
     return fit["a"], fit["b"], fit["h"]
 
 
-def working_set(cfg, rows: int, positions: int, tp: int, e: int, holds_head: bool, boundary_bytes: int,
-                microbatches: int, last_stage: bool, gloo: bool, coef=None) -> float:
-    """One rank's working set in bytes (the module docstring)."""
+def of_rank(run, c, stages, pp_rank: int, gloo: bool, coef=None) -> float:
+    """Pipeline rank `pp_rank`'s working set in bytes, for layout `c` of `run` (layout_costs' Run and
+    Candidate), `stages` the stages it holds (the module docstring)."""
     a, b, h = coef or load()
-    td, tf = terms(cfg, rows, positions, tp, e)
-    peak = max(a * td + b * tf, h * logits(cfg, rows, positions, tp) if holds_head else 0)
-    return peak + receives(boundary_bytes, microbatches, last_stage, gloo)
+    rows, positions, e = run.global_batch // c.dp // c.microbatches, run.seq_len // c.cp, 2 if run.dtype == "bf16" else 4
+    td, tf = terms(run.cfg, rows, positions, c.tp, e)
+    peak = max(a * td + b * tf, h * logits(run.cfg, rows, positions, c.tp) if any(s.last for s in stages) else 0)
+    boundary = rows * (positions // c.tp if c.sequence_parallel else positions) * run.cfg.dim * e
+    last = c.pp == 1 or (pp_rank == c.pp - 1 and c.virtual_stages == 1)
+    return peak + receives(boundary, c.microbatches, last, gloo)
+
+
+def gloo(dev) -> bool:
+    """Does chapter 03's executor post every receive of a step at its start (gloo: a CPU's ranks)?"""
+    return dev.cores is not None
+
+
+def fits(memory: dict, dev) -> bool:
+    """A rank's total within the device's memory less its headroom."""
+    return memory["total"] <= dev.memory * (1 - dev.headroom)
