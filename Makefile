@@ -23,10 +23,9 @@ run: $(STAMP)
 # The whole test suite (CPU, gloo; about 10 minutes on 2 cores). Four workers on two cores: part of a test's
 # time is spent waiting (ranks starting, messages between ranks that share the cores, a killed rank's peers
 # timing out), which the others fill; every rank takes one thread (tests/conftest.py). Each worker takes a
-# whole file at a time: its tests share their spawned groups; the longest files first, in the order
-# tests/conftest.py gives (--no-loadscope-reorder: not the default's most-tests-first).
+# whole file at a time: its tests share their spawned groups.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m pytest -q -n 4 --dist loadfile tests
 
 # Every chapter's benchmark, one after another (about 39 minutes on 2 cores: 2½ + 2½ + 5 + 2 + 1 + 2½ + 4 + 4½ + 10 + 5);
 # each writes the tables (and plots) under its chapter's results/ that the READMEs show.
