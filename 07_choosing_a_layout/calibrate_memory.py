@@ -1,6 +1,6 @@
 """The planner's working set, calibrated on every tensor the course's runs hold here.
 
-    python 07_choosing_a_layout/calibrate_memory.py            # runs them (~6 min on 2 cores), fits, checks
+    python 07_choosing_a_layout/calibrate_memory.py            # runs them (~7 min on 2 cores), fits, checks
     python 07_choosing_a_layout/calibrate_memory.py --fit-only # the committed runs, fitted and checked again
 
 Each run is chapter 04's train_3d.py for 2 steps with --measure-memory: rank 0 counts every byte its
@@ -10,7 +10,8 @@ the ledger's); what it measures beyond them, less the receive buffers chapter 03
 the working set's transients, which working_set.py writes as copies of a micro-batch's [tokens, width]
 tensors: a · t·D + b · t·F/tp. This file fits a and b by least squares on the relative error of the
 total, over chapter 04's ten 8-rank layouts of its bench (16 × 128 tokens, 2·pp micro-batches)
-and four more whose micro-batches change the tokens per width (the bench's all have t·F/tp equal).
+and four more whose micro-batches change the tokens per width (the bench's all have t·F/tp equal);
+HELD_OUT (recomputation, ZeRO-1 to 3) are measured and compared, never fitted.
 The head's moment, h copies of [t, V], is fitted on HEAD_SHAPES: the course's model with a vocabulary far
 wider than its blocks, one forward and backward in this process, every tensor counted (no optimizer:
 the planner's AdamW bytes are left out of its total there). Each run's predicted total is printed against
@@ -41,6 +42,10 @@ working_set = import_module("07_choosing_a_layout.working_set")
 HEAD_SHAPES = [dict(vocab=4096, dim=64, ffn=128), dict(vocab=8192, dim=64, ffn=96)]   # 2 blocks, 2 × 128 tokens
 EXTRA = [dict(dp=8, tp=1, pp=1, m=1), dict(dp=1, tp=8, pp=1, m=8), dict(dp=2, tp=2, pp=2, m=2),
          dict(dp=4, tp=1, pp=2, m=2)]
+# measured and checked, never fitted: recomputation and ZeRO, which the fit's runs do not have
+HELD_OUT = [dict(dp=2, tp=2, pp=2, m=4, recompute="selective"), dict(dp=2, tp=2, pp=2, m=4, recompute="full"),
+            dict(dp=4, tp=1, pp=2, m=4, zero=1), dict(dp=4, tp=2, pp=1, m=2, zero=2),
+            dict(dp=4, tp=2, pp=1, m=2, zero=3)]
 
 
 def layouts() -> list[dict]:
@@ -51,7 +56,9 @@ def layouts() -> list[dict]:
 
 
 def name(layout: dict) -> str:
-    return f"{layout['dp']} × {layout['tp']} × {layout['pp']}, m={layout['m']}"
+    return (f"{layout['dp']} × {layout['tp']} × {layout['pp']}, m={layout['m']}"
+            + (f", recompute {layout['recompute']}" if layout.get("recompute") else "")
+            + (f", ZeRO-{layout['zero']}" if layout.get("zero") else ""))
 
 
 def measure(layout: dict) -> int:
@@ -60,7 +67,8 @@ def measure(layout: dict) -> int:
         out = Path(tmp) / "m.jsonl"
         argv = ["--model", "tiny", *bench_3d.BATCH, "--microbatches", layout["m"], "--dp", layout["dp"],
                 "--tp", layout["tp"], "--pp", layout["pp"], "--steps", 2, "--quiet", "--sample-tokens", 0,
-                "--val-every", 0, "--metrics", out, "--measure-memory"]
+                "--val-every", 0, "--metrics", out, "--measure-memory", "--recompute", layout.get("recompute", "none"),
+                "--zero-stage", layout.get("zero", 0)]
         launch(HERE.parent / "04_3d_combined" / "train_3d.py", 8, argv, echo=False, quiet=True)
         return json.loads(out.read_text().splitlines()[-1])["live_peak_bytes"]
 
@@ -68,15 +76,17 @@ def measure(layout: dict) -> int:
 def parts(layout: dict) -> tuple[float, tuple, float]:
     """(what the planner holds on rank 0 besides the transients, the two widths, the receives)."""
     run = layout_costs.Run(PRESETS["tiny"], 16, 128, "fp32")
-    c = layout_costs.Candidate(layout["dp"], layout["tp"], layout["pp"], 1, 1, 0, "none", False, "1f1b", layout["m"])
+    mode = layout.get("recompute", "none")
+    c = layout_costs.Candidate(layout["dp"], layout["tp"], layout["pp"], 1, 1, layout.get("zero", 0), mode, False,
+                               "1f1b", layout["m"])
     rows = 16 // layout["dp"] // layout["m"]
-    peaks = dict(schedule_costs.activation_peaks(run.cfg, "none", "1f1b", c.pp, c.microbatches, 1, rows, 128, 128,
+    peaks = dict(schedule_costs.activation_peaks(run.cfg, mode, "1f1b", c.pp, c.microbatches, 1, rows, 128, 128,
                                                  c.tp, False, "fp32", None))
     memory = layout_costs.rank_memory(run, c, schedule_costs.specs_for(run.cfg, c.pp, 1, 128, "1f1b"), 0, peaks[0],
                                       gloo=True)
     widths = working_set.terms(run.cfg, rows, 128, layout["tp"], 4)
     received = working_set.receives(rows * 128 * run.cfg.dim * 4, layout["m"], layout["pp"] == 1, gloo=True)
-    return memory["total"] - memory["working"], widths, received
+    return memory["total"] - memory["working"] + working_set.recomputed(run, c, rows, 128), widths, received
 
 
 def head_config(shape: dict):
@@ -131,9 +141,11 @@ def predicted(layout: dict, coef) -> float:
     return held + sum(k * w for k, w in zip(coef, widths)) + received
 
 
-def table(runs: list[dict], head_runs: list[dict], a: float, b: float, h: float) -> list[str]:
+def table(runs: list[dict], head_runs: list[dict], held_out: list[dict], a: float, b: float, h: float) -> list[str]:
     lines = ["| run | measured (rank 0, every tensor) | predicted | error |", "|---|---|---|---|"]
     cases = [(name(r["layout"]), r["live_peak_bytes"], predicted(r["layout"], (a, b))) for r in runs]
+    cases += [(name(r["layout"]) + " (held out)", r["live_peak_bytes"], predicted(r["layout"], (a, b)))
+              for r in held_out]
     cases += [(f"V {r['shape']['vocab']}, D {r['shape']['dim']}, F {r['shape']['ffn']} (one process)",
                r["live_peak_bytes"], predicted_head(r["shape"], h)) for r in head_runs]
     return lines + [f"| {n} | {m:,} | {p:,.0f} | {p / m - 1:+.1%} |" for n, m, p in cases]
@@ -145,21 +157,22 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.fit_only:
         committed = json.loads(working_set.COEF_FILE.read_text())
-        runs, head_runs = committed["runs"], committed["head_runs"]
+        runs, head_runs, held_out = committed["runs"], committed["head_runs"], committed["held_out"]
     else:
         torch.set_num_threads(1)
         head_runs = [{"shape": shape, "live_peak_bytes": measure_head(shape)} for shape in HEAD_SHAPES]
-        runs = []
-        for layout in layouts():
-            runs.append({"layout": layout, "live_peak_bytes": measure(layout)})
-            print(f"measured {name(layout)}: {runs[-1]['live_peak_bytes']:,} bytes", flush=True)
+        runs, held_out = [], []
+        for layout in layouts() + HELD_OUT:
+            peak = measure(layout)
+            (held_out if layout in HELD_OUT else runs).append({"layout": layout, "live_peak_bytes": peak})
+            print(f"measured {name(layout)}: {peak:,} bytes", flush=True)
     (a, b), h = fit(runs), fit_head(head_runs)
     working_set.COEF_FILE.write_text(json.dumps({
         "command": "python 07_choosing_a_layout/calibrate_memory.py", "a": a, "b": b, "h": h, "runs": runs,
-        "head_runs": head_runs}, indent=1) + "\n")
+        "head_runs": head_runs, "held_out": held_out}, indent=1) + "\n")
     print(f"working set: the larger of {a:.2f} · t·D + {b:.2f} · t·F/tp (× element bytes) and, on the head's "
           f"rank, {h:.2f} · t·V/tp (fp32)")
-    print("\n".join(table(runs, head_runs, a, b, h)))
+    print("\n".join(table(runs, head_runs, held_out, a, b, h)))
 
 
 if __name__ == "__main__":

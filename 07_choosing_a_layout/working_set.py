@@ -10,6 +10,9 @@ by common/live_memory.py), it is:
                 h fp32 copies of [t, V/tp], fitted on one-process runs of a model whose vocabulary is far wider
                 than its blocks (the course's byte vocabulary is narrower than tiny's MLP, so there the blocks'
                 moment is the peak); the larger of the two moments counts
+  recomputed    under full recomputation, the block whose backward runs holds its activations again, as a
+                block not recomputed keeps them (one micro-batch's, the ledger's "none" less its "full":
+                measured within 3 % on a held-out run, calibrate_memory.py)
   receives      chapter 03's executor posts its irecvs ahead: with gloo every receive of the step at its
                 start (pipeline_executor.py, "When to post"), so a stage that is not the last holds the
                 m − 1 gradients it has not consumed yet (one micro-batch's boundary tensor each); with NCCL
@@ -23,7 +26,12 @@ t = rows × positions of one micro-batch on the rank (positions: S / cp); D the 
 """
 import json
 from functools import lru_cache
+from importlib import import_module
 from pathlib import Path
+
+from common import activation_ledger
+
+schedule_costs = import_module("07_choosing_a_layout.schedule_costs")      # this chapter: the ledger's config
 
 COEF_FILE = Path(__file__).resolve().parent / "results" / "cpu_working_set.json"
 HEADROOM = 0.05                 # of a GPU's memory: CUDA context and the allocator's fragmentation (stated)
@@ -64,7 +72,19 @@ def of_rank(run, c, stages, pp_rank: int, gloo: bool, coef=None) -> float:
     peak = max(a * td + b * tf, h * logits(run.cfg, rows, positions, c.tp) if any(s.last for s in stages) else 0)
     boundary = rows * (positions // c.tp if c.sequence_parallel else positions) * run.cfg.dim * e
     last = c.pp == 1 or (pp_rank == c.pp - 1 and c.virtual_stages == 1)
-    return peak + receives(boundary, c.microbatches, last, gloo)
+    return peak + recomputed(run, c, rows, positions) + receives(boundary, c.microbatches, last, gloo)
+
+
+def recomputed(run, c, rows: int, positions: int) -> int:
+    """Under --recompute full: one block's activations of one micro-batch, rebuilt for its backward."""
+    if c.recompute != "full":
+        return 0
+    cfg = schedule_costs.ledger_config(run.cfg, c.tp)
+    one_block = {mode: activation_ledger.microbatch_bytes(cfg, mode, rows, positions, 1, first=False, last=False,
+                                                          tp=c.tp, sequence_parallel=c.sequence_parallel, cp=c.cp,
+                                                          dtype=run.dtype, weight_casts=False)
+                 for mode in ("none", "full")}
+    return one_block["none"] - one_block["full"]
 
 
 def gloo(dev) -> bool:

@@ -7,7 +7,9 @@ buffers). A CPU has no such counter, so this file keeps one:
   - `LiveTensors`, a dispatch mode: every tensor an operation returns passes through it; it notes the
     storage behind it (once, however many views share it) and a finaliser that subtracts its bytes when
     the storage is freed. What existed before (the trainer's weights, gradients, AdamW state, buffers)
-    is counted at the start, found by walking what the trainer holds.
+    is counted at the start, found by walking what the trainer holds. A storage resized in place (ZeRO-2
+    and 3 empty their full buffers between steps and fill them again, as FSDP does) counts at the size
+    it had when an operation last returned it, and every storage is read again after each verb.
   - `LivePeak`, a trainer (common/step_protocol.py) whose verbs run inside that mode; `memory()` adds
     `live_peak_bytes`, the most bytes live at once since the last call (one step's peak), then resets it.
 
@@ -28,7 +30,8 @@ class LiveTensors(TorchDispatchMode):
 
     def __init__(self, resident=()):
         super().__init__()
-        self.bytes: dict[int, int] = {}          # storage address → bytes, while it lives
+        self.bytes: dict[int, int] = {}          # id of a live storage → its bytes when last seen
+        self.storages: dict[int, weakref.ref] = {}
         self.live = self.peak = 0
         for t in resident:
             self.note(t)
@@ -37,16 +40,29 @@ class LiveTensors(TorchDispatchMode):
         if type(t) not in (torch.Tensor, torch.nn.Parameter):     # a DTensor has no plain storage
             return
         storage = t.untyped_storage()
-        address, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes == 0 or address in self.bytes:
-            return
-        self.bytes[address] = nbytes
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self.freed, address)
+        key = id(storage)
+        if key not in self.bytes:
+            self.bytes[key], self.storages[key] = 0, weakref.ref(storage)
+            weakref.finalize(storage, self.freed, key)
+        self.resized(key, storage.nbytes())
 
-    def freed(self, address: int) -> None:
-        self.live -= self.bytes.pop(address)
+    def resized(self, key: int, nbytes: int) -> None:
+        """A storage seen again at `nbytes` (ZeRO's flat buffers grow and shrink in place, FSDP's way)."""
+        self.live += nbytes - self.bytes[key]
+        self.bytes[key] = nbytes
+        self.peak = max(self.peak, self.live)
+
+    def resync(self) -> None:
+        """Every live storage's bytes read again: what was resized in place since an operation last
+        returned it (a buffer emptied between steps) counts as it is now."""
+        for key, ref in list(self.storages.items()):
+            storage = ref()
+            if storage is not None:
+                self.resized(key, storage.nbytes())
+
+    def freed(self, key: int) -> None:
+        self.live -= self.bytes.pop(key)
+        del self.storages[key]
 
     def reset(self) -> int:
         """The peak since the last reset; from now on the peak starts at what is live."""
@@ -103,7 +119,9 @@ class LivePeak:
                 for t in tree_flatten((args, kwargs))[0]:       # the batch, made before the step
                     if isinstance(t, torch.Tensor):
                         self.meter.note(t)
-                return getattr(self.trainer, verb)(*args, **kwargs)
+                out = getattr(self.trainer, verb)(*args, **kwargs)
+            self.meter.resync()
+            return out
         run.__name__ = verb
         return run
 

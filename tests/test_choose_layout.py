@@ -291,7 +291,7 @@ def test_nothing_fits_exits_1_after_writing_the_rows(tmp_path):
     proc = planner("--model", "llama3-405b", "--world", "1", "--device", "h100", "--json", str(out))
     assert proc.returncode == 1 and proc.stderr.startswith(
         "error: no layout of 1 h100 rank fits: the smallest, dp 1 × tp 1 × pp 1 × cp 1, recompute full, m=16, "
-        "still holds 6,048.94 GiB per rank against 80.00 GiB less its 5% headroom; use more ranks (--world)"), \
+        "still holds 6,049.10 GiB per rank against 80.00 GiB less its 5% headroom; use more ranks (--world)"), \
         proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and "(does not fit)" in proc.stdout
     rows = json.loads(out.read_text())

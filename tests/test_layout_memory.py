@@ -33,6 +33,16 @@ def test_every_calibration_run_is_predicted_within_5_percent():
         assert calibrate_memory.predicted_head(r["shape"], h) == pytest.approx(r["live_peak_bytes"], rel=0.05)
 
 
+def test_recomputation_and_zero_which_the_fit_never_saw():
+    """Selective and full recomputation (the block rebuilt for its backward), ZeRO-1, 2 and 3 on the grid
+    (their full buffers emptied between steps and filled again), each within 5 %."""
+    a, b, _ = working_set.load()
+    assert len(COMMITTED["held_out"]) == 5
+    for r in COMMITTED["held_out"]:
+        predicted = calibrate_memory.predicted(r["layout"], (a, b))
+        assert predicted == pytest.approx(r["live_peak_bytes"], rel=0.05), calibrate_memory.name(r["layout"])
+
+
 def test_a_wide_vocabulary_measured_now_is_the_committed_run():
     """The head's runs are one process each: measured again here, to the byte (no thread, no message)."""
     r = COMMITTED["head_runs"][0]

@@ -21,6 +21,18 @@ def test_each_storage_counts_once_while_it_lives():
     assert meter.live == 0
 
 
+def test_a_storage_resized_in_place_counts_as_it_is_now():
+    """ZeRO-2/3's way (FSDP's): a full buffer emptied between steps, then filled again by an operation."""
+    flat = torch.zeros(1000)                                     # 4,000 bytes, made before
+    with LiveTensors([flat]) as meter:
+        flat.untyped_storage().resize_(0)                        # no operation returns it: seen on resync
+        meter.resync()
+        assert meter.live == 0
+        flat.untyped_storage().resize_(4000)
+        flat.zero_()                                             # an operation returns it: 4,000 again
+        assert (meter.live, meter.peak) == (4000, 4000)
+
+
 def test_what_a_trainer_holds_is_found_through_its_modules_and_optimizer():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4, bias=False))
