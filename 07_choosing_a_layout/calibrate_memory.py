@@ -20,7 +20,6 @@ the measured one. → results/cpu_working_set.json
 import argparse
 import json
 import sys
-import tempfile
 from dataclasses import replace
 from importlib import import_module
 from pathlib import Path
@@ -30,11 +29,11 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from common.launch import launch  # noqa: E402
 from common.live_memory import LiveTensors, held_tensors  # noqa: E402
 from common.model import PRESETS, build_model, loss_sum  # noqa: E402
 
 bench_3d = import_module("04_3d_combined.bench_3d")                   # chapter 04: the 8-rank layouts
+check_layouts = import_module("07_choosing_a_layout.check_layouts")   # this chapter: a short run's last row
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
 working_set = import_module("07_choosing_a_layout.working_set")
@@ -63,14 +62,9 @@ def name(layout: dict) -> str:
 
 def measure(layout: dict) -> int:
     """Rank 0's most bytes held at once in the second step of a 2-step run of the layout."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "m.jsonl"
-        argv = ["--model", "tiny", *bench_3d.BATCH, "--microbatches", layout["m"], "--dp", layout["dp"],
-                "--tp", layout["tp"], "--pp", layout["pp"], "--steps", 2, "--quiet", "--sample-tokens", 0,
-                "--val-every", 0, "--metrics", out, "--measure-memory", "--recompute", layout.get("recompute", "none"),
-                "--zero-stage", layout.get("zero", 0)]
-        launch(HERE.parent / "04_3d_combined" / "train_3d.py", 8, argv, echo=False, quiet=True)
-        return json.loads(out.read_text().splitlines()[-1])["live_peak_bytes"]
+    flags = ["--microbatches", layout["m"], "--dp", layout["dp"], "--tp", layout["tp"], "--pp", layout["pp"],
+             "--recompute", layout.get("recompute", "none"), "--zero-stage", layout.get("zero", 0), "--measure-memory"]
+    return check_layouts.last_row(flags, 2)["live_peak_bytes"]
 
 
 def parts(layout: dict) -> tuple[float, tuple, float]:

@@ -44,19 +44,23 @@ calibrate_cpu = import_module("07_choosing_a_layout.calibrate_cpu")   # this cha
 working_set = import_module("07_choosing_a_layout.working_set")       # this chapter: beyond the ledger
 
 
+def last_row(flags: list, steps: int) -> dict:
+    """The last metrics row of a short 8-rank train_3d.py run of the tiny model on the bench's batch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "m.jsonl"
+        argv = ["--model", "tiny", *bench_3d.BATCH, *flags, "--steps", steps, "--quiet", "--sample-tokens", "0",
+                "--val-every", "0", "--metrics", out]
+        launch(HERE.parent / "04_3d_combined" / "train_3d.py", 8, argv, echo=False, quiet=True)
+        return json.loads(out.read_text().splitlines()[-1])
+
+
 def measured_here(steps: int) -> dict:
     """{layout name: last metrics row} of a short train_3d.py run per 8-rank layout of bench_3d.py."""
     rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, (ranks, degrees) in bench_3d.LAYOUTS.items():
-            if ranks != 8:
-                continue
-            out = Path(tmp) / "m.jsonl"
-            argv = ["--model", "tiny", *bench_3d.BATCH, *bench_3d.microbatches(degrees),
-                    *(x for k, v in degrees.items() for x in (f"--{k}", v)), "--steps", steps, "--quiet",
-                    "--sample-tokens", "0", "--val-every", "0", "--metrics", out]
-            launch(HERE.parent / "04_3d_combined" / "train_3d.py", ranks, argv, echo=False, quiet=True)
-            rows[name] = json.loads(out.read_text().splitlines()[-1])
+    for name, (ranks, degrees) in bench_3d.LAYOUTS.items():
+        if ranks == 8:
+            rows[name] = last_row([*bench_3d.microbatches(degrees),
+                                   *(x for k, v in degrees.items() for x in (f"--{k}", v))], steps)
             print(f"measured {name}", flush=True)
     return rows
 

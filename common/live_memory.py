@@ -130,6 +130,7 @@ class LivePeak:
     clip_grad_norm = _measured("clip_grad_norm")
     step = _measured("step")
     zero_grad = _measured("zero_grad")
+    del _measured
 
     def memory(self) -> dict:
         return {**self.trainer.memory(), "live_peak_bytes": self.meter.reset()}
