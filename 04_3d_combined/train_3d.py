@@ -22,8 +22,8 @@ from common.cli import base_parser
 from common.data import TextData, shard_rows
 from common.distributed import env_world_size, init_distributed
 from common.errors import run_main
-from common.mesh import Mesh
 from common.live_memory import LivePeak
+from common.mesh import Mesh
 from common.metrics import RunLog
 from common.model import dense_preset
 from common.optim import lr_at
