@@ -40,11 +40,20 @@ BACKENDS = ("none", "inductor", "aot_eager")
 
 
 def compile_blocks(model, backend: str):
-    """Mark every block of `model` (its `.layers`) to be compiled by `backend` at its first call."""
+    """Mark every block of `model` (its `.layers`) to be compiled by `backend` at its first call.
+
+    A block under full recomputation (common/recompute.py) keeps its forward eager and compiles its body:
+    the recomputation wraps the body (torch.utils.checkpoint, run as written, with the course's context
+    for the rerun), and the body it runs twice, once in the forward and once in the backward, is the
+    compiled one. This is the order large training frameworks use too: recomputation outside, the
+    compiler inside it."""
     if backend == "none":
         return model
     for block in model.layers:
-        block.compile(backend=backend)
+        if block.recompute_mode == "full":
+            block.body = torch.compile(block.body, backend=backend)     # forward: recomputed(self.body, ...)
+        else:
+            block.compile(backend=backend)
     return model
 
 
@@ -66,11 +75,14 @@ def check_compile(args) -> None:
     require(torch._dynamo.is_dynamo_supported(),
             f"--compile {backend}: torch.compile does not support this Python/PyTorch build; "
             "leave --compile out (eager mode gives the same losses)")
-    # The recomputation of common/recompute.py runs a context of its own during backward's rerun (it
-    # tells the MoE router not to count twice), which torch.compile does not accept inside a graph.
-    require(recompute == "none",
-            f"--compile {backend} with --recompute {recompute}: the course's recomputation marks its "
-            "reruns with a context torch.compile cannot trace; use --recompute none with --compile")
+    # Selective recomputation chooses pieces *inside* a block (a norm, SwiGLU's product), told by a context
+    # variable that a compiled graph cannot read. Inside a compiled block the compiler makes that choice
+    # itself: inductor's partitioner recomputes cheap elementwise results in the backward when that moves
+    # fewer bytes than keeping them. Full recomputation wraps a whole block and composes (compile_blocks).
+    require(recompute != "selective",
+            f"--compile {backend} with --recompute selective: which pieces of a compiled block are kept is "
+            "the compiler's choice (inductor recomputes cheap elementwise results itself); use --recompute "
+            "full (the whole block rerun, compiled inside) or none with --compile")
     if backend != "inductor":
         return
     cuda = device == "cuda" or (device is None and torch.cuda.is_available())

@@ -95,8 +95,8 @@ def selective(on: bool):
 def cheap(fn, *args):
     """fn(*args): a cheap, large piece (a norm, an elementwise product), recomputed in backward when
     its block runs in selective mode, kept otherwise."""
-    if torch.compiler.is_compiling():      # --compile runs with --recompute none only (common/compile.py),
-        return fn(*args)                   # and the compiler cannot read a context variable: no graph break
+    if torch.compiler.is_compiling():      # --compile refuses --recompute selective (common/compile.py), and the
+        return fn(*args)                   # compiler cannot read a context variable: no graph break
     return recomputed(fn, *args) if _cheap_ops.get() else fn(*args)
 
 

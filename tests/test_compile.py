@@ -13,6 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from common.errors import ConfigError
+from common.model import PRESETS, build_model
 from harness import every_rank, losses, run_group
 
 RUN = ["--steps", "2", "--quiet", "--global-batch", "2", "--seq-len", "32"]
@@ -26,14 +27,25 @@ def run_counting_graphs(script: str, argv: list) -> tuple[list[dict], int]:
     return history, torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+# Full recomputation of the first block only: that block's body compiled inside its recomputation, the
+# others compiled whole (common/compile.py), in one run.
+RECOMPUTED = ["--recompute", "full", "--recompute-layers", "1"]
+
+
 @pytest.fixture(scope="module")
-def runs():
+def group():
     jobs = []
     for script, layout in LAYOUTS.items():
         jobs += [("test_compile:run_counting_graphs", script, RUN + layout),
                  ("test_compile:run_counting_graphs", script, RUN + layout + ["--compile", "aot_eager"])]
-    results = run_group(2, jobs)
-    return {script: (every_rank(results[2 * i]), every_rank(results[2 * i + 1])) for i, script in enumerate(LAYOUTS)}
+    jobs.append(("test_compile:run_counting_graphs", "02_tensor_parallel.train_tp",
+                 RUN + LAYOUTS["02_tensor_parallel.train_tp"] + ["--compile", "aot_eager"] + RECOMPUTED))
+    return [every_rank(result) for result in run_group(2, jobs)]
+
+
+@pytest.fixture(scope="module")
+def runs(group):
+    return {script: (group[2 * i], group[2 * i + 1]) for i, script in enumerate(LAYOUTS)}
 
 
 @pytest.mark.parametrize("script", LAYOUTS)
@@ -44,6 +56,24 @@ def test_compiled_blocks_give_the_eager_losses(runs, script):
         # The blocks were compiled (the eager run builds no graph), cut around their collectives into a few
         # pieces (a TP block: 9, counting each frame's pieces), and not traced again at step 2.
         assert 1 <= graphs_after - graphs_before <= 12, graphs_after - graphs_before
+
+
+def test_full_recomputation_compiles_inside_the_rerun(group):
+    """TP 2, block 0 recomputed in full: the eager losses, and block 0's activations no longer kept."""
+    eager, compiled, recomputed = group[0], group[1], group[-1]
+    for (rows, _), (compiled_rows, _), (recomputed_rows, _) in zip(eager, compiled, recomputed):
+        assert losses(recomputed_rows) == pytest.approx(losses(rows), rel=1e-6)
+        kept, all_kept = recomputed_rows[-1]["peak_activation_bytes"], compiled_rows[-1]["peak_activation_bytes"]
+        assert kept < all_kept, (kept, all_kept)
+
+
+def test_a_recomputed_block_compiles_its_body_and_reruns_it_eagerly():
+    """Block 0 (full recomputation): its forward stays eager (the recomputation's checkpoint, as written) and
+    its body is compiled; block 1 (no recomputation) is compiled whole."""
+    model = build_model(PRESETS["tiny"], 0, "cpu", "full", "aot_eager", recompute_layers=1)
+    recomputed, kept = model.layers[0], model.layers[1]
+    assert recomputed._compiled_call_impl is None and hasattr(recomputed.body, "_torchdynamo_orig_callable")
+    assert kept._compiled_call_impl is not None and not hasattr(kept.body, "_torchdynamo_orig_callable")
 
 
 def refusal(script: str, argv: list) -> str:
@@ -57,7 +87,7 @@ def refusal(script: str, argv: list) -> str:
 
 @pytest.mark.parametrize("script, argv, says", [
     ("03_pipeline_parallel.train_pp", ["--compile", "--schedule", "zb-h1"], "use --schedule 1f1b"),
-    ("01_data_parallel.train_dp", ["--compile", "aot_eager", "--recompute", "full"], "use --recompute none"),
+    ("01_data_parallel.train_dp", ["--compile", "aot_eager", "--recompute", "selective"], "use --recompute full"),
     ("02_tensor_parallel.train_tp", ["--compile", "--impl", "torch"], "use --impl ours"),
 ])
 def test_what_cannot_compile_is_refused_in_one_line(script, argv, says):
