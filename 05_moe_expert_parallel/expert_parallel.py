@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 
+from common.compile import eager
 from common.model import MoEFeedForward
 from common.step_protocol import mark_replicated
 from common.moe_routing import AddRouterLoss, combine_experts, group_by_expert, route, router_loss
@@ -76,7 +77,7 @@ class ExpertParallelMoE(nn.Module):
         self.register_buffer("selection_bias", moe.selection_bias)
         self.options, self.stats = moe.options, moe.stats
 
-    @torch.compiler.disable               # --compile: eager, like the single-device MoE (common/model.py)
+    @eager                                # --compile: eager, like the single-device MoE (common/model.py)
     def forward(self, x):                                     # (B, S, D): this rank's rows (S/tp positions under SP)
         B, S, D = x.shape
         routing = route(x, self.router, self.selection_bias, self.top_k, self.options.capacity_factor,

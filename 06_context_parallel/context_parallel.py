@@ -26,6 +26,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from common.compile import eager
 from common.domains import POSITIVE_INT
 from common.errors import require
 from common.model import apply_rope
@@ -117,7 +118,7 @@ class ContextParallelAttention:
             self.tables = (cos[at], sin[at])
         return self.tables
 
-    @torch.compiler.disable         # --compile: the CP exchanges and their bookkeeping run eagerly (common/compile.py)
+    @eager                          # --compile: the CP exchanges and their bookkeeping run eagerly (common/compile.py)
     def __call__(self, q, k, v, cos, sin):     # q (B, h, S/cp, hd), k v (B, kv, S/cp, hd), cos sin (max S, hd/2)
         cos, sin = self.rope_rows(cos, sin)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)         # each token's own angle

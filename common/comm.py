@@ -23,6 +23,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from common.compile import eager
+
 
 class CommCounter:
     """Bytes sent + received, per named group, since the last `reset()`."""
@@ -51,11 +53,10 @@ class CommCounter:
 
 COUNTER = CommCounter()
 
-# Every collective below runs as written, never traced by `--compile` (common/compile.py): the compiler
-# cuts a block's graph at the call, compiles the pieces on each side, and runs the call itself eagerly,
-# counter and all. A chapter's autograd Function that calls one (TP's f and g, the ring's exchange) then
-# runs eagerly as a whole, between two compiled pieces.
-eager = torch.compiler.disable
+# Every collective below runs as written, never traced by `--compile` (common/compile.py's `eager`): the
+# compiler cuts a block's graph at the call, compiles the pieces on each side, and runs the call itself
+# eagerly, counter and all. A chapter's autograd Function that calls one (TP's f and g, the ring's exchange)
+# then runs eagerly as a whole, between two compiled pieces.
 
 
 # Twin communicators. A rank that runs two pieces of work at once on two threads (chapter 05 runs DualPipeV's

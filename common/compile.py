@@ -31,12 +31,44 @@ Backends (`--compile BACKEND`):
 """
 import importlib.util
 import shutil
+import sys
 
 import torch
 
 from common.errors import require
 
 BACKENDS = ("none", "inductor", "aot_eager")
+
+
+# What runs eagerly. `@eager` marks a function the compiler must not trace (a collective of common/comm.py,
+# the MoE layer's forward, the ring's attention): under --compile the graph is cut at its call, and the call
+# runs as written. torch.compiler.disable would do that at once, but it imports the compiler (about 1.5 s
+# of CPU per process), and most processes never compile: a rank that refuses its flags, the planner, a
+# notebook's kernel. So the mark is applied when the first model is compiled (`compile_blocks`).
+_marked = []           # functions marked so far, not yet disabled
+_compiling = False     # True once a model was compiled: a function marked later is disabled at once
+
+
+def eager(fn):
+    """Mark `fn`, a module's function or a class's method, to run eagerly between compiled pieces."""
+    if _compiling:
+        return torch.compiler.disable(fn)
+    _marked.append(fn)
+    return fn
+
+
+def _disable_marked() -> None:
+    """Replace every marked function, where its module or class holds it, by its compiler-disabled twin
+    (callers look it up there at each call: `comm.all_reduce(...)`, `self.forward`)."""
+    global _compiling
+    for fn in _marked:
+        *owner_path, name = fn.__qualname__.split(".")
+        owner = sys.modules[fn.__module__]
+        for part in owner_path:
+            owner = getattr(owner, part)
+        setattr(owner, name, torch.compiler.disable(fn))
+    _marked.clear()
+    _compiling = True
 
 
 def compile_blocks(model, backend: str):
@@ -49,6 +81,7 @@ def compile_blocks(model, backend: str):
     compiler inside it."""
     if backend == "none":
         return model
+    _disable_marked()
     for block in model.layers:
         if block.recompute_mode == "full":
             block.body = torch.compile(block.body, backend=backend)     # forward: recomputed(self.body, ...)

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import recompute
-from common.compile import compile_blocks
+from common.compile import compile_blocks, eager
 from common.errors import require
 from common.moe_routing import (AddRouterLoss, RoutingOptions, RoutingTally, combine_experts, group_by_expert,
                                 route, router_loss)
@@ -207,7 +207,7 @@ class MoEFeedForward(nn.Module):
     # --compile runs this layer eagerly, between the compiled halves of its block (common/compile.py): how
     # many rows each expert gets is known only once the router has run (`counts.tolist()`), and a graph
     # traced for one step's counts would be traced again for the next step's.
-    @torch.compiler.disable
+    @eager
     def forward(self, x):                                    # (B, S, D) -> (B, S, D)
         B, S, D = x.shape
         routing = route(x, self.router, self.selection_bias, self.top_k, self.options.capacity_factor,

@@ -6,6 +6,8 @@ inductor's C++ code generation takes a minute on a cold CPU. One group of two ra
 tensor parallelism (f and g inside every block) and ring attention (the ring inside every attention),
 each eager and compiled. The refusals run in this process, stopped before any process group exists.
 """
+import subprocess
+import sys
 from importlib import import_module
 from unittest import mock
 
@@ -14,7 +16,7 @@ import torch.distributed as dist
 
 from common.errors import ConfigError
 from common.model import PRESETS, build_model
-from harness import every_rank, losses, run_group
+from harness import ROOT, every_rank, losses, run_group
 
 RUN = ["--steps", "2", "--quiet", "--global-batch", "2", "--seq-len", "32"]
 LAYOUTS = {"02_tensor_parallel.train_tp": ["--tp", "2"], "06_context_parallel.train_cp": ["--cp", "2"]}
@@ -74,6 +76,19 @@ def test_a_recomputed_block_compiles_its_body_and_reruns_it_eagerly():
     recomputed, kept = model.layers[0], model.layers[1]
     assert recomputed._compiled_call_impl is None and hasattr(recomputed.body, "_torchdynamo_orig_callable")
     assert kept._compiled_call_impl is not None and not hasattr(kept.body, "_torchdynamo_orig_callable")
+
+
+def test_a_process_that_never_compiles_does_not_import_the_compiler():
+    """The marks of what runs eagerly wait for the first compiled model (common/compile.py's `eager`): a run
+    that refuses its flags, the planner or a notebook's kernel imports every chapter's layers and not the
+    compiler (torch._dynamo: about 1.5 s of CPU in every such process)."""
+    code = ("import sys, importlib\n"
+            "for m in ('common.comm', 'common.model', '05_moe_expert_parallel.expert_parallel',\n"
+            "          '06_context_parallel.context_parallel', '04_3d_combined.train_3d'):\n"
+            "    importlib.import_module(m)\n"
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
 
 
 def refusal(script: str, argv: list) -> str:
