@@ -20,7 +20,7 @@ STEPS = 3          # enough for every layout bug we have seen to show; the resum
 # (common/checkpoint.KEEP), so step 1's is there for the resumes, whose steps 2 and 3 see its moments
 SAVING = ["--steps", "2"]
 BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet", "--sample-tokens", "0",
-        "--val-every", "2"]
+        "--val-every", "2", "--val-batches", "1"]       # validation at steps 2 and 3, one held-out batch each
 MAIN = "04_3d_combined.train_3d:main"
 
 

@@ -54,7 +54,7 @@ BAD = {"ep does not divide dp": (["--model", "tiny-moe", "--dp", "2", "--tp", "2
 
 
 def layout(dp, ep, tp, pp, *extra) -> list[str]:
-    return BASE + ["--model", "tiny-moe", "--sample-tokens", "0", "--val-every", "0", "--dp", str(dp), "--ep", str(ep),
+    return BASE + ["--model", "tiny-moe", "--sample-tokens", "0", "--val-every", "0", "--val-batches", "1", "--dp", str(dp), "--ep", str(ep),
                    "--tp", str(tp), "--pp", str(pp)] + list(extra)
 
 

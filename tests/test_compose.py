@@ -37,7 +37,7 @@ from harness import (REFUSAL_TIMEOUT_S, ROOT, assert_one_config_error, assert_sa
 THREE, FOUR, FIVE = "04_3d_combined.train_3d:main", "05_moe_expert_parallel.train_4d:main", \
     "06_context_parallel.train_5d:main"
 BASE = ["--steps", "3", "--seq-len", "32", "--global-batch", "8", "--quiet", "--sample-tokens", "0",
-        "--val-every", "2"]
+        "--val-every", "2", "--val-batches", "1"]
 MOE = ["--model", "tiny-moe", "--aux-loss-coef", "0.1", "--z-loss-coef", "0.01"]   # balancing 10× the defaults
 SP = ["--sequence-parallel"]
 

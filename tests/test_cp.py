@@ -34,7 +34,7 @@ FIVE = "06_context_parallel.train_5d:main"
 STEPS = 3           # the resume starts from step 1: its steps 2 and 3 see the restored moments
 BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet"]
 MOE = ["--model", "tiny-moe", "--aux-loss-coef", "0.1", "--z-loss-coef", "0.01", "--sample-tokens", "0",
-       "--val-every", "2"]
+       "--val-every", "2", "--val-batches", "1"]
 # name -> flags; all at world size 4, against train_cp.py at world size 1
 CP_RUNS = {"cp4 ring zigzag": ["--cp", "4"],
            "cp2 × dp2 ring contiguous, selective recompute": ["--cp", "2", "--cp-split", "contiguous",

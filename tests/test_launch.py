@@ -23,7 +23,8 @@ from common.metrics import read_metrics
 
 RUN = [sys.executable, "-m", "torch.distributed.run"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120"}
-MAIN_JOB = ["04_3d_combined/train_3d.py", "--steps", "2", "--val-every", "0", "--sample-tokens", "0", "--quiet"]
+MAIN_JOB = ["04_3d_combined/train_3d.py", "--steps", "2", "--val-every", "0", "--val-batches", "1", "--sample-tokens", "0",
+            "--quiet"]
 
 
 def launch(launcher: list, script_argv: list, log: Path) -> subprocess.Popen:

@@ -65,7 +65,8 @@ def test_the_first_three_start_and_train_two_steps(tiny_plan):
     jobs = []
     for r in tiny_plan[:3]:
         script = r["command"].split()[2].removesuffix(".py").replace("/", ".")
-        argv = r["command"].split()[3:] + ["--steps", "2", "--quiet", "--sample-tokens", "0", "--val-every", "0"]
+        argv = r["command"].split()[3:] + ["--steps", "2", "--quiet", "--sample-tokens", "0", "--val-every", "0",
+                                           "--val-batches", "1"]
         jobs.append((f"{script}:main", argv))
     for (path, argv), result in zip(jobs, run_group(8, jobs, timeout_s=600)):
         history = ok(result)
