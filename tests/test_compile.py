@@ -4,7 +4,10 @@ The backend is aot_eager: it traces and differentiates each block exactly as ind
 breaks, the compiled backward) but runs PyTorch's own kernels, so it compiles in seconds, where
 inductor's C++ code generation takes a minute on a cold CPU. One group of two ranks runs
 tensor parallelism (f and g inside every block) and ring attention (the ring inside every attention),
-each eager and compiled. The refusals run in this process, stopped before any process group exists.
+each eager and compiled, and tensor parallelism once more with its first block recomputed in full (the
+block's body compiled inside its recomputation). The refusals run in this process, stopped before any
+process group exists; a fresh process checks that importing the course's layers leaves the compiler
+unloaded (what runs eagerly is marked, and disabled only when a model is compiled).
 """
 import subprocess
 import sys
