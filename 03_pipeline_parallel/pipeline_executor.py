@@ -28,12 +28,16 @@ of this rank's stages becomes a SplitLinear (same Parameter). B is then one back
 computes the stage input's gradient, which the previous rank is waiting for, and the gradients of
 the few parameters outside linear layers, while each linear layer leaves (x, dy) behind; W computes
 those layers' dW = dyᵀ x. Stage 0 has nobody waiting for an input gradient: its B does nothing and
-its W is the whole backward.
+its W is the whole backward. A B immediately followed by its own W (DualPipeV's pairs, ZB-V's steady
+state) is one whole backward pass, run by the B (`whole_backwards`), and its F runs the linear layers as
+plain nn.Linear (`WeightGradStore.whole`): the same numbers as the split, without paying for two passes
+and for the split's Python layer; its W then has nothing left to do.
 
 Measurement is not in this file: measured_executor.py wraps the same methods (receive, compute,
 send, wait_sends) with timeline spans and counts the activation bytes alive, for the bubble and
 memory the chapter reports.
 """
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +90,12 @@ def incoming_order(schedule, me: int, n_stages: int) -> dict[int, list[Key]]:
     return {src: [k for k, dst in produced_messages(schedule[src], n_stages, p, rank_of) if dst == me]
             for src in range(p) if src != me}
     # <<< exercise 03.receive_order
+
+
+def whole_backwards(actions) -> set[tuple[int, int]]:
+    """(micro-batch, stage) of each B immediately followed by its own W: one backward pass does both."""
+    return {(b.mb, b.stage) for b, w in zip(actions, actions[1:])
+            if (b.kind, w.kind) == ("B", "W") and (b.mb, b.stage) == (w.mb, w.stage)}
 
 
 def last_grad_actions(actions) -> dict[int, int]:
@@ -155,6 +165,7 @@ class PipelineExecutor:
         self.split = any(a.kind == "W" for a in actions)      # zero bubble: B and W are two actions
         if self.split and self.store is None:
             self._split_weight_grads()
+        self.whole = whole_backwards(actions) if self.split else set()
         self.order = incoming_order(schedule, self.me, self.n)
         self.posted, self.local, self.sends = {}, {}, []
         self.in_flight: dict[tuple[int, int], InFlight] = {}  # (micro-batch, stage) -> its tensors
@@ -237,8 +248,9 @@ class PipelineExecutor:
             inp = tokens                                                   # (mb, S) token ids
         else:
             inp.requires_grad_(True)                                       # we want d loss / d input
-        with torch.autocast(self.device.type, self.autocast_dtype or torch.float32,
-                            enabled=self.autocast_dtype is not None):
+        whole = self.store.whole() if (a.mb, a.stage) in self.whole else nullcontext()   # B+W in one pass
+        with whole, torch.autocast(self.device.type, self.autocast_dtype or torch.float32,
+                                   enabled=self.autocast_dtype is not None):
             out = pipeline_stages.stage_forward(self.model, spec, inp)     # (mb, S, D) or logits
             if spec.last:
                 out = self.loss_fn(out, targets) / self.loss_scale         # this micro-batch's share
@@ -256,6 +268,9 @@ class PipelineExecutor:
             del self.in_flight[(a.mb, a.stage)]
         elif spec.first:                                # nobody waits for d loss / d tokens: all in W
             return None
+        elif (a.mb, a.stage) in self.whole:             # its W comes next: one pass, dW included
+            torch.autograd.backward(held.out, grad_out)
+            held.pending = []                           # nothing left for W
         else:                                           # B of zero bubble: dW of linear layers waits
             with self.store.deferring() as pending:
                 torch.autograd.backward(held.out, grad_out, inputs=[held.inp] + self.b_params[a.stage])

@@ -282,6 +282,56 @@ def test_split_linear_defers_weight_grads_and_w_completes_them():
             torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-6, atol=1e-9, msg=name)
 
 
+def test_a_b_right_before_its_w_is_one_whole_pass():
+    """DualPipeV's pairs and ZB-V's steady state write a whole backward as B then its W: the executor
+    runs those as one pass (whole_backwards), their forward with the linear layers as nn.Linear
+    (WeightGradStore.whole), and the gradients are the split's, bit for bit."""
+    import torch
+    from common.model import build_model, loss_sum
+    zero_bubble = import_module("03_pipeline_parallel.zero_bubble")
+    v_schedules = import_module("03_pipeline_parallel.v_schedules")
+    A = pipeline_schedules.Action
+    acts = [A("F", 0, 1), A("B", 0, 1), A("W", 0, 1), A("B", 1, 1), A("F", 2, 1), A("W", 1, 1), A("B", 2, 1),
+            A("W", 3, 1)]
+    assert pipeline_executor.whole_backwards(acts) == {(0, 1)}     # not B(1) (an F between), not B(2) (W(3))
+    for rank in v_schedules.dualpipe_v(2, 8):                      # every pair's backward is whole
+        pairs = [i for i in range(len(rank) - 2) if [a.kind for a in rank[i:i + 3]] == ["F", "B", "W"]]
+        assert pairs and all((rank[i + 1].mb, rank[i + 1].stage) in pipeline_executor.whole_backwards(rank)
+                             for i in pairs)
+    cfg = PRESETS["tiny"]
+    models = [build_model(cfg, seed=3) for _ in range(2)]
+    store = zero_bubble.WeightGradStore()
+    for model in models:
+        zero_bubble.split_linears(model, store)
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+
+    def stage(model):                               # every layer and the head: a last pipeline stage
+        h = model.embed(x).detach()
+        for layer in model.layers:
+            h = layer(h, model.rope_cos, model.rope_sin)
+        return loss_sum(model.head(h), y)
+
+    def node_names(fn, seen):                       # every autograd node of a graph
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            for nxt, _ in fn.next_functions:
+                node_names(nxt, seen)
+        return {type(f).__name__ for f in seen}
+
+    split_out = stage(models[0])
+    assert "_SplitLinearFunctionBackward" in node_names(split_out.grad_fn, set())
+    with store.deferring() as pending:              # B, then W
+        split_out.backward()
+    zero_bubble.apply_weight_grads(pending)
+    with store.whole():                             # the F of a whole pass
+        whole_out = stage(models[1])
+    assert "_SplitLinearFunctionBackward" not in node_names(whole_out.grad_fn, set()) and not store.native
+    whole_out.backward()
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        if name != "tok_emb.weight":
+            assert torch.equal(a.grad, b.grad), name
+
+
 def test_timeline_legend_lists_only_what_is_drawn():
     plot_timeline = import_module("03_pipeline_parallel.plot_timeline")
     one_f_one_b, zb = (plot_timeline.simulated_events(name, 4, 8) for name in ("1f1b", "zb-h1"))
