@@ -145,7 +145,9 @@ def report(all_results: dict, tmp: Path, quick: bool, chosen=CLASSIC, n_rounds: 
               "m = 8 micro-batches of 2 × 128 tokens)", "",
               "A plain backward is 1F1B's B; ZB-H1 splits it into B (input gradients) and W (weight gradients). "
               "Rank 0 is left out: in ZB-H1 its B is empty and its W is the whole backward (nobody waits for "
-              "the gradient of the tokens).", "",
+              "the gradient of the tokens). A B right before its own W (most of the V schedules' backwards) is "
+              "one whole backward pass, and that W is empty (pipeline_executor.whole_backwards): there the "
+              "medians are those of whole passes.", "",
               "| p | schedule | F ms | B ms | W ms | B + W ms |", "|---|---|---|---|---|---|"]
     for p in sorted(all_results):
         for name, _ in chosen["speed"]:

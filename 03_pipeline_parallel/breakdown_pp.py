@@ -1,8 +1,9 @@
 """Chapter 03: where a pipeline step's time goes, ours and torch.distributed.pipelining's, p = 2 and 4.
 
     python 03_pipeline_parallel/breakdown_pp.py        # torchrun at 2 and 4 ranks, about 3 min on 2 cores
+    python 03_pipeline_parallel/breakdown_pp.py --v-schedules   # ZB-V and DualPipeV instead, about 2 min
 
-Writes 03_pipeline_parallel/results/pp_breakdown.md. Every schedule runs four times on the same
+Writes 03_pipeline_parallel/results/pp_breakdown.md (--v-schedules: pp_breakdown_v.md). Every schedule runs four times on the same
 configuration as bench_pp.py's throughput table (m = 8, 16 × 128 tokens per step): ours as the
 chapter runs it (timeline and activation meter on), ours with --no-activation-meter, ours posting
 each irecv one action ahead as it does with NCCL (instead of all at the step's start, as with gloo:
@@ -54,6 +55,7 @@ train_pp = import_module("03_pipeline_parallel.train_pp")                     # 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results"
 SCHEDS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+V_SCHEDS = [("zb-v", 2), ("dualpipev", 2)]                                    # --v-schedules
 RUNS = {"ours": ["--impl", "ours"], "ours, no meter": ["--impl", "ours", "--no-activation-meter"],
         "ours, irecv one ahead": ["--impl", "ours"], "torch": ["--impl", "torch"]}
 PARTS = ("F", "B", "W", "waiting", "posting", "measurement", "runtime")      # F: with torch's "loss"
@@ -133,11 +135,11 @@ def posting(one_ahead: bool):
         pipeline_executor.PipelineExecutor.__init__ = init
 
 
-def worker(p: int, tmp: Path) -> None:
+def worker(p: int, tmp: Path, scheds: list) -> None:
     """Runs inside torchrun: every schedule × run, timed; rank 0 writes every rank's steps."""
     init_distributed()
     results = defaultdict(list)
-    for _, (name, v), (run, flags) in product(range(ROUNDS), SCHEDS, RUNS.items()):
+    for _, (name, v), (run, flags) in product(range(ROUNDS), scheds, RUNS.items()):
         argv = ["--seq-len", "128", "--quiet", "--warmup", "2", "--schedule", name, "--virtual-stages", str(v),
                 "--microbatches", "8", "--global-batch", "16", "--steps", "8"] + flags
         with Stopwatch().timing(timed_functions()) as watch, posting(one_ahead="one ahead" in run):
@@ -167,9 +169,10 @@ def per_action_ms(ranks: list[list[dict]], kind: str) -> float | None:
     return 1e3 * time_in / calls if calls else None
 
 
-def report(all_results: dict) -> list[str]:
+def report(all_results: dict, scheds: list) -> list[str]:
+    flag = " --v-schedules" if scheds is V_SCHEDS else ""
     lines = ["# Chapter 03 — where a pipeline step's time goes", "",
-             "Command: `python 03_pipeline_parallel/breakdown_pp.py` (2-core CPU, gloo, `tiny` model, m = 8, "
+             f"Command: `python 03_pipeline_parallel/breakdown_pp.py{flag}` (2-core CPU, gloo, `tiny` model, m = 8, "
              "16 × 128 tokens per step). ms per step: mean over ranks of the median over steps 3..8 of two runs; each "
              "call's own time (see the file's docstring). `measurement`: the timeline and the meter's lines "
              "in MeasuredExecutor; the meter's hook itself is inside F, so its whole cost is the step "
@@ -178,7 +181,7 @@ def report(all_results: dict) -> list[str]:
              "| p | schedule | run | step ms | F | B | W | waiting | posting | measurement | runtime | "
              "per action F / B / W ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p, res in sorted(all_results.items()):
-        for name, _ in SCHEDS:
+        for name, _ in scheds:
             for run in RUNS:
                 ranks = res[f"{name} {run}"]
                 parts = [per_step_ms(ranks, k) for k in PARTS]
@@ -191,19 +194,21 @@ def report(all_results: dict) -> list[str]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--v-schedules", action="store_true", help="ZB-V and DualPipeV instead of the loop schedules")
     ap.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    scheds = V_SCHEDS if args.v_schedules else SCHEDS
     if args.worker:
-        return worker(args.worker, Path(args.tmp))
+        return worker(args.worker, Path(args.tmp), scheds)
     tmp = Path(tempfile.mkdtemp(prefix="breakdown_pp_"))
     results = {}
     for p in (2, 4):
-        launch(__file__, p, ["--worker", p, "--tmp", tmp])
+        launch(__file__, p, ["--worker", p, "--tmp", tmp] + (["--v-schedules"] if args.v_schedules else []))
         results[p] = {k: v for k, v in json.loads((tmp / f"p{p}.json").read_text()).items()}
-    lines = report(results)
+    lines = report(results, scheds)
     OUT.mkdir(exist_ok=True)
-    (OUT / "pp_breakdown.md").write_text("\n".join(lines) + "\n")
+    (OUT / f"pp_breakdown{'_v' if args.v_schedules else ''}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

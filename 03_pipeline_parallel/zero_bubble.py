@@ -11,6 +11,7 @@ pays instead is memory: every linear layer's x and dy stay alive from B until W.
 Parameters that are not in an nn.Linear (RMSNorm weights, tensor-parallel layers) get their gradients
 in B, as in a plain backward; they are a small part of the work.
 """
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -23,7 +24,12 @@ class WeightGradStore:
 
     def __init__(self):
         self.pending = None       # None: compute dW at once (a plain backward)
-        self.native = False       # True: SplitLinear is nn.Linear (see `whole`)
+        self.thread = threading.local()   # .native, per thread: chapter 05 runs a forward beside a backward
+
+    @property
+    def native(self) -> bool:
+        """True inside `whole()` on this thread: SplitLinear is nn.Linear."""
+        return getattr(self.thread, "native", False)
 
     @contextmanager
     def deferring(self):
@@ -39,11 +45,11 @@ class WeightGradStore:
         """For a forward whose backward will be one whole pass (its B right before its W): inside,
         SplitLinear runs as nn.Linear, whose forward and backward are PyTorch's own, a little faster
         than this file's Python ones, and the same numbers (dx = dy W, dW = dyᵀ x)."""
-        self.native = True
+        self.thread.native = True
         try:
             yield
         finally:
-            self.native = False
+            self.thread.native = False
 
 
 def weight_grad(weight, x, dy) -> torch.Tensor:

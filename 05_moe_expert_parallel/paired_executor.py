@@ -8,7 +8,7 @@ combine, inside every MoE layer, forward and backward) the other computes. This 
 
     F(i, s) ─ forward thread:  attention, route, [dispatch ~~wait~~], experts, [combine ~~wait~~], ...
     B(j, t) ─ this thread:     ... backward of the experts, [a2a ~~wait~~], attention backward, ...
-                               (W(j, t), the rest of that backward, right after)
+                               (B and its W are one whole backward pass: chapter 03's whole_backwards)
 
   - the pair's messages are received before it starts and sent after it ends, in the schedule's order
     (chapter 03's channels are matched in order: two threads sending would race);
