@@ -37,14 +37,14 @@ Measurement is not in this file: measured_executor.py wraps the same methods (re
 send, wait_sends) with timeline spans and counts the activation bytes alive, for the bubble and
 memory the chapter reports.
 """
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import comm
+from common import comm, recompute
 
 from . import pipeline_schedules, pipeline_stages, zero_bubble
 
@@ -248,7 +248,7 @@ class PipelineExecutor:
             inp = tokens                                                   # (mb, S) token ids
         else:
             inp.requires_grad_(True)                                       # we want d loss / d input
-        whole = self.store.whole() if (a.mb, a.stage) in self.whole else nullcontext()   # B+W in one pass
+        whole = self.whole_forward() if (a.mb, a.stage) in self.whole else nullcontext()   # B+W in one pass
         with whole, torch.autocast(self.device.type, self.autocast_dtype or torch.float32,
                                    enabled=self.autocast_dtype is not None):
             out = pipeline_stages.stage_forward(self.model, spec, inp)     # (mb, S, D) or logits
@@ -259,6 +259,13 @@ class PipelineExecutor:
             self.loss += out.detach().float()
             return None
         return ("act", a.mb, a.stage + 1), self.rank_of[a.stage + 1], out
+
+    @contextmanager
+    def whole_forward(self):
+        """The forward of a micro-batch whose B and W are one pass: plain nn.Linear, and so is a
+        recomputation of its blocks in that backward (it must save what the forward saved)."""
+        with self.store.whole(), recompute.around_recomputation(self.store.whole):
+            yield
 
     def _backward(self, a, grad_out):
         spec, held = self.specs[a.stage], self.in_flight[(a.mb, a.stage)]

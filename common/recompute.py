@@ -83,8 +83,17 @@ def _recomputation(around):
 
 def around_recomputation(factory):
     """Context of a forward: a recomputation of what it computes enters `factory()` first (the weights a
-    forward had and its backward has not: ZeRO-3's, 01_data_parallel/zero_stage3.py)."""
-    return _set(_around, factory)
+    forward had and its backward has not: ZeRO-3's, 01_data_parallel/zero_stage3.py; the plain linear
+    layers of a whole backward pass: 03_pipeline_parallel/pipeline_executor.py). Nested, the outer
+    context is entered first."""
+    outer = _around.get()
+    return _set(_around, factory if outer is None else lambda: _nested(outer, factory))
+
+
+@contextmanager
+def _nested(outer, inner):
+    with outer(), inner():
+        yield
 
 
 def selective(on: bool):

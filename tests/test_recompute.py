@@ -139,6 +139,26 @@ def test_recomputation_replays_the_forwards_random_numbers():
             assert torch.equal(got, want), f"--recompute {mode}: the recomputed dropout drew another mask"
 
 
+def test_a_recomputation_enters_every_context_its_forward_was_given_outer_first():
+    """around_recomputation nests: ZeRO-3's weights and the executor's plain linear layers of a whole
+    backward pass can both be around one forward, and its recomputation must enter both."""
+    from contextlib import contextmanager
+    from common import recompute
+    entered = []
+
+    @contextmanager
+    def named(name):
+        entered.append(name)
+        yield
+
+    x = torch.randn(4, requires_grad=True)
+    with recompute.around_recomputation(lambda: named("outer")), recompute.around_recomputation(lambda: named("inner")):
+        y = recompute.recomputed(torch.sin, x)
+    assert entered == []
+    y.sum().backward()
+    assert entered == ["outer", "inner"] and torch.equal(x.grad, torch.cos(x.detach()))
+
+
 def test_flag_domain_and_refusals():
     from common.errors import ConfigError
     from common.model import build_model
