@@ -45,11 +45,11 @@ class WeightGradStore:
         """For a forward whose backward will be one whole pass (its B right before its W): inside,
         SplitLinear runs as nn.Linear, whose forward and backward are PyTorch's own, a little faster
         than this file's Python ones, and the same numbers (dx = dy W, dW = dyᵀ x)."""
-        self.thread.native = True
+        before, self.thread.native = self.native, True
         try:
             yield
         finally:
-            self.thread.native = False
+            self.thread.native = before
 
 
 def weight_grad(weight, x, dy) -> torch.Tensor:
