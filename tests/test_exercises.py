@@ -6,12 +6,14 @@ import ast
 import re
 import subprocess
 import sys
+import traceback
 
 import pytest
 
+from common.errors import ConfigError
 from common.exercises import answer_keys, catalog, grader, repo_copy, student_copy, wrong_answers
 from common.exercises.__main__ import main as exercises_main
-from harness import ROOT
+from harness import ROOT, assert_same_run, raise_rank_errors
 
 
 def _python_files():
@@ -170,3 +172,63 @@ def test_planted_wrong_answers_are_graded_wrong(tmp_path):
     for wid, v in zip(PLANTED, verdicts):
         assert v.status == "wrong", f"{wid}: {v.line()}"
     assert "not finite" in verdicts[0].detail, verdicts[0].detail      # the merge test says why
+
+
+def _as_pytest_shows(err: AssertionError) -> dict:
+    """A failed test's record as the grader's plugin keeps it: the first line, and pytest's "E   " lines."""
+    text = "\n".join(f"E   {line}" for line in f"AssertionError: {err}".splitlines())
+    return {"status": "failed", "line": text.splitlines()[0][4:], "text": text}
+
+
+def _rank_failure(raised: BaseException) -> dict:
+    """The record of a layout test whose rank raised `raised` (its traceback as the harness reports it)."""
+    try:
+        raise raised
+    except BaseException:
+        tb = traceback.format_exc()
+    with pytest.raises(AssertionError) as err:
+        raise_rank_errors([("error", tb), ("ok", None)], expected="ok")
+    return _as_pytest_shows(err.value)
+
+
+def test_the_failure_line_is_the_exception_raised_with_its_message():
+    """A chained traceback (a KeyError caught and turned into the course's ConfigError) ends with the exception
+    that was raised: that one, with its message, is the line, not the first one printed."""
+    ex = catalog.BY_ID["03.receive_order"]
+    node = ex.node_ids(quick=True)[0]
+    said = "unknown schedule 'zb'; choose one of gpipe, 1f1b"
+    for chain in ("context", "cause"):
+        try:
+            try:
+                {}["zb"]
+            except KeyError as key:
+                if chain == "cause":
+                    raise ConfigError(said) from key
+                raise ConfigError(said)
+        except ConfigError as err:
+            record = _rank_failure(err)
+        line = grader.verdict(ex, ROOT, {node: record}, quick=True).line()
+        assert line.endswith(f"ConfigError: {said}"), (chain, line)
+
+
+def _same_run_failure(loss_off: bool, norm_off: bool) -> dict:
+    """The record of a layout test whose run differs from one device's in its losses and/or gradient norms, as
+    the harness's comparison (assert_same_run) words it."""
+    reference = [{"step": s, "loss": 2.0, "grad_norm": 1.0} for s in (1, 2)]
+    run = [{"step": r["step"], "loss": r["loss"] * (1 + 1e-3 * loss_off), "grad_norm": r["grad_norm"] * (1 + 1e-3 * norm_off)}
+           for r in reference]
+    with pytest.raises(AssertionError) as err:
+        assert_same_run([("ok", run)], reference, "tp2")
+    return _as_pytest_shows(err.value)
+
+
+def test_the_hint_sends_the_student_to_the_half_that_failed():
+    """Losses equal and gradient norms not: the forward is right, look at the backward. Losses off (whatever
+    the norms): no word that the forward is right."""
+    ex = catalog.BY_ID["02.f_g"]
+    backward = "forward is right; look at backward"
+    for loss_off, norm_off in ((False, True), (True, False), (True, True)):
+        record = _same_run_failure(loss_off, norm_off)
+        line = grader.verdict(ex, ROOT, {n: record for n in ex.node_ids()}, quick=False).line()
+        assert "wrong:" in line and "losses differ" in line, line
+        assert (backward in line) == (not loss_off), (loss_off, norm_off, line)
