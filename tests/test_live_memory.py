@@ -78,3 +78,36 @@ def test_a_trainer_measured_whole_has_the_peak_of_its_step():
     # W's gradient; the peak is the update's, which makes 0.1·grad (8,192) beside them all
     assert trainer.memory() == {"live_peak_bytes": 8192 + 4096 + 8192 + 8192}
     assert trainer.meter.live == 8192 + 4096                                # W and x: the rest is freed
+
+
+class FullBuffer(OneLinear):
+    """OneLinear with a ZeRO-2/3-like full buffer: filled by an operation in the backward, emptied in place by
+    the step (its storage resized to 0: no operation returns it, as ZeRO's flat buffers between steps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.full = torch.zeros(1000)                                        # 4,000 bytes when full
+        self.full.untyped_storage().resize_(0)
+
+    def forward_backward(self, x, y, sync=True):
+        self.full.untyped_storage().resize_(4000)
+        self.full.zero_()                                                    # an operation returns it: 4,000
+        return super().forward_backward(x, y, sync)
+
+    def step(self):
+        super().step()
+        self.full.untyped_storage().resize_(0)                               # emptied in place, inside a verb
+
+
+def test_a_buffer_emptied_in_place_inside_a_verb_stops_counting_after_it():
+    trainer = LivePeak(FullBuffer())
+    x = torch.ones(16, 64)                                                  # 4,096 bytes
+    for _ in range(2):                                                      # the second step starts where it ends
+        trainer.forward_backward(x, None)
+        assert trainer.meter.live == 8192 + 4096 + 8192 + 4000              # W, x, W's gradient, the full buffer
+        trainer.step()
+        assert trainer.meter.live == 8192 + 4096 + 8192                     # the buffer is empty: not counted
+        trainer.zero_grad()
+        # the update's peak: 0.1·grad (8,192) beside W, x, the gradient and the buffer, still full then
+        assert trainer.memory() == {"live_peak_bytes": 8192 + 4096 + 8192 + 4000 + 8192}
+        assert trainer.meter.live == 8192 + 4096
