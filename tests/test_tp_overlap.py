@@ -1,0 +1,154 @@
+"""--tp-overlap (02_tensor_parallel/tp_overlap.py): each decomposed operator against the plain one it replaces,
+forward and backward, and its bytes against chapter 02's formulas in tp − 1 messages per ring.
+
+Equal to float round-off, not to the bit: the ring adds a chunk's partial sums in ring order (gloo's
+reduce-scatter in its own), and a weight gradient is the sum of tp chunk products. One spawned group per
+world size (2 and 4) runs every check."""
+import sys
+from importlib import import_module
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import comm                                         # noqa: E402
+from common.activation_meter import saved_storages, storages    # noqa: E402
+from harness import ok, run_group                               # noqa: E402
+
+TOL = dict(rtol=1e-5, atol=1e-6)        # fp32 round-off of a sum of a handful of products
+
+
+def _libs():
+    return import_module("02_tensor_parallel.tp_operators"), import_module("02_tensor_parallel.tp_overlap")
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+class Messages:
+    """Counts the messages common.comm.exchange sends from this rank (one per (outgoing, incoming) pair)."""
+
+    def __enter__(self):
+        self.count, original = 0, comm.exchange
+
+        def counted(pairs, *args, **kw):
+            self.count += len(pairs)
+            return original(pairs, *args, **kw)
+        self.patch = mock.patch.object(comm, "exchange", counted)
+        self.patch.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.patch.stop()
+
+
+def _bytes_and_messages(fn):
+    """(TP bytes counted, messages sent) while `fn()` runs."""
+    before = comm.COUNTER.total("tp")
+    with Messages() as m:
+        fn()
+    return comm.COUNTER.total("tp") - before, m.count
+
+
+def check_column_entrance():
+    """The ring all-gather → q/k/v-like products against tp_operators.gather_then_column_linears: outputs,
+    input and weight gradients; the shard alone kept for backward; forward one all-gather's bytes in tp − 1
+    messages, backward an all-gather's and a reduce-scatter's in 2(tp − 1)."""
+    tp_operators, tp_overlap = _libs()
+    group, N, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    x_full = _randn(2, 4 * N, 8, seed=1)                                          # (B, S, D)
+    w_full = [_randn(4 * N, 8, seed=2), _randn(2 * N, 8, seed=3)]                 # two column-parallel weights
+    up = [_randn(2, 4 * N, w.shape[0] // N, seed=4 + i) for i, w in enumerate(w_full)]   # my features' dy
+    runs = {}
+    for name, op in (("plain", tp_operators.gather_then_column_linears),
+                     ("ring", tp_overlap.ring_gather_then_column_linears)):
+        x = x_full.chunk(N, 1)[r].clone().requires_grad_()                       # (B, S/N, D)
+        ws = [w.chunk(N, 0)[r].clone().requires_grad_() for w in w_full]        # (out_i/N, D)
+        with saved_storages(storages(ws)) as kept:
+            fwd = _bytes_and_messages(lambda: runs.setdefault(name, op(x, ws, group)))
+        assert sum(kept.values()) == x.numel() * 4, kept                        # the shard, nothing more
+        bwd = _bytes_and_messages(lambda: sum((y * u).sum() for y, u in zip(runs[name], up)).backward())
+        runs[name] = (runs[name], x.grad, [w.grad for w in ws], fwd, bwd)
+    (ys, dx, dws, fwd, bwd), (ys0, dx0, dws0, fwd0, bwd0) = runs["ring"], runs["plain"]
+    for y, y0 in zip(ys, ys0):
+        torch.testing.assert_close(y, y0, **TOL)
+    torch.testing.assert_close(dx, dx0, **TOL)
+    for dw, dw0 in zip(dws, dws0):
+        torch.testing.assert_close(dw, dw0, **TOL)
+    gathered = x_full.numel() * 4
+    assert fwd == (fwd0[0], N - 1) == (comm.collective_bytes("all_gather", gathered, N), N - 1), (fwd, fwd0)
+    assert bwd == (bwd0[0], 2 * (N - 1)), (bwd, bwd0)
+    return True
+
+
+def check_row_exit():
+    """The row-parallel product → ring reduce-scatter against F.linear then reduce_scatter_to_sequence_
+    parallel_region: output, input and weight gradients; one reduce-scatter's bytes forward and one
+    all-gather's backward, each in tp − 1 messages."""
+    tp_operators, tp_overlap = _libs()
+    group, N, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    x_full, w_full = _randn(2, 4 * N, 6 * N, seed=5), _randn(8, 6 * N, seed=6)   # (B, S, F), (D, F)
+    up = _randn(2, 4 * N, 8, seed=7).chunk(N, 1)[r]                               # dy of my positions
+    runs = {}
+    plain = lambda x, w, g: tp_operators.reduce_scatter_to_sequence_parallel_region(F.linear(x, w), g)  # noqa: E731
+    for name, op in (("plain", plain), ("ring", tp_overlap.row_linear_then_ring_reduce_scatter)):
+        x = x_full.chunk(N, -1)[r].clone().requires_grad_()                       # (B, S, F/N)
+        w = w_full.chunk(N, 1)[r].clone().requires_grad_()                         # (D, F/N)
+        fwd = _bytes_and_messages(lambda: runs.setdefault(name, op(x, w, group)))
+        bwd = _bytes_and_messages(lambda: (runs[name] * up).sum().backward())
+        runs[name] = (runs[name], x.grad, w.grad, fwd, bwd)
+    (y, dx, dw, fwd, bwd), (y0, dx0, dw0, fwd0, bwd0) = runs["ring"], runs["plain"]
+    for got, want in ((y, y0), (dx, dx0), (dw, dw0)):
+        torch.testing.assert_close(got, want, **TOL)
+    full = 2 * 4 * N * 8 * 4                                                      # (B, S, D) fp32 bytes
+    assert fwd == (fwd0[0], N - 1) == (comm.collective_bytes("reduce_scatter", full, N), N - 1), (fwd, fwd0)
+    assert bwd == (bwd0[0], N - 1) == (comm.collective_bytes("all_gather", full, N), N - 1), (bwd, bwd0)
+    return True
+
+
+def check_ring_exact_chunks():
+    """Each chunk lands where it belongs: integer-valued inputs make every sum exact, so the ring must equal
+    the plain operators to the bit (a chunk multiplied against the wrong shard is off by whole numbers)."""
+    tp_operators, tp_overlap = _libs()
+    group, N, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    x = torch.arange(2 * 2 * 3, dtype=torch.float32).view(2, 2, 3) + 10 * r       # (B, S/N, D), rank-distinct
+    w = torch.arange(4 * 3, dtype=torch.float32).view(4, 3) - r                     # (out/N, D)
+    with torch.no_grad():
+        (ring,), (plain,) = (tp_overlap.ring_gather_then_column_linears(x, [w], group),
+                             tp_operators.gather_then_column_linears(x, [w], group))
+        assert torch.equal(ring, plain)
+        h = torch.arange(2 * 2 * N * 5, dtype=torch.float32).view(2, 2 * N, 5) * (r + 1)   # (B, S, F/N)
+        wo = torch.arange(3 * 5, dtype=torch.float32).view(3, 5) + r                          # (D, F/N)
+        assert torch.equal(tp_overlap.row_linear_then_ring_reduce_scatter(h, wo, group),
+                           tp_operators.reduce_scatter_to_sequence_parallel_region(F.linear(h, wo), group))
+    return True
+
+
+OPERATORS = [("test_tp_overlap:check_column_entrance",), ("test_tp_overlap:check_row_exit",),
+             ("test_tp_overlap:check_ring_exact_chunks",)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_group(2, OPERATORS)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_group(4, OPERATORS)
+
+
+@pytest.mark.parametrize("job", range(len(OPERATORS)), ids=[j[0].split(":")[1] for j in OPERATORS])
+def test_operators_at_two_ranks(two_ranks, job):
+    assert ok(two_ranks[job]) is True
+
+
+@pytest.mark.parametrize("job", range(len(OPERATORS)), ids=[j[0].split(":")[1] for j in OPERATORS])
+def test_operators_at_four_ranks(four_ranks, job):
+    assert ok(four_ranks[job]) is True
