@@ -12,8 +12,9 @@ is driven by trainer_3d.py). This file only decides who is who on the grid and b
                      trains on data-parallel slice d of the global batch
 
 The seam for later chapters. A later chapter adds its dimension by inserting one step, not by copying
-this file: it extends `Layout` with its degree, its `grid()` (the mesh dimensions, outermost first)
-and its `gradient_groups()` (which ranks sum which gradients), and passes `then=` to
+this file: it extends `Layout` with its degree, its `grid()` (the mesh dimensions, outermost first),
+its `gradient_groups()` (which ranks sum which gradients) and what a rank holds of the new kind of state
+(`experts_held`), and passes `then=` to
 `build_local_model`, a function applied to this rank's piece after TP — the way torchtitan applies
 TP, then context parallelism, then FSDP as separate transforms of one model.
 Chapter 05's 4D run (05_moe_expert_parallel/train_4d.py) is the first user of that seam.
@@ -23,13 +24,17 @@ critical path: it needs the fastest links, so its ranks are neighbours (one node
 sends one activation per micro-batch per stage boundary: it tolerates slower links. DP talks once
 per step (the gradient all-reduce) and can overlap it: it goes across nodes.
 """
+import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from importlib import import_module
+
+import torch
 
 from common.cli import check_common, pipeline_microbatches
 from common.domains import NON_NEGATIVE_INT, OUTPUT_FILE, POSITIVE_INT
 from common.errors import require
-from common.model import build_model
+from common.model import build_model, parameter_shapes
 from common.training import consolidate_on_rank0
 
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")
@@ -37,14 +42,22 @@ pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
 
 
+ELEMENT_SIZE = {"fp32": 4, "bf16": 2}     # bytes of one activation element in the run's --dtype (weights fp32)
+
+
 @dataclass
 class Layout:
-    """The run's degrees, decided once from the flags and the world size (never stored on `args`)."""
+    """The run's degrees, decided once from the flags and the world size (never stored on `args`), and
+    everything that follows from them alone: the grid, each group's size and span, which group sums which
+    gradients, what a rank holds of a stage. No process group is needed to ask it (chapter 07's planner
+    asks the same object about layouts it never launches); common/mesh.Mesh builds the groups from its
+    `grid()` and `joined`."""
     dp: int                     # data-parallel replicas of each stage (every rank of a dp group: its own rows)
     tp: int                     # tensor-parallel degree
     pp: int                     # pipeline ranks
     microbatches: int           # per data-parallel rank and step
     joined: dict = field(default_factory=dict)    # mesh dimensions read as one (a later chapter splits dp)
+    dtype: str = "fp32"         # the run's --dtype: the size of an activation element (element_size)
 
     def grid(self) -> dict:
         """The mesh dimensions, outermost first: arange(world).view(dp, pp, tp)."""
@@ -59,6 +72,58 @@ class Layout:
         from here. Here one kind: every gradient over dp (a tensor replicated over TP is then summed
         over tp, chapter 02's sync_tp_gradients). A later chapter's layout names its own groups."""
         return {"dense": "dp"}
+
+    @property
+    def world(self) -> int:
+        """Ranks in all: the product of the grid's dimensions."""
+        return math.prod(self.grid().values())
+
+    @property
+    def element_size(self) -> int:
+        """Bytes of one activation element (a pipeline message, a TP or CP exchange) in the run's dtype."""
+        return ELEMENT_SIZE[self.dtype]
+
+    def group_size(self, name: str) -> int:
+        """Ranks in one group of the grid, by name, a joined one too (chapter 05's edp: dp/ep)."""
+        return math.prod(self.grid()[dim] for dim in self.joined.get(name, (name,)))
+
+    def group_span(self, name: str) -> int:
+        """How many consecutive ranks one group of `name` reaches across: its outermost dimension and every
+        one inside it (TP, the last, varies fastest). A group whose span fits in a node talks over the
+        node's links (chapter 07's planner)."""
+        dims = list(self.grid())
+        outermost = min(dims.index(dim) for dim in self.joined.get(name, (name,)))
+        return math.prod(self.grid()[dim] for dim in dims[outermost:])
+
+    def stage_parameters(self, cfg, spec) -> tuple[int, int]:
+        """(dense, expert) parameters one rank holds of pipeline stage `spec` (chapter 03's StageSpec):
+        common/model's tensors of its embedding, blocks and head, each split as chapter 02's tp_to_local
+        splits it (a KV head replicated when K < tp, norms whole), the experts of a mixture as
+        `experts_held` says (whole here: chapter 05's Layout4D spreads them over EP)."""
+        dense = experts = 0
+        for piece, count in (("embedding", spec.first), ("block", len(spec.layers)), ("head", spec.last)):
+            d, x = tp_shard_parameters(cfg, piece, self.tp)
+            dense, experts = dense + count * d, experts + count * x
+        return dense, self.experts_held(cfg, experts)
+
+    def experts_held(self, cfg, experts: int) -> int:
+        """A rank's part of `experts` parameters of a mixture's experts: all of them (no EP here)."""
+        return experts
+
+
+@lru_cache(maxsize=None)
+def tp_shard_parameters(cfg, piece: str, tp: int) -> tuple[int, int]:
+    """(dense, expert) parameters of one piece of the model (common/model.parameter_shapes: "embedding",
+    "block" or "head") on one rank of a TP group of `tp`: each tensor cut by chapter 02's own tp_to_local
+    (on the meta device: shapes, no memory)."""
+    dense = experts = 0
+    for name, shape in parameter_shapes(cfg)[piece].items():
+        local = tensor_parallel.tp_to_local(name, torch.empty(shape, device="meta"), 0, tp, cfg.n_kv_heads)
+        if tensor_parallel.in_experts(name):
+            experts += local.numel()
+        else:
+            dense += local.numel()
+    return dense, experts
 
 
 def add_layout_args(p) -> None:
@@ -105,7 +170,7 @@ def decide_layout(args, cfg, world: int, degrees=None) -> Layout:
             f"--dp {dp} × --tp {tp} × --pp {pp} = {dp * tp * pp} must equal the world size {world}; "
             f"change the degrees or launch with --nproc_per_node={dp * tp * pp}")
     tensor_parallel.check_tp_config(cfg, tp, args.seq_len, args.sequence_parallel)
-    return Layout(dp, tp, pp, m)
+    return Layout(dp, tp, pp, m, dtype=args.dtype)
 
 
 def plan_pipeline(args, cfg, layout: Layout, build: bool = True) -> tuple[list, list | None]:

@@ -22,7 +22,7 @@ experts' gradients are partial over TP and summed like the norm gains', and the 
 statistics are summed over the TP group (`experts_over_ep`).
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import import_module
 
 from common.errors import require
@@ -34,8 +34,12 @@ from .expert_parallel import local_experts, parallelize_experts
 parallel_3d = import_module("04_3d_combined.parallel_3d")      # chapter 04: the 3D composition and its seam
 
 
+EP_JOINED = {"dp": ("edp", "ep")}      # the whole data-parallel group, read off the grid's (edp, ep)
+
+
 @dataclass
 class Layout4D(parallel_3d.Layout):
+    joined: dict = field(default_factory=lambda: dict(EP_JOINED))
     ep: int = 1                 # expert-parallel degree, inside dp
 
     def grid(self) -> dict:
@@ -51,12 +55,10 @@ class Layout4D(parallel_3d.Layout):
         group's rows). trainer_4d.build_trainer and the console read it here."""
         return {"dense": "dp", "experts": "edp"}
 
-    def group_size(self, name: str) -> int:
-        """Ranks in a group of the grid, joined dimensions included (edp: dp/ep)."""
-        size = 1
-        for dim in self.joined.get(name, (name,)):
-            size *= self.grid()[dim]
-        return size
+    def experts_held(self, cfg, experts: int) -> int:
+        """A rank's part of `experts` parameters (all E experts of some blocks): its E/ep experts, the ones
+        parallelize_experts keeps (local_experts)."""
+        return experts // cfg.n_experts * len(local_experts(cfg.n_experts, 0, self.ep)) if cfg.n_experts else 0
 
 
 def add_4d_args(p) -> None:
@@ -92,7 +94,7 @@ def decide_layout(args, world: int, cfg=None) -> tuple[Layout4D, object]:
                 "--capacity-factor serves each sequence's tokens in position order, but --sequence-parallel splits "
                 "the positions over the TP ranks; leave --capacity-factor out (dropless, as DeepSeek-V3 trains) with "
                 "--sequence-parallel")
-    return Layout4D(layout.dp, layout.tp, layout.pp, layout.microbatches, {"dp": ("edp", "ep")}, ep), cfg
+    return Layout4D(layout.dp, layout.tp, layout.pp, layout.microbatches, dtype=layout.dtype, ep=ep), cfg
 
 
 def experts_over_ep(model, mesh) -> None:

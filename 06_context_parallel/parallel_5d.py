@@ -30,7 +30,7 @@ inside each MoE layer and want fast links too: with the grid above, an EP group 
 share a pipeline stage sits pp·cp·tp ranks apart — fine on one node, and the reason production runs
 often fold EP into the data-parallel ranks of one node.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import import_module
 
 from common.errors import require
@@ -42,8 +42,15 @@ from .cp_split import SequenceSplit
 parallel_4d = import_module("05_moe_expert_parallel.parallel_4d")      # chapter 05: the 4D composition
 
 
+JOINED = {"dp": ("edp", "ep"), "dp_cp": ("edp", "ep", "cp"), "edp_cp": ("edp", "cp")}
+# Under sequence parallelism a sequence's positions are spread over cp × tp ranks: a router's per-sequence
+# balance statistics are summed over this group (then_experts_and_cp), made only where a run needs it
+SEQUENCE_JOINED = {"cp_tp": ("cp", "tp")}
+
+
 @dataclass
 class Layout5D(parallel_4d.Layout4D):
+    joined: dict = field(default_factory=lambda: dict(JOINED))
     cp: int = 1                 # context-parallel degree: S/cp positions of every sequence per rank
 
     def grid(self) -> dict:
@@ -67,12 +74,6 @@ class Layout5D(parallel_4d.Layout4D):
         At cp = 1 these are chapter 05's dp and edp. The table of every run's groups is in this chapter's
         README (section 7); trainer_4d.build_trainer takes the groups from here, by name."""
         return {"dense": "dp_cp", "experts": "edp_cp"}
-
-
-JOINED = {"dp": ("edp", "ep"), "dp_cp": ("edp", "ep", "cp"), "edp_cp": ("edp", "cp")}
-# Under sequence parallelism a sequence's positions are spread over cp × tp ranks: a router's per-sequence
-# balance statistics are summed over this group (then_experts_and_cp), made only where a run needs it
-SEQUENCE_JOINED = {"cp_tp": ("cp", "tp")}
 
 
 def add_5d_args(p) -> None:
@@ -101,7 +102,8 @@ def decide_layout(args, world: int, cfg=None) -> tuple[Layout5D, object]:
                 "over ranks; leave --capacity-factor out (dropless, as DeepSeek-V3 trains) with --cp > 1")
     sequence_over_cp_tp = args.sequence_parallel and layout.tp > 1 and cp > 1 and cfg.n_experts
     joined = {**JOINED, **SEQUENCE_JOINED} if sequence_over_cp_tp else JOINED
-    return Layout5D(layout.dp, layout.tp, layout.pp, layout.microbatches, joined, layout.ep, cp), cfg
+    return Layout5D(layout.dp, layout.tp, layout.pp, layout.microbatches, joined=joined, dtype=layout.dtype, ep=layout.ep,
+                    cp=cp), cfg
 
 
 def then_experts_and_cp(args, layout: Layout5D):

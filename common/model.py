@@ -83,19 +83,44 @@ def dense_preset(name: str, other_script: str) -> ModelConfig:
     return cfg
 
 
+def parameter_shapes(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Every parameter's shape from the config alone (no weights are built), by piece, under the names the
+    built model gives them: {"embedding": {"tok_emb.weight": (V, D)}, "block": {...}, "head": {...}}. A
+    block's names lack their "layers.i." prefix: every block holds the same. The pieces are the units
+    chapter 01's ZeRO-3 gathers (the embedding, each block, the final norm with the head), and the
+    counting the planner asks (through the Layout of chapters 04-06, which splits each piece as its
+    chapters do)."""
+    D, V, H, K, hd = cfg.dim, cfg.vocab_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+
+    def swiglu_shapes(prefix: str, hidden: int) -> dict:
+        return {f"{prefix}.w_gate.weight": (hidden, D), f"{prefix}.w_up.weight": (hidden, D),
+                f"{prefix}.w_down.weight": (D, hidden)}
+
+    if cfg.n_experts:                          # router + experts (each a SwiGLU of expert_hidden)
+        mlp = {"mlp.router.weight": (cfg.n_experts, D)}
+        for i in range(cfg.n_experts):
+            mlp.update(swiglu_shapes(f"mlp.experts.{i}", cfg.expert_hidden))
+    else:
+        mlp = swiglu_shapes("mlp", cfg.ffn_hidden)
+    block = {"attn_norm.weight": (D,), "attn.wq.weight": (H * hd, D), "attn.wk.weight": (K * hd, D),
+             "attn.wv.weight": (K * hd, D), "attn.wo.weight": (D, H * hd), "mlp_norm.weight": (D,), **mlp}
+    return {"embedding": {"tok_emb.weight": (V, D)}, "block": block,
+            "head": {"norm.weight": (D,), "lm_head.weight": (V, D)}}
+
+
 def count_parameters(cfg: ModelConfig, active: bool = False) -> int:
-    """Parameter count from the config alone (no weights are built), for printing presets.
+    """Parameter count from the config alone (parameter_shapes), for printing presets.
 
     active=True: the parameters one token computes with. For a dense model that is all of them; with
     experts, the router and k of the E experts per layer (what a step's FLOPs scale with).
     """
-    D, F_, L, V = cfg.dim, cfg.ffn_hidden, cfg.n_layers, cfg.vocab_size
-    kv = cfg.n_kv_heads * cfg.head_dim
-    attn = D * D + 2 * D * kv + D * D          # wq, wk, wv, wo
-    mlp = 3 * D * F_                           # gate, up, down
-    if cfg.n_experts:                          # router + experts (each a SwiGLU of expert_hidden)
-        mlp = D * cfg.n_experts + (cfg.top_k if active else cfg.n_experts) * 3 * D * cfg.expert_hidden
-    return 2 * V * D + L * (attn + mlp + 2 * D) + D   # embedding + head + layers (+ 2 norms each) + final norm
+    size = {piece: {name: math.prod(shape) for name, shape in shapes.items()}
+            for piece, shapes in parameter_shapes(cfg).items()}
+    block = sum(size["block"].values())
+    if active and cfg.n_experts:               # the router and k of the E experts (each the same size)
+        experts = sum(n for name, n in size["block"].items() if name.startswith("mlp.experts."))
+        block -= experts - experts // cfg.n_experts * cfg.top_k
+    return sum(size["embedding"].values()) + cfg.n_layers * block + sum(size["head"].values())
 
 
 def describe_size(cfg: ModelConfig) -> str:
