@@ -2,9 +2,12 @@
 
 API (chapter 04 imports this module with importlib.import_module("02_tensor_parallel.tensor_parallel")):
 
-    check_tp_config(cfg, tp, seq_len=None, sequence_parallel=False)      raises ConfigError, no communication
-    parallelize_model(model, tp_group, sequence_parallel=False, keep_gathered=False) -> model in place
-        (keep_gathered: SP keeping each gathered input for backward, only for bench_tp.py's comparison)
+    add_tp_overlap_arg(parser)      the --tp-overlap flag, the same in every script that has TP
+    check_tp_config(cfg, tp, seq_len=None, sequence_parallel=False, overlap=False)   raises ConfigError,
+        no communication
+    parallelize_model(model, tp_group, sequence_parallel=False, keep_gathered=False, overlap=False) -> model
+        (keep_gathered: SP keeping each gathered input for backward, only for bench_tp.py's comparison;
+        overlap: --tp-overlap, SP's all-gathers and reduce-scatters as ring steps under the matmuls)
         Works on a whole common.model.Transformer or a pipeline stage's part of one (only some Blocks
         in model.layers; tok_emb, or norm and lm_head, may be None). Keeps the methods and the
         reference parameter names:
@@ -63,9 +66,18 @@ def _kv_replicated(name, tp_size, n_kv_heads):
     return n_kv_heads is not None and n_kv_heads < tp_size and name.endswith(("wk.weight", "wv.weight"))
 
 
-def check_tp_config(cfg, tp: int, seq_len=None, sequence_parallel=False) -> None:
+def add_tp_overlap_arg(p) -> None:
+    p.add_argument("--tp-overlap", action="store_true",
+                   help="with --sequence-parallel: each all-gather before a column-parallel matmul and each "
+                        "reduce-scatter after a row-parallel one as tp ring steps under the matmul's chunks "
+                        "(tp_overlap.py)")
+
+
+def check_tp_config(cfg, tp: int, seq_len=None, sequence_parallel=False, overlap=False) -> None:
     """Every divisibility TP needs, with the fix in the message. Pure: runs before any collective."""
     require(tp >= 1, f"--tp must be ≥ 1, got {tp}")
+    require(sequence_parallel or not overlap,
+            "--tp-overlap decomposes sequence parallelism's all-gather and reduce-scatter; add --sequence-parallel")
     require(cfg.n_heads % tp == 0, f"the model's {cfg.n_heads} query heads do not split over --tp {tp}; "
                                    f"use a --tp that divides {cfg.n_heads}")
     if cfg.n_kv_heads >= tp:
@@ -84,7 +96,8 @@ def check_tp_config(cfg, tp: int, seq_len=None, sequence_parallel=False) -> None
                                    f"--seq-len {seq_len} is not a multiple of {tp}; use a --seq-len divisible by {tp}")
 
 
-def parallelize_model(model, tp_group, sequence_parallel: bool = False, keep_gathered: bool = False):
+def parallelize_model(model, tp_group, sequence_parallel: bool = False, keep_gathered: bool = False,
+                      overlap: bool = False):
     """Replace each layer of `model` by its TP shard, in place; returns the model.
 
     Every rank must hold the same full weights first (build_model from the seed, or a loaded
@@ -93,9 +106,12 @@ def parallelize_model(model, tp_group, sequence_parallel: bool = False, keep_gat
     all-gathers it again there (tp_layers.TPRegion.f_then_columns); `keep_gathered=True` keeps the
     gathered (B, S, D) instead: no re-gather, more memory (bench_tp.py compares the two; the training
     scripts never ask for it, and tp_collectives and the activation ledger count the default only).
+    `overlap=True` (--tp-overlap, SP only): those all-gathers and the reduce-scatters after wo and w_down
+    run as ring steps under the matmuls' sequence chunks (tp_overlap.py): the same bytes, in tp − 1
+    messages each, the same activations kept.
     """
     tp = dist.get_world_size(tp_group)
-    check_tp_config(model.cfg, tp)
+    check_tp_config(model.cfg, tp, sequence_parallel=sequence_parallel, overlap=overlap)
     if tp == 1:              # nothing to split: the single-device layers are the shards (and cost nothing)
         return model
     # Every Attention and SwiGLU, wherever it sits (whole model, or a stage holding a few Blocks).
@@ -116,7 +132,7 @@ def parallelize_model(model, tp_group, sequence_parallel: bool = False, keep_gat
             tp_layers.mark_layout(p, None, tp)
     for module in model.modules():
         if isinstance(module, tp_layers.TPRegion):
-            module.keep_gathered = keep_gathered
+            module.keep_gathered, module.overlap = keep_gathered, overlap
     model.tp_group, model.tp_size, model.sequence_parallel = tp_group, tp, sequence_parallel
     return model
 

@@ -20,6 +20,8 @@ the block's forward: two all-reduces per block and direction, each of B·S·D ac
 Under sequence parallelism the entrance is the all-gather, fused with the column-parallel products
 that read it (`f_then_columns`, tp_operators.GatherThenColumnLinears): backward keeps the (B, S/tp, D)
 shard and all-gathers it again, as Megatron-LM does, instead of keeping the gathered (B, S, D).
+Under --tp-overlap (SP only) the entrance's all-gather and the exit's product + reduce-scatter (`row_then_g`)
+are tp_overlap.py's ring operators: each hop travels while a sequence chunk is multiplied.
 """
 import torch
 import torch.distributed as dist
@@ -30,7 +32,7 @@ from common import comm
 from common.model import swiglu
 from common.step_protocol import mark_replicated
 
-from . import tp_operators
+from . import tp_operators, tp_overlap
 
 
 def _shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
@@ -60,6 +62,9 @@ class TPRegion(nn.Module):
     # SP only, for the chapter's comparison (bench_tp.py): keep the gathered (B, S, D) input for backward,
     # as f then nn.Linear would, instead of re-gathering the shard. parallelize_model(keep_gathered=True).
     keep_gathered = False
+    # --tp-overlap (SP only): the entrance's all-gather and the exit's reduce-scatter decomposed into ring
+    # steps under the matmuls' chunks (tp_overlap.py). parallelize_model(overlap=True).
+    overlap = False
 
     def f(self, x):                      # enter: (B, S, D) whole, or (B, S/tp, D) with SP -> (B, S, D)
         if self.sequence_parallel:
@@ -70,6 +75,14 @@ class TPRegion(nn.Module):
         if self.sequence_parallel:
             return tp_operators.reduce_scatter_to_sequence_parallel_region(y, self.group)
         return tp_operators.reduce_from_tp_region(y, self.group)
+
+    def row_then_g(self, row, x):
+        """Leave the region through the row-parallel layer `row`: its partial sum, then g. -> (B, S, D), or
+        (B, S/tp, D) with SP. Under --tp-overlap the product and the reduce-scatter are one ring operator
+        (tp_overlap.py): each chunk's partial sum travels while the next chunk is multiplied."""
+        if self.sequence_parallel and self.overlap:
+            return tp_overlap.row_linear_then_ring_reduce_scatter(x, row.weight, self.group)
+        return self.g(row(x))            # (B, S, D) partial sums on each rank, then g
 
     def regathers(self) -> bool:
         """Does the entrance keep only the sequence shard and all-gather it again in backward?"""
@@ -82,7 +95,10 @@ class TPRegion(nn.Module):
         and the products are one operator that keeps the (B, S/tp, D) shard for backward; it
         multiplies by the layers' weights itself, so their forward (the same F.linear) is not called."""
         if self.regathers():             # (B, S/tp, D) -> all-gather + products; backward re-gathers
-            return tp_operators.gather_then_column_linears(x, [c.weight for c in columns], self.group)
+            weights = [c.weight for c in columns]
+            if self.overlap:             # --tp-overlap: the all-gather's hops under the products' chunks
+                return tp_overlap.ring_gather_then_column_linears(x, weights, self.group)
+            return tp_operators.gather_then_column_linears(x, weights, self.group)
         x = self.f(x)                    # f: (B, S, D) on every rank, kept by each product for backward
         return [c(x) for c in columns]
 
@@ -105,7 +121,7 @@ class ColumnParallelLinear(TPRegion):
 
     def forward(self, x):                # (B, S, in), or (B, S/tp, in) with SP
         if self.apply_f and self.regathers():    # SP: all-gather + product, backward keeps the shard
-            return tp_operators.gather_then_column_linears(x, [self.weight], self.group)[0]   # (B, S, out/tp)
+            return self.f_then_columns(x, self)[0]   # (B, S, out/tp)
         if self.apply_f:
             x = self.f(x)                # f: (B, S, in), whole on every rank
         return F.linear(x, self.weight)  # (B, S, out/tp): this rank's output features
@@ -177,8 +193,8 @@ class ParallelAttention(TPRegion):
         q = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)              # (B, H/tp, S, hd)
         k = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)           # (B, K/tp or 1, S, hd)
         v = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        y = self.wo(self.attend(q, k, v, cos, sin))        # (B, S, H/tp·hd) -> (B, S, D), a partial sum
-        return self.g(y)                 # g: (B, S, D), or (B, S/tp, D) with SP
+        heads = self.attend(q, k, v, cos, sin)             # (B, S, H/tp·hd)
+        return self.row_then_g(self.wo, heads)   # wo, a partial sum, then g: (B, S, D), or (B, S/tp, D) with SP
 
 
 class ParallelSwiGLU(TPRegion):
@@ -195,8 +211,7 @@ class ParallelSwiGLU(TPRegion):
     def forward(self, x):                # (B, S, D), or (B, S/tp, D) with SP
         gate, up = self.f_then_columns(x, self.w_gate, self.w_up)   # f, once for both: (B, S, F/tp) each
         hidden = swiglu(gate, up)        # (B, S, F/tp)
-        y = self.w_down(hidden)          # (B, S, D), a partial sum
-        return self.g(y)                 # g: (B, S, D), or (B, S/tp, D) with SP
+        return self.row_then_g(self.w_down, hidden)   # down, a partial sum, then g: (B, S, D), or (B, S/tp, D) with SP
 
 
 class VocabParallelEmbedding(TPRegion):

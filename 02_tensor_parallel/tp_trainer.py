@@ -37,12 +37,14 @@ class TPTrainer(OptimizerVerbs):
     """
 
     def __init__(self, model, tp_group, dp_group, *, sequence_parallel: bool, lr: float,
-                 weight_decay: float, tokens_per_step: int, device: torch.device, bf16: bool = False):
+                 weight_decay: float, tokens_per_step: int, device: torch.device, bf16: bool = False,
+                 tp_overlap: bool = False):
         self.tp_group, self.dp_group, self.device, self.bf16 = tp_group, dp_group, device, bf16
         self.tp_rank, self.tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
         self.coords = {"tp": self.tp_rank}                 # where this rank sits, for counted_here
         self.n_kv_heads, self.tokens_per_step = model.cfg.n_kv_heads, tokens_per_step
-        self.model = tensor_parallel.parallelize_model(model, tp_group, sequence_parallel)   # keeps my slices
+        self.model = tensor_parallel.parallelize_model(model, tp_group, sequence_parallel,   # keeps my slices
+                                                       overlap=tp_overlap)
         self.named = list(self.model.named_parameters())
         self.optimizer = build_adamw(self.named, lr, weight_decay)
 

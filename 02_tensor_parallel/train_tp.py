@@ -3,6 +3,7 @@
     python 02_tensor_parallel/train_tp.py                                     # world size 1: the reference
     torchrun --nproc_per_node=4 02_tensor_parallel/train_tp.py                # TP=4
     torchrun --nproc_per_node=4 02_tensor_parallel/train_tp.py --sequence-parallel
+    torchrun --nproc_per_node=4 02_tensor_parallel/train_tp.py --sequence-parallel --tp-overlap   # tp_overlap.py
     torchrun --nproc_per_node=4 02_tensor_parallel/train_tp.py --tp 2         # TP=2 × DP=2
     torchrun --nproc_per_node=4 02_tensor_parallel/train_tp.py --impl torch   # DTensor's parallelize_module
 
@@ -42,6 +43,7 @@ def parse_args(argv=None):
                                                         "world/tp ranks of data parallelism around it")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="norms and residuals on sequence shards; all-gather / reduce-scatter instead of all-reduce")
+    tensor_parallel.add_tp_overlap_arg(p)
     p.add_argument("--impl", default="ours", choices=["ours", "torch"],
                    help="ours: this chapter's layers; torch: torch.distributed.tensor.parallel (DTensor)")
     return p.parse_args(argv)
@@ -55,11 +57,14 @@ def tp_degree(args, world: int) -> int:
     require(args.impl != "torch" or args.compile == "none",
             f"--compile {args.compile} with --impl torch: DTensor's layers do not compile here; use --impl ours "
             "(this chapter's layers compile, their collectives running between compiled pieces)")
+    require(args.impl != "torch" or not args.tp_overlap,
+            "--tp-overlap is this chapter's ring (tp_overlap.py); DTensor's async TP needs CUDA symmetric memory: "
+            "use --impl ours")
     require(world % tp == 0,
             f"--tp {tp} does not divide the world size {world}; use a --tp that divides {world} "
             f"(e.g. --tp {world}) or launch a multiple of {max(tp, 1)} ranks with torchrun --nproc_per_node")
     check_common(args, dp=world // tp)
-    tensor_parallel.check_tp_config(PRESETS[args.model], tp, args.seq_len, args.sequence_parallel)
+    tensor_parallel.check_tp_config(PRESETS[args.model], tp, args.seq_len, args.sequence_parallel, args.tp_overlap)
     return tp
 
 
@@ -91,7 +96,8 @@ def main(argv=None) -> list[dict]:
 
     log = RunLog(rt.rank, args.steps, args.metrics, args.quiet, append=args.resume)
     log.track_mfu(cfg, args.seq_len, args.dtype, rt)          # `mfu` in every row (common/mfu.py)
-    log.config_table(f"tensor parallel — {args.impl}{' + sequence parallel' if args.sequence_parallel else ''}",
+    log.config_table(f"tensor parallel — {args.impl}{' + sequence parallel' if args.sequence_parallel else ''}"
+                     f"{' + ring overlap' if args.tp_overlap else ''}",
                      layout_rows(args, cfg, mesh, rt, data, trainer.memory(), start))
     if rt.world_size == 1:
         log.print("world size 1: the single-device reference. More ranks: "
@@ -135,7 +141,8 @@ def build_trainer(args, model, mesh, device):
     """The trainer of `--impl`, chosen once: ours (tp_trainer.py) or PyTorch's DTensor (dtensor_tp.py),
     siblings with the same verbs and the same arguments."""
     Trainer = dtensor_tp.DTensorTrainer if args.impl == "torch" else tp_trainer.TPTrainer
-    return Trainer(model, mesh.group("tp"), mesh.group("dp"), sequence_parallel=args.sequence_parallel,
+    overlap = {"tp_overlap": True} if args.tp_overlap else {}     # ours only: tp_degree refuses it with DTensor
+    return Trainer(model, mesh.group("tp"), mesh.group("dp"), sequence_parallel=args.sequence_parallel, **overlap,
                    lr=args.lr, weight_decay=args.weight_decay, tokens_per_step=args.global_batch * args.seq_len,
                    device=device, bf16=args.dtype == "bf16")
 
