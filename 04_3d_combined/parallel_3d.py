@@ -135,6 +135,7 @@ def add_layout_args(p) -> None:
                    help="pipeline schedule (zb-v, dualpipev: two stages per rank, placed in a V)")
     p.add_argument("--virtual-stages", type=POSITIVE_INT, default=1, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--sequence-parallel", action="store_true", help="TP with sequence parallelism")
+    tensor_parallel.add_tp_overlap_arg(p)                  # --tp-overlap: chapter 02's ring under the matmuls
     p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3],
                    help="chapter 01's ZeRO over the ranks holding the same piece (zero_3d.py): 1 shards AdamW's "
                         "state, 2 the gradients too, 3 the weights between steps too")
@@ -169,7 +170,7 @@ def decide_layout(args, cfg, world: int, degrees=None) -> Layout:
     require(dp * tp * pp == world,
             f"--dp {dp} × --tp {tp} × --pp {pp} = {dp * tp * pp} must equal the world size {world}; "
             f"change the degrees or launch with --nproc_per_node={dp * tp * pp}")
-    tensor_parallel.check_tp_config(cfg, tp, args.seq_len, args.sequence_parallel)
+    tensor_parallel.check_tp_config(cfg, tp, args.seq_len, args.sequence_parallel, args.tp_overlap)
     return Layout(dp, tp, pp, m, dtype=args.dtype)
 
 
@@ -195,7 +196,8 @@ def build_local_model(cfg, args, layout: Layout, specs, mesh, device, full_state
         model.load_state_dict(full_state, strict=True)
     my_specs = pipeline_stages.rank_stages(specs, layout.pp, mesh.coord("pp"))
     model = pipeline_stages.prune_to_stages(model, my_specs)
-    model = tensor_parallel.parallelize_model(model, mesh.group("tp"), args.sequence_parallel)   # (tp 1: as it is)
+    model = tensor_parallel.parallelize_model(model, mesh.group("tp"), args.sequence_parallel,   # (tp 1: as it is)
+                                              overlap=args.tp_overlap)
     if then is not None:
         then(model, mesh)
     return model, my_specs
