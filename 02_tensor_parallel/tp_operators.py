@@ -36,6 +36,8 @@ import torch.nn.functional as F
 
 from common import comm
 
+from .tp_trace import collective_span
+
 
 # --- collectives along any dimension (comm's wrappers gather and scatter along dim 0) ---------------
 
@@ -52,7 +54,8 @@ def _all_gather(x, dim, group):
         return x
     shard = x.movedim(dim, 0).contiguous()                                        # (n, ...)
     out = torch.empty((N * shard.shape[0],) + shard.shape[1:], dtype=x.dtype, device=x.device)  # (N·n, ...)
-    comm.all_gather_into(out, shard, group=group, name="tp")
+    with collective_span():              # timing only, when overlap_tp.py draws the timeline
+        comm.all_gather_into(out, shard, group=group, name="tp")
     return out.movedim(0, dim).contiguous()
 
 
@@ -63,7 +66,8 @@ def _reduce_scatter(x, dim, group):
         return x
     full = x.movedim(dim, 0).contiguous()                                         # (N·n, ...)
     out = torch.empty((full.shape[0] // N,) + full.shape[1:], dtype=x.dtype, device=x.device)   # (n, ...)
-    comm.reduce_scatter_into(out, full, group=group, name="tp")
+    with collective_span():
+        comm.reduce_scatter_into(out, full, group=group, name="tp")
     return out.movedim(0, dim).contiguous()
 
 

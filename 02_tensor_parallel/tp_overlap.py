@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import comm
+from common.compile import eager
 
 from .tp_trace import ring_span
 
@@ -176,12 +177,15 @@ class RowLinearThenRingReduceScatter(torch.autograd.Function):
         return torch.cat(dx_parts, ctx.dim), dw, None, None   # dx (B, S, in/tp), dW (D, in/tp)
 
 
-# Functional names, as the layers call them. `dim` is the sequence dimension (1 in (B, S, D)).
+# Functional names, as the layers call them. `dim` is the sequence dimension (1 in (B, S, D)). Under --compile
+# each ring runs eagerly as a whole (common/compile.py's `eager`), its block's other pieces compiled around it.
+@eager
 def ring_gather_then_column_linears(x, weights, group, dim=1):
     """(B, S/tp, D) and column-parallel weights -> [(B, S, out_i/tp)]: the all-gather under the products."""
     return list(RingGatherThenColumnLinears.apply(x, dim, group, *weights))
 
 
+@eager
 def row_linear_then_ring_reduce_scatter(x, weight, group, dim=1):
     """(B, S, in/tp) and a row-parallel weight (D, in/tp) -> (B, S/tp, D), summed over the TP group."""
     return RowLinearThenRingReduceScatter.apply(x, weight, dim, group)

@@ -9,7 +9,7 @@
 overlap_tp.py gives TRACE a common/timeline.Timeline for a few steps and sums the exposed kinds per step.
 """
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 EXPOSED = ("post", "wait", "collective")        # the kinds in which a rank computes nothing
 
@@ -20,9 +20,6 @@ class TPTrace:
 
     @contextmanager
     def span(self, kind: str, **labels):
-        if self.timeline is None:
-            yield
-            return
         start, cpu = self.timeline.now(), time.thread_time()
         yield
         # cpu_s: this thread's CPU seconds inside the span: ranks that share cores are descheduled mid-span,
@@ -35,8 +32,9 @@ TRACE = TPTrace()
 
 def ring_span(kind: str, t: int):
     """`with ring_span("compute", t):` times its body as ring step t's `kind`, if TRACE has a timeline."""
-    return TRACE.span(kind, ring_step=t)
+    return TRACE.span(kind, ring_step=t) if TRACE.timeline is not None else nullcontext()
 
 
 def collective_span():
-    return TRACE.span("collective")
+    """Around a blocking collective; a plain nullcontext when off (the compiler traces through it)."""
+    return TRACE.span("collective") if TRACE.timeline is not None else nullcontext()

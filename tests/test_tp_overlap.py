@@ -1,9 +1,11 @@
 """--tp-overlap (02_tensor_parallel/tp_overlap.py): each decomposed operator against the plain one it replaces,
-forward and backward, and its bytes against chapter 02's formulas in tp − 1 messages per ring.
+forward and backward, and its bytes against chapter 02's formulas in tp − 1 messages per ring; then every
+script that has TP trained with it, equal to one device (loss 1e-6, gradient norm 1e-5 relative).
 
-Equal to float round-off, not to the bit: the ring adds a chunk's partial sums in ring order (gloo's
-reduce-scatter in its own), and a weight gradient is the sum of tp chunk products. One spawned group per
-world size (2 and 4) runs every check."""
+The operators are equal to float round-off, not to the bit: the ring adds a chunk's partial sums in ring
+order (gloo's reduce-scatter in its own), and a weight gradient is the sum of tp chunk products. One spawned
+group per world size runs every check: 2 ranks (the operators, TP 2), 4 ranks (the operators, TP 4, TP 2 × DP 2,
+with PP, with CP, with experts, the refusal); the references run on one rank."""
 import sys
 from importlib import import_module
 from pathlib import Path
@@ -18,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import comm                                         # noqa: E402
 from common.activation_meter import saved_storages, storages    # noqa: E402
-from harness import ok, run_group                               # noqa: E402
+from harness import assert_one_config_error, assert_same_run, ok, run_group   # noqa: E402
+from test_tp import check_bytes                                 # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-6)        # fp32 round-off of a sum of a handful of products
 
@@ -133,22 +136,63 @@ def check_ring_exact_chunks():
 OPERATORS = [("test_tp_overlap:check_column_entrance",), ("test_tp_overlap:check_row_exit",),
              ("test_tp_overlap:check_ring_exact_chunks",)]
 
+# --- every script that has TP, with --tp-overlap, against one device ------------------------------------
+
+TP_SCRIPT, THREE, FOUR, FIVE = ("02_tensor_parallel.train_tp:main", "04_3d_combined.train_3d:main",
+                                "05_moe_expert_parallel.train_4d:main", "06_context_parallel.train_5d:main")
+TP_BASE = ["--steps", "3", "--seq-len", "32", "--global-batch", "8", "--quiet"]
+BASE = TP_BASE + ["--sample-tokens", "0", "--val-every", "2", "--val-batches", "1"]
+MOE = ["--model", "tiny-moe"]
+OVERLAP = ["--sequence-parallel", "--tp-overlap"]
+REFERENCES = {"tp": (TP_SCRIPT, TP_BASE), "dense": (THREE, BASE), "moe": (FOUR, BASE + MOE)}
+# world -> name -> (script, flags, reference, check chapter 02's bytes formula)
+RUNS = {2: {"tp 2": (TP_SCRIPT, TP_BASE + OVERLAP + ["--tp", "2"], "tp", True)},
+        4: {"tp 4": (TP_SCRIPT, TP_BASE + OVERLAP, "tp", True),
+            "tp 2 × dp 2": (TP_SCRIPT, TP_BASE + OVERLAP + ["--tp", "2"], "tp", True),
+            "tp 2 × pp 2": (THREE, BASE + OVERLAP + ["--dp", "1", "--tp", "2", "--pp", "2"], "dense", False),
+            "tp 2 × cp 2": (FIVE, BASE + OVERLAP + ["--model", "tiny", "--dp", "1", "--tp", "2", "--pp", "1",
+                                                    "--cp", "2"], "dense", False),
+            "tp 2 × ep 2, experts": (FOUR, BASE + MOE + OVERLAP + ["--dp", "2", "--ep", "2", "--tp", "2",
+                                                                  "--pp", "1"], "moe", False)}}
+REFUSAL = (TP_SCRIPT, TP_BASE + ["--tp-overlap"], "--tp-overlap decomposes sequence parallelism's all-gather "
+                                                  "and reduce-scatter; add --sequence-parallel")
+
+
+def _jobs(world):
+    return OPERATORS + [(script, flags) for script, flags, _, _ in RUNS[world].values()] + \
+        ([REFUSAL[:2]] if world == 4 else [])
+
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return run_group(2, OPERATORS)
+def reference():
+    return {name: ok(res) for name, res in zip(REFERENCES, run_group(1, list(REFERENCES.values()), timeout_s=600))}
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
-    return run_group(4, OPERATORS)
+def groups():
+    return {}
 
 
-@pytest.mark.parametrize("job", range(len(OPERATORS)), ids=[j[0].split(":")[1] for j in OPERATORS])
-def test_operators_at_two_ranks(two_ranks, job):
-    assert ok(two_ranks[job]) is True
+def _results(groups, world):
+    if world not in groups:
+        groups[world] = run_group(world, _jobs(world), timeout_s=900)
+    return groups[world]
 
 
-@pytest.mark.parametrize("job", range(len(OPERATORS)), ids=[j[0].split(":")[1] for j in OPERATORS])
-def test_operators_at_four_ranks(four_ranks, job):
-    assert ok(four_ranks[job]) is True
+@pytest.mark.parametrize("world", [2, 4])
+def test_operators_equal_the_plain_ones(groups, world):
+    for job, res in zip(OPERATORS, _results(groups, world)):
+        assert ok(res) is True, job
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_overlapped_runs_match_one_device(groups, reference, world):
+    results = _results(groups, world)[len(OPERATORS):]
+    for (name, (_, _, ref, bytes_formula)), res in zip(RUNS[world].items(), results):
+        history = assert_same_run(res, reference[ref], f"--tp-overlap, {name}")
+        if bytes_formula:        # the same bytes as plain sequence parallelism: chapter 02's formulas
+            check_bytes(history, f"--tp-overlap, {name}")
+
+
+def test_overlap_without_sequence_parallel_is_refused(groups):
+    assert_one_config_error(_results(groups, 4)[-1], REFUSAL[2])
