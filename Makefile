@@ -52,8 +52,8 @@ GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) common/gpu_check.py
 
-# A GPU's matmul rate by size (bf16, fp32), the curve chapter 07's planner follows for that GPU:
-# 07_choosing_a_layout/results/gpu_efficiency_<gpu>.json. Without CUDA it says so and exits 0.
+# A GPU's own device file for chapter 07's planner (its matmul rate by size, fused attention, copy bandwidth):
+# 07_choosing_a_layout/devices/<gpu>-measured.json. Without CUDA it says so and exits 0.
 gpu-efficiency:
 	$(GPU_PY) 07_choosing_a_layout/gpu_efficiency.py
 

@@ -17,7 +17,8 @@ published ones by check_layouts.py (the chapter's README shows both tables).
 (--recompute-layers: full recomputation of the first blocks of each stage only, null for all), sequence_parallel, schedule, virtual_stages, microbatches, memory_bytes {params, grads, optim_bytes,
 peak_activation_bytes, working (working_set.py), total, held_between_steps} (the fullest pipeline rank's, fullest_pp_rank),
 comm_bytes {dp, tp, pp, ep, cp} (per optimizer step, global rank 0's, sent + received: the metrics'
-comm_bytes_*), bubble, step_time_s, time_parts_s, fits, command (null for a published shape: its miniature is
+comm_bytes_*), bubble, step_time_s, mfu (the model's FLOPs over every rank's peak), time_parts_s (a GPU's
+compute, memory, bubble, comm_<group>, optimizer: step_time.py), fits, command (null for a published shape: its miniature is
 printed instead).
 
 Exit codes: 0, a plan; 1, no layout fits (one `error:` line says the smallest one's memory; the table and
@@ -43,6 +44,7 @@ runnable = import_module("07_choosing_a_layout.runnable")              # this ch
 partial_recompute = import_module("07_choosing_a_layout.partial_recompute")  # this chapter: the fewest blocks
 explain_layout = import_module("07_choosing_a_layout.explain_layout")  # this chapter: the planner's words
 published = import_module("07_choosing_a_layout.published")            # this chapter: published runs
+framework_flags = import_module("07_choosing_a_layout.framework_flags")  # this chapter: Megatron-LM's, torchtitan's
 
 
 def schedules(cfg, pp: int) -> list[tuple[str, int]]:
@@ -66,8 +68,8 @@ def chunks_per_rank(n_layers: int, pp: int) -> list[int]:
 
 
 SCHEMA = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute", "recompute_layers", "sequence_parallel", "schedule", "virtual_stages",
-          "microbatches", "memory_bytes", "fullest_pp_rank", "comm_bytes", "bubble", "step_time_s", "time_parts_s",
-          "fits", "command")
+          "microbatches", "memory_bytes", "fullest_pp_rank", "comm_bytes", "bubble", "step_time_s", "mfu",
+          "time_parts_s", "fits", "command")
 
 
 def divisors(n: int) -> list[int]:
@@ -132,7 +134,7 @@ def plan(args) -> tuple[list[dict], object]:
             f"--seq-len {args.seq_len} is longer than --model {args.model}'s {cfg.max_seq_len} positions")
     dev = layout_inputs.device_for(args.device, args.dtype, args.world, args.efficiency)
     gpn = args.world if dev.cores is not None else args.gpus_per_node
-    run = layout_costs.Run(cfg, args.global_batch, args.seq_len, args.dtype)
+    run = layout_costs.Run(cfg, args.global_batch, args.seq_len, args.dtype, args.attention)
     kept, plan.refused = runnable_candidates(cfg, args.model, args.world, args.global_batch, args.seq_len, gpn,
                                              args.dtype)
     # full recomputation also as a lever: the fewest blocks per stage that fit (--recompute-layers), the rest kept
@@ -164,12 +166,19 @@ gib = explain_layout.gib
 
 
 def _model(domain: Domain, text: str) -> str:
-    if text not in layout_inputs.MODELS:
-        raise Refused("unknown model", f"choose one of {', '.join(layout_inputs.MODELS)}")
+    if text not in layout_inputs.MODELS and not text.endswith(".json"):
+        raise Refused("unknown model", f"choose one of {', '.join(layout_inputs.MODELS)}, or a PATH.json")
+    return text
+
+
+def _device(domain: Domain, text: str) -> str:
+    if text not in layout_inputs.DEVICES and not text.endswith(".json"):
+        raise Refused("unknown device", f"choose one of {', '.join(layout_inputs.DEVICES)}, or a PATH.json")
     return text
 
 
 MODEL = Domain("model", "", _model)
+DEVICE = Domain("device", "", _device)
 
 
 def parser() -> Parser:
@@ -177,19 +186,25 @@ def parser() -> Parser:
     line that names the flag (a ConfigError, exit code 2), as in every training script."""
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=MODEL, default="tiny",
-                   help=f"a course preset or a published shape: {', '.join(layout_inputs.MODELS)}")
+                   help=f"a course preset or a published shape: {', '.join(layout_inputs.MODELS)}; or a model "
+                        f"file PATH.json (model_files.py: ModelConfig's fields and \"mlp\": swiglu or gelu)")
     # at most 2^20 ranks (today's largest runs use tens of thousands): the planner tries every divisor of the
     # world, and a number like 10^9 would keep it busy for minutes before its first row
     p.add_argument("--world", type=whole(1, 1 << 20), default=8, help="ranks (GPUs) in all")
     p.add_argument("--gpus-per-node", type=POSITIVE_INT, default=8, help="ranks that share a node's fast links")
-    p.add_argument("--device", default="cpu", choices=list(layout_inputs.DEVICES),
-                   help="cpu: this machine, measured; h100, a100: datasheet numbers")
+    p.add_argument("--device", type=DEVICE, default="cpu",
+                   help=f"cpu: this machine, measured; a GPU's device file: {', '.join(layout_inputs.DEVICES[1:])} "
+                        f"(07_choosing_a_layout/devices/), or a PATH.json of the same form (device_files.py)")
+    p.add_argument("--attention", default="flash", choices=["flash", "unfused"],
+                   help="a GPU's attention kernel: flash (fused, the causal half skipped) or unfused (the scores "
+                        "and softmax in memory, as Megatron-LM ran before flash attention)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype")
     p.add_argument("--global-batch", type=POSITIVE_INT, default=16, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=POSITIVE_INT, default=128,
                    help="tokens per sequence (at most the model's max_seq_len)")
     p.add_argument("--efficiency", type=real(0, strict=True, high=1), default=None,
-                   help="share of peak FLOP/s the math reaches (default: 0.5 on a GPU, 0.4 on this CPU)")
+                   help="share of peak FLOP/s every matmul reaches (default: a GPU's device file by size, this "
+                        "CPU's calibration)")
     p.add_argument("--top", type=POSITIVE_INT, default=10, help="layouts in the printed table")
     p.add_argument("--why", type=POSITIVE_INT, default=3, help="first layouts explained in words")
     p.add_argument("--explain", type=explain_layout.LAYOUT, default=None, metavar="LAYOUT",
@@ -251,6 +266,7 @@ def main(argv=None) -> list[dict]:
                       if published.matches(vars(c), wanted)), None))
         print("\n".join(["", *explain_layout.explain_one(args.explain, rows, dev, describe, refusal_of,
                                                                          lambda r: run_it(r, cfg, args))]))
+        print("\n".join(framework_flags.explained(args.explain, rows, cfg, args.global_batch, args.seq_len)))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([{k: r[k] for k in SCHEMA} for r in rows], indent=1))

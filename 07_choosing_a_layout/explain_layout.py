@@ -18,7 +18,7 @@ published = import_module("07_choosing_a_layout.published")
 
 FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero": "zero_stage", "recompute": "recompute",
           "layers": "recompute_layers", "schedule": "schedule", "v": "virtual_stages", "m": "microbatches"}
-WORDS = ("compute", "bubble", "comm_dp", "comm_tp", "comm_pp", "comm_ep", "comm_cp")
+WORDS = ("compute", "memory", "bubble", "comm_dp", "comm_tp", "comm_pp", "comm_ep", "comm_cp", "optimizer")
 
 
 def _layout(domain: Domain, text: str) -> dict:

@@ -1,25 +1,27 @@
-"""How a GPU's matmul rate falls as the matmul shrinks: the curve the planner's GPU time model follows.
+"""A GPU's own device file, measured: the same form as devices/*.json (device_files.py), from this GPU's runs.
 
-    python 07_choosing_a_layout/gpu_efficiency.py        # (make gpu-efficiency) → results/gpu_efficiency_<gpu>.json
+    python 07_choosing_a_layout/gpu_efficiency.py        # (make gpu-efficiency) → devices/<gpu>-measured.json
+    python 07_choosing_a_layout/choose_layout.py --device 07_choosing_a_layout/devices/h100-sxm-measured.json ...
 
-A layout that splits a sequence (CP) or a layer (TP) hands each GPU smaller matmuls, and a small matmul
-reaches less of the datasheet peak than a large one: too few tiles to fill the chip, too little work
-per byte read. The planner's GPU model states one efficiency (0.5 of the peak, `--efficiency`); with a
-measured curve for that GPU it keeps that figure for the largest matmuls and scales it down for the
-smaller ones by what this curve says:
+The described files carry datasheet rates and published efficiencies. This one measures, on the GPU it
+runs on, what the planner's step time reads (and copies the rest from the described file of the same GPU):
 
-    efficiency(layout) = stated × rate(F) / rate(F_largest)
+    matmul_efficiency     bf16 matmuls (tokens, width) @ (width, 4·width) over a grid of sizes: each one's
+                          FLOP/s over the datasheet peak, a row per size (its GFLOP, its share)
+    attention_efficiency  torch's fused causal attention (scaled_dot_product_attention), forward and
+                          backward, at 8 sequences of 4,096 with head dim 128: its products' FLOP/s
+    hbm                   a copy of 1 MB to 1 GB: the best rate is the bandwidth, each size's share of it a row
+    networks              kept from the described file (NCCL among several GPUs is not measured yet; the
+                          writer takes a measured share of the line rate as `nccl` when there is one)
+    processing            "roofline": a measured rate already includes the traffic (or the arithmetic) of
+                          the operation it timed, so the two are not added again
 
-F is the FLOPs of the layout's typical matmul on one rank: a micro-batch's tokens on that rank (its
-sequence share under CP) times the model width times the MLP's hidden width over TP, times 2. The
-curve is measured here as bf16 (and fp32) matmuls of shape (tokens, width) @ (width, 4·width) over a
-grid of tokens and widths; rate(F) is interpolated in log F between the measured points, clamped at
-the ends. Without CUDA the command says so in one line and exits 0; the planner then keeps its one
-stated efficiency, as before.
+A measured file replaces a described one with no other change. Without CUDA the command says so in one
+line and exits 0.
 """
 import argparse
 import json
-import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -27,101 +29,115 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-RESULTS = Path(__file__).resolve().parent / "results"
-TOKENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-WIDTHS = (1024, 2048, 4096, 8192)
+DEVICES = Path(__file__).resolve().parent / "devices"
+TOKENS = (128, 512, 2048, 8192)
+WIDTHS = (1024, 4096, 8192)
+COPY_MB = (1, 10, 100, 1000)
 
 
-def path_for(fragment: str) -> Path:
-    return RESULTS / f"gpu_efficiency_{fragment}.json"
-
-
-def load_curve(fragment: str, dtype: str) -> tuple | None:
-    """((matmul FLOPs, share of the datasheet peak), ...) measured on GPU `fragment` (h100, a100) in
-    `dtype`, sorted by FLOPs; None when no curve was measured for it."""
-    path = path_for(fragment)
-    if not path.exists():
-        return None
-    points = json.loads(path.read_text())["points"].get(dtype)
-    return tuple(sorted((p["flops"], p["efficiency"]) for p in points)) if points else None
-
-
-def rate_at(curve: tuple, flops: float) -> float:
-    """The curve's share of the peak at a matmul of `flops`: linear in log FLOPs between two measured
-    points, the end point's value beyond them."""
-    if flops <= curve[0][0]:
-        return curve[0][1]
-    if flops >= curve[-1][0]:
-        return curve[-1][1]
-    for (f0, e0), (f1, e1) in zip(curve, curve[1:]):
-        if f0 <= flops <= f1:
-            t = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0)) if f1 > f0 else 0.0
-            return e0 + t * (e1 - e0)
-    raise AssertionError("unreachable: the curve is sorted")
-
-
-def scaled_efficiency(stated: float, curve: tuple | None, flops: float) -> float:
-    """The stated efficiency for the curve's largest matmuls, scaled down for smaller ones."""
-    if curve is None:
-        return stated
-    return stated * rate_at(curve, flops) / max(e for _, e in curve)
-
-
-def measure(dtype: str, seconds: float = 0.2) -> list[dict]:
-    """{tokens, width, flops, tflops, efficiency} for every (tokens, width) of the grid on this GPU."""
-    import torch
-    from common import mfu
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    peak = mfu.peak_flops("cuda", dtype)
-    points = []
-    for width in WIDTHS:
-        w = torch.randn(width, 4 * width, device="cuda", dtype=torch_dtype)
-        for tokens in TOKENS:
-            x = torch.randn(tokens, width, device="cuda", dtype=torch_dtype)
-            x @ w                                                       # (warm-up: the kernel's choice)
-            torch.cuda.synchronize()
-            n, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds:
-                for _ in range(10):
-                    x @ w
-                torch.cuda.synchronize()
-                n += 10
-            rate = 2 * tokens * width * 4 * width * n / (time.perf_counter() - start)
-            points.append({"tokens": tokens, "width": width, "flops": 2 * tokens * width * 4 * width,
-                           "tflops": rate / 1e12, "efficiency": rate / peak})
-    return points
-
-
-def fragment_of(name: str) -> str | None:
-    for fragment in ("h100", "h200", "a100"):
-        if fragment in name.lower():
-            return "h100" if fragment == "h200" else fragment        # (H200: the H100's datasheet peak)
+def described_name(gpu: str) -> str | None:
+    """The described device file of a GPU by its CUDA name (devices/<name>.json), or None."""
+    for fragment, name in (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80g")):
+        if fragment in gpu:
+            return name
     return None
+
+
+def device_file(base: dict, measured: dict, gpu: str, stamp: str) -> dict:
+    """The described file `base` with what was measured in place of what it described.
+    `measured`: {"matmul": [(FLOPs, share)], "flash": share, "copy": [(bytes, bytes/s)], "nccl": share | None}."""
+    said = f"measured on {gpu} ({stamp}) by gpu_efficiency.py"
+    out = json.loads(json.dumps(base))
+    out["name"] = f"{gpu} (measured)"
+    matmul = sorted(measured["matmul"], reverse=True)
+    out["matmul_efficiency"] = {"gflop": [[round(f / 1e9, 3), round(e, 3)] for f, e in matmul[:-1]]
+                                + [[0, round(matmul[-1][1], 3)]],
+                                "source": f"{said}: bf16 matmuls (tokens, width) @ (width, 4·width), FLOP/s over "
+                                          f"the datasheet peak"}
+    out["attention_efficiency"] = {"flash": round(measured["flash"], 3),
+                                   "source": f"{said}: scaled_dot_product_attention, causal, forward + backward"}
+    copies = sorted(measured["copy"], reverse=True)
+    best = max(rate for _, rate in copies)
+    out["hbm"] = {**out["hbm"], "gbps": round(best / 1e9, 1),
+                  "mb_efficiency": [[round(b / 1e6), round(r / best, 3)] for b, r in copies[:-1]]
+                  + [[0, round(copies[-1][1] / best, 3)]],
+                  "source": f"capacity: {out['hbm']['source']}; bandwidth: {said}, a copy, read + written bytes "
+                            f"per second, the best size's; the share of it each size reached"}
+    if measured.get("nccl"):
+        out["networks"][0] = {**out["networks"][0], "efficiency": round(measured["nccl"], 3),
+                              "source": f"{out['networks'][0]['source']}; efficiency {said}: NCCL all-gather"}
+    out["processing"] = {"mode": "roofline", "source": f"{said}: each rate includes its operation's own traffic"}
+    return out
+
+
+def dumps(device: dict) -> str:
+    """A device file as JSON, each [size, share] table on one line."""
+    text = json.dumps(device, indent=1, ensure_ascii=False)
+    text = re.sub(r"\[\s*([-\d.e+]+),\s*([-\d.e+]+)\s*\]", r"[\1, \2]", text)
+    return re.sub(r"\[\s*(\[[^\[\]]*\](?:,\s*\[[^\[\]]*\])*)\s*\]",
+                  lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text) + "\n"
+
+
+def timed(fn, seconds: float) -> float:
+    """Seconds per call of `fn` on the GPU, after a warm-up."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+        n += 1
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n
+
+
+def measure(peak: float, seconds: float) -> dict:
+    """This GPU's matmul sweep, fused attention and copy bandwidth (module docstring)."""
+    import torch
+    import torch.nn.functional as F
+    matmul = []
+    for width in WIDTHS:
+        w = torch.randn(width, 4 * width, device="cuda", dtype=torch.bfloat16)
+        for tokens in TOKENS:
+            x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+            flops = 2 * tokens * width * 4 * width
+            matmul.append((flops, flops / timed(lambda: x @ w, seconds) / peak))
+    q, k, v = (torch.randn(8, 32, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+
+    def attention():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    flops = 3.5 * 4 * 8 * 32 * 4096 * 4096 * 128 / 2      # 2 products forward, 5 backward; the causal half
+    copy = []
+    for mb in COPY_MB:
+        a = torch.empty(mb * 10**6 // 2, device="cuda", dtype=torch.bfloat16)
+        b = torch.empty_like(a)
+        copy.append((2 * a.numel() * 2, 2 * a.numel() * 2 / timed(lambda: b.copy_(a), seconds)))
+    return {"matmul": matmul, "flash": flops / timed(attention, seconds) / peak, "copy": copy, "nccl": None}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seconds", type=float, default=0.2, help="timing per matmul shape")
+    p.add_argument("--seconds", type=float, default=0.2, help="timing per shape")
     args = p.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
-        print("gpu_efficiency: no CUDA device here, nothing measured; the planner keeps its stated efficiency")
+        print("gpu_efficiency: no CUDA device here, nothing measured; the planner keeps the described devices/*.json")
         return 0
-    name = torch.cuda.get_device_name()
-    fragment = fragment_of(name)
-    if fragment is None:
-        print(f"gpu_efficiency: {name} is not one of the planner's GPUs (h100, a100); nothing written")
+    gpu = torch.cuda.get_device_name()
+    name = described_name(gpu)
+    if name is None:
+        print(f"gpu_efficiency: {gpu} has no described file in devices/ to start from; nothing written")
         return 0
-    points = {dtype: measure(dtype, args.seconds) for dtype in ("bf16", "fp32")}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path_for(fragment).write_text(json.dumps({"device": name, "torch": torch.__version__, "points": points},
-                                             indent=1) + "\n")
-    for dtype, pts in points.items():
-        best = max(pts, key=lambda q: q["efficiency"])
-        worst = min(pts, key=lambda q: q["efficiency"])
-        print(f"{name} {dtype}: {worst['efficiency']:.1%} of the peak at {worst['tokens']} × {worst['width']}, "
-              f"{best['efficiency']:.1%} at {best['tokens']} × {best['width']}")
-    print(f"written: {path_for(fragment)}")
+    from common import mfu
+    base = json.loads((DEVICES / f"{name}.json").read_text())
+    measured = measure(mfu.peak_flops("cuda", "bf16"), args.seconds)
+    path = DEVICES / f"{name}-measured.json"
+    stamp = f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+    path.write_text(dumps(device_file(base, measured, gpu, stamp)))
+    print(f"{gpu}: matmul {min(e for _, e in measured['matmul']):.1%}–{max(e for _, e in measured['matmul']):.1%} "
+          f"of the peak, fused attention {measured['flash']:.1%}, copy "
+          f"{max(r for _, r in measured['copy']) / 1e9:,.0f} GB/s; written: {path}")
     return 0
 
 

@@ -45,7 +45,6 @@ from common.mfu import attention_flops_per_token, flops_per_token, recompute_flo
 from common.recompute import recomputed_of
 
 zero_accounting = import_module("01_data_parallel.zero_accounting")         # chapter 01: ZeRO memory and bytes
-gpu_efficiency = import_module("07_choosing_a_layout.gpu_efficiency")        # this chapter: a GPU's measured curve
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")       # chapter 02: TP collectives
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")     # chapter 03: stages
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: the bubble
@@ -55,6 +54,7 @@ runnable = import_module("07_choosing_a_layout.runnable")                  # thi
 per_unit_zero = import_module("07_choosing_a_layout.per_unit_zero")        # this chapter: chapter 01's ZeRO-3
 working_set = import_module("07_choosing_a_layout.working_set")            # this chapter: beyond the ledger
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")      # this chapter: in flight, messages
+step_time = import_module("07_choosing_a_layout.step_time")                # this chapter: a GPU's step, by operation
 
 
 
@@ -87,6 +87,7 @@ class Run:
     global_batch: int
     seq_len: int
     dtype: str
+    attention: str = "flash"    # a GPU's attention kernel (block_time.py): "flash" (fused) or "unfused"
 
 
 def stage_params(cfg, spec, tp: int, ep: int) -> tuple[int, int]:
@@ -115,7 +116,7 @@ def zero3_units(cfg) -> tuple[int, ...]:
 
 
 def memory_by_component(run: Run, c: Candidate, peak_activation: int, dense: int, experts: int) -> dict:
-    """One rank's bytes by component at the peak of a step, as chapter 04's ZeroTrainer3D holds them
+    """One rank's bytes by component at the peak of a step, as chapter 04's Trainer3D holds them under ZeRO
     (its `memory_formula` gives the same between steps): the fp32 weights whole and the full gradients
     (ZeRO-3 gathers the weights once per step and keeps them for every micro-batch; from stage 2 the
     gradients accumulate in full buffers until the reduce-scatter after the schedule), AdamW's moments
@@ -224,19 +225,16 @@ def link_of(group: str, c: Candidate, dev, gpus_per_node: int) -> tuple[float, f
     return (dev.intra, dev.latency_intra) if inside else (dev.inter, dev.latency_inter)
 
 
-def matmul_flops(run: Run, c: Candidate) -> float:
-    """FLOPs of one rank's typical matmul, the MLP's first: a micro-batch's tokens on the rank (its share
-    of the sequence under CP; under experts, the share one expert gets) × width × hidden width over TP, × 2."""
-    cfg = run.cfg
-    tokens = run.global_batch // c.dp // c.microbatches * run.seq_len / c.cp
-    if cfg.n_experts:
-        return 2 * tokens * cfg.top_k / cfg.n_experts * cfg.dim * cfg.expert_hidden
-    return 2 * tokens * cfg.dim * cfg.ffn_hidden / c.tp
-
-
 def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, msgs: dict, bubble: float) -> dict:
-    """{compute, bubble, comm_<group>: seconds} of one step; the step is their sum (the module docstring)."""
+    """{compute, bubble, comm_<group>: seconds} of one step (a GPU's also memory and optimizer: step_time.py);
+    the step is their sum (the module docstring)."""
     cfg, world = run.cfg, c.dp * c.tp * c.pp * c.cp
+    if dev.spec is not None:        # a GPU: every operation at its own rate on the device file (step_time.py)
+        mine = pipeline_stages.rank_stages(schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len,
+                                                                    c.schedule), c.pp, 0)
+        params = [sum(x) for x in zip(*(stage_params(cfg, s, c.tp, c.ep) for s in mine))]
+        return step_time.gpu_time_parts(run, c, dev, gpus_per_node, nbytes, msgs, bubble, params, per_unit(run, c),
+                                        len(zero3_units(cfg)))
     blocks = recomputed_blocks(schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule), c.recompute_layers)
     flops = (flops_per_token(cfg, run.seq_len) + recompute_flops_per_token(cfg, run.seq_len, c.recompute, blocks)) \
         * run.global_batch * run.seq_len
@@ -248,8 +246,8 @@ def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, ms
         idle = 0.0 if world > dev.cores else flops / world / (dev.peak * dev.efficiency) * bubble / (1 - bubble)
         return {"compute": stretch * flops / world / (dev.peak * dev.efficiency), "bubble": idle,
                 **{f"comm_{g}": t for g, t in comm.items()}}
-    efficiency = gpu_efficiency.scaled_efficiency(dev.efficiency, dev.curve, matmul_flops(run, c))
-    rate = (world if dev.cores is None else min(world, dev.cores)) * dev.peak * efficiency
+    # a CPU without its own calibration: every FLOP at one stated efficiency of the probed peak
+    rate = min(world, dev.cores) * dev.peak * dev.efficiency
     compute = flops / rate
     attention = attention_flops_per_token(cfg, run.seq_len) * run.global_batch * run.seq_len / rate
     idle = compute * bubble / (1 - bubble) if dev.cores is None or world <= dev.cores else 0.0

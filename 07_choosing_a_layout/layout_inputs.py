@@ -6,8 +6,9 @@ only: nobody trains them here. Each comes from its paper:
 
     llama3-8b / 70b / 405b   The Llama 3 Herd of Models (Llama Team, Meta, 2024), Table 3
     gpt3-175b                Language Models are Few-Shot Learners (Brown et al., 2020), Table 2.1: d 12288,
-                             96 layers, 96 heads, a GeLU MLP of 4d = 49152 written as a SwiGLU of 32768
-                             (the same 2·d·4d = 3·d·32768 weights and FLOPs), the vocabulary 50257 padded to
+                             96 layers, 96 heads, a GELU MLP of 4d = 49152 (model_files.gelu_model: its
+                             memory counted as a SwiGLU of 32768, the same 2·d·4d = 3·d·32768 weights, its
+                             time as the two matrices of 49152 it runs), the vocabulary 50257 padded to
                              51200 (a multiple of 128·8, as Megatron-LM pads it for TP 8), untied embeddings
     mixtral-8x7b             Mixtral of Experts (Jiang et al., 2024), Table 1
     deepseek-v3              DeepSeek-V3 Technical Report (DeepSeek-AI, 2024), §4.2: d 7168, 61 layers,
@@ -18,15 +19,16 @@ only: nobody trains them here. Each comes from its paper:
 
 Devices. `cpu` is this machine: one core's peak FLOP/s from the course's own probe (common/mfu.py),
 the cores ranks share, its memory, and the gloo link measured once (`measure_link`, cached beside the
-peak). `h100` (SXM, 80 GB) and `a100` (SXM, 80 GB) carry datasheet numbers: peak FLOP/s from
-common/mfu.DATASHEET, NVLink inside a node (900 and 600 GB/s, both directions together) and one
-InfiniBand NIC per GPU across nodes (400 and 200 Gb/s each way: 100 and 50 GB/s both ways). A link's
-rate is in the counter's unit: bytes sent + received per second.
+peak). A GPU is a device file (device_files.py; devices/a100-80g.json, h100-sxm.json, h200.json, `a100`
+and `h100` for the first two, or any path): its peak, its matmul efficiency by size, its memory and the
+two network tiers, each number with its source in the file. A link's rate in `Device` is in the
+counter's unit: bytes sent + received per second (twice the file's one-way rate).
 """
 import os
 import time
 from dataclasses import dataclass, replace
 from importlib import import_module
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,9 @@ from common import comm, mfu
 from common.errors import require
 from common.model import PRESETS, ModelConfig
 
+device_files = import_module("07_choosing_a_layout.device_files")    # this chapter: a GPU's rates, by file
+model_files = import_module("07_choosing_a_layout.model_files")      # this chapter: a model of one's own
+
 PUBLISHED = {
     "llama3-8b": ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
                              max_seq_len=131072, rope_theta=500000.0),
@@ -43,16 +48,14 @@ PUBLISHED = {
                               max_seq_len=131072, rope_theta=500000.0),
     "llama3-405b": ModelConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
                                ffn_hidden=53248, max_seq_len=131072, rope_theta=500000.0),
-    "gpt3-175b": ModelConfig(vocab_size=51200, dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, ffn_hidden=32768,
-                             max_seq_len=2048),
+    "gpt3-175b": model_files.gelu_model(vocab_size=51200, dim=12288, n_layers=96, n_heads=96, n_kv_heads=96,
+                                        ffn_hidden=49152, max_seq_len=2048),
     "mixtral-8x7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
                                 max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2, expert_hidden=14336),
     "deepseek-v3": ModelConfig(vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128,
                                ffn_hidden=18432, max_seq_len=131072, n_experts=256, top_k=8, expert_hidden=2048),
 }
 MODELS = {**PRESETS, **PUBLISHED}
-
-GB, GIB = 1e9, 2 ** 30
 
 
 @dataclass(frozen=True)
@@ -70,27 +73,22 @@ class Device:
     # rank, before the W/C stretch of ranks sharing cores; None: the link probe's latency and rate instead
     call_s: float | None = None
     byte_s: float | None = None
-    # a GPU whose matmul rate was measured by size (gpu_efficiency.py): ((FLOPs, share of peak), ...); the
-    # stated efficiency then holds for the largest matmuls and falls with the curve for smaller ones
-    curve: tuple | None = None
+    # a GPU: its device file (device_files.py), every operation's rate by size; the step is timed from it
+    spec: object = None
     # the share of `memory` a run cannot use (working_set.py: a GPU's CUDA context and allocator fragmentation)
     headroom: float = 0.0
 
 
-def datasheet_peak(fragment: str, dtype: str) -> float:
-    """common/mfu's datasheet figure: bf16, or TF32 tensor cores for fp32 matmuls."""
-    peaks = dict(mfu.DATASHEET)[fragment]
-    return peaks["bf16" if dtype == "bf16" else "tf32"]
-
-
-def gpu(name: str, dtype: str) -> Device:
-    curve = import_module("07_choosing_a_layout.gpu_efficiency").load_curve(name, dtype)    # None: not measured
-    headroom = import_module("07_choosing_a_layout.working_set").HEADROOM                    # stated
-    if name == "h100":
-        return Device("h100", 80 * GIB, datasheet_peak("H100", dtype), 900 * GB, 100 * GB, 10e-6, 20e-6, curve=curve,
-                      headroom=headroom)
-    return Device("a100", 80 * GIB, datasheet_peak("A100", dtype), 600 * GB, 50 * GB, 10e-6, 20e-6, curve=curve,
-                  headroom=headroom)
+def gpu(name: str, dtype: str, efficiency: float | None = None) -> Device:
+    """A GPU from its device file (device_files.py: devices/NAME.json or a path); `efficiency` (--efficiency)
+    puts one share of the peak in place of the file's matmul table, the same for every size."""
+    spec = device_files.load(name, dtype)
+    if efficiency:
+        spec = replace(spec, matmul=((0.0, efficiency),))
+    inside, across = spec.tiers
+    return Device(Path(name).stem if name.endswith(".json") else name, spec.memory_bytes, spec.peak["run"],
+                  2 * inside.rate, 2 * across.rate, inside.latency, across.latency, efficiency=efficiency or 0.5,
+                  spec=spec, headroom=import_module("07_choosing_a_layout.working_set").HEADROOM)   # stated
 
 
 def cpu(dtype: str, world: int) -> Device:
@@ -110,16 +108,22 @@ def cpu(dtype: str, world: int) -> Device:
     return dev
 
 
-DEVICES = ("cpu", "h100", "a100")
+DEVICES = ("cpu", *device_files.ALIASES, *device_files.names())
 
 
 def device_for(name: str, dtype: str, world: int, efficiency: float | None = None) -> Device:
-    require(name in DEVICES, f"unknown --device {name!r}; choose one of {', '.join(DEVICES)}")
-    dev = cpu(dtype, world) if name == "cpu" else gpu(name, dtype)
+    """`cpu` (this machine), a device file's name (devices/), or a path to one (device_files.load refuses a
+    bad one naming its field)."""
+    if name != "cpu":
+        return gpu(name, dtype, efficiency)
+    dev = cpu(dtype, world)
     return replace(dev, efficiency=efficiency) if efficiency else dev
 
 
 def model_for(name: str) -> ModelConfig:
+    """A course preset, a published shape, or a model file (model_files.py: `--model PATH.json`)."""
+    if name.endswith(".json"):
+        return model_files.load(name)
     require(name in MODELS, f"unknown --model {name!r}; choose one of {', '.join(MODELS)}")
     return MODELS[name]
 

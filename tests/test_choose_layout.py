@@ -179,15 +179,17 @@ def test_a_published_memory_is_checked_against_the_fullest_rank_s_total():
 
 
 def test_step_time_is_the_sum_of_its_parts_and_the_bubble_is_chapter_03s():
-    """step = compute + bubble + exposed communication, and the bubble part is compute · b/(1 − b) with
-    chapter 03's theory_bubble (a GPU: every rank its own device)."""
+    """step = compute + memory + bubble + exposed communication + optimizer, and the bubble part is the
+    critical path's time (compute, memory, TP, EP and PP traffic) · b/(1 − b) with chapter 03's theory_bubble
+    (a GPU: every rank its own device; step_time.py)."""
     pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
     for schedule, v, m in (("1f1b", 1, 8), ("interleaved", 2, 8), ("zb-h1", 1, 4)):
         r = row(TINY, 2, 1, 4, m=m, schedule=schedule, v=v)
         parts = r["time_parts_s"]
         assert r["step_time_s"] == pytest.approx(sum(parts.values()), rel=1e-12), schedule
         b = pipeline_schedules.theory_bubble(schedule, 4, m, v)
-        assert r["bubble"] == b and parts["bubble"] == pytest.approx(parts["compute"] * b / (1 - b)), schedule
+        busy = sum(parts[k] for k in ("compute", "memory", "comm_tp", "comm_ep", "comm_pp"))
+        assert r["bubble"] == b and parts["bubble"] == pytest.approx(busy * b / (1 - b)), schedule
 
 
 def test_partial_recomputation_is_the_fewest_blocks_per_stage_that_fit():
@@ -230,7 +232,7 @@ def test_explain_a_layout_and_a_published_run(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--model", "gpt5"], "--model gpt5: unknown model; choose one of tiny"),
-    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--device", "tpu"], "--device tpu: unknown device; choose one of cpu, a100, h100"),
     (["--world", "13"], "no layout of --world 13"),
     (["--seq-len", "4096"], "--seq-len 4096 is longer than --model tiny's 256 positions"),
     (["--efficiency", "2"], "--efficiency must be a finite number > 0 and ≤ 1, got 2"),

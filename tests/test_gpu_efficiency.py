@@ -1,63 +1,73 @@
-"""Chapter 07's GPU efficiency curve: a matmul's rate by size, measured on a GPU (gpu_efficiency.py), and
-the planner's GPU step time following it. No GPU is needed: the curves here are written by hand."""
+"""Chapter 07's device files: every GPU number with its source, a bad file refused naming its field, and a
+measured file (gpu_efficiency.py) read back as the planner reads a described one. No GPU is needed: the
+measurement here is written by hand."""
 import json
-import math
 import subprocess
 import sys
-from dataclasses import replace
 from importlib import import_module
 from pathlib import Path
 
 import pytest
 
+from common.errors import ConfigError
+
 ROOT = Path(__file__).resolve().parents[1]
 gpu_efficiency = import_module("07_choosing_a_layout.gpu_efficiency")
-layout_costs = import_module("07_choosing_a_layout.layout_costs")
-layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
-
-CURVE = ((1e6, 0.2), (1e8, 0.6), (1e10, 0.8))
+device_files = import_module("07_choosing_a_layout.device_files")
+block_time = import_module("07_choosing_a_layout.block_time")
 
 
-def test_the_curve_is_read_between_its_points_in_log_flops_and_clamped_beyond():
-    assert gpu_efficiency.rate_at(CURVE, 1e7) == pytest.approx(0.4)          # halfway in log FLOPs
-    assert gpu_efficiency.rate_at(CURVE, 1e9) == pytest.approx(0.7)
-    assert gpu_efficiency.rate_at(CURVE, 1e3) == 0.2 and gpu_efficiency.rate_at(CURVE, 1e12) == 0.8
-    # the stated efficiency holds for the largest matmuls and is scaled down for the smaller ones
-    assert gpu_efficiency.scaled_efficiency(0.5, CURVE, 1e10) == pytest.approx(0.5)
-    assert gpu_efficiency.scaled_efficiency(0.5, CURVE, 1e6) == pytest.approx(0.5 * 0.2 / 0.8)
-    assert gpu_efficiency.scaled_efficiency(0.5, None, 1e6) == 0.5                   # not measured: as stated
+def test_every_described_device_loads_and_every_number_names_its_source():
+    assert device_files.names() == ["a100-80g", "h100-sxm", "h200"]
+    for name in device_files.names():
+        raw = json.loads(device_files.path_of(name).read_text())
+        objects = [v for v in raw.values() if isinstance(v, dict)] + raw["networks"]
+        assert all(len(o["source"]) > 20 for o in objects), name
+        dev = device_files.load(name, "bf16")
+        assert dev.peak["run"] == raw["peak_tflops"]["bf16"] * 1e12 and dev.tiers[0].rate > dev.tiers[1].rate
+    assert device_files.load("a100", "bf16") == device_files.load("a100-80g", "bf16")      # the alias
 
 
-def test_the_planner_s_gpu_compute_follows_the_measured_curve():
-    """Splitting the sequence 8 ways (cp 8, one sequence per micro-batch) makes each rank's matmuls 16 times
-    smaller than dp 8's (two whole sequences per rank): with a curve its
-    compute takes longer by the curve's ratio at the two sizes; without one the two are the same."""
-    run = layout_costs.Run(layout_inputs.model_for("llama3-8b"), 16, 8192, "bf16")
-    zero = dict.fromkeys(("dp", "tp", "pp", "cp", "ep"), 0)
-    whole = layout_costs.Candidate(8, 1, 1, 1, 1, 3, "selective", False, "1f1b", 1)
-    split = replace(whole, dp=1, cp=8, microbatches=16)
-    flops = {c: layout_costs.matmul_flops(run, c) for c in (whole, split)}
-    assert flops[whole] == 2 * 2 * 8192 * 4096 * 14336 and flops[split] == pytest.approx(flops[whole] / 16)
-    plain = replace(layout_inputs.device_for("h100", "bf16", 8), curve=None)     # the stated efficiency alone
-    measured = replace(plain, curve=((1e9, 0.3), (1e13, 0.9)))
-    compute = {(dev.curve is not None, c): layout_costs.time_parts(run, c, dev, 8, zero, zero, 0.0)["compute"]
-               for dev in (plain, measured) for c in (whole, split)}
-    assert compute[(False, whole)] == pytest.approx(compute[(False, split)])
-    ratio = gpu_efficiency.rate_at(measured.curve, flops[whole]) / gpu_efficiency.rate_at(measured.curve, flops[split])
-    assert compute[(True, split)] / compute[(True, whole)] == pytest.approx(ratio)
-    assert ratio > 1.05
+def test_a_matmul_runs_at_the_share_its_size_gets_and_memory_adds_under_no_overlap():
+    dev = device_files.load("a100-80g", "bf16")
+    big, small = block_time.matmul("big", 8192, 8192, 8192, 2), block_time.matmul("small", 256, 1024, 1024, 2)
+    assert big.flops >= 128e9 and 1e6 < small.flops < 1e9           # the table's 0.95 and 0.1 rows
+    arithmetic = {op.name: op.flops / (312e12 * share) for op, share in ((big, 0.95), (small, 0.1))}
+    traffic = {op.name: op.nbytes / (2039e9 * share) for op, share in ((big, 0.9), (small, 0.6))}
+    for op in (big, small):
+        assert block_time.op_seconds(op, dev) == pytest.approx(arithmetic[op.name] + traffic[op.name])
+    roofline = device_files.DeviceFile(**{**vars(dev), "overlap": True})
+    assert block_time.op_seconds(big, roofline) == pytest.approx(max(arithmetic["big"], traffic["big"]))
 
 
-def test_a_measured_curve_file_reaches_the_planner_s_device(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_efficiency, "RESULTS", tmp_path)
-    points = [{"tokens": t, "width": 1024, "flops": 8 * t * 1024 ** 2, "tflops": 0.0, "efficiency": e}
-              for t, e in ((1024, 0.7), (128, 0.25), (16384, 0.8))]
-    (tmp_path / "gpu_efficiency_h100.json").write_text(json.dumps({"device": "NVIDIA H100", "points":
-                                                                   {"bf16": points, "fp32": points[:1]}}))
-    dev = layout_inputs.device_for("h100", "bf16", 8)
-    assert dev.curve == tuple(sorted((p["flops"], p["efficiency"]) for p in points))
-    assert layout_inputs.device_for("a100", "bf16", 8).curve is None            # measured on an H100 only
-    assert all(math.isfinite(f) for f, _ in dev.curve)
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: d["hbm"].pop("gbps"), "field hbm.gbps is missing"),
+    (lambda d: d["peak_tflops"].update(bf16=-1), "field peak_tflops.bf16 must be a number > 0, got -1"),
+    (lambda d: d["matmul_efficiency"].update(gflop=[[1, 0.5]]), "field matmul_efficiency.gflop must end at size 0"),
+    (lambda d: d["networks"][1].update(efficiency=1.5), "field networks.1.efficiency must be a number > 0 and ≤ 1"),
+    (lambda d: d["vector_tflops"].pop("source"), "field vector_tflops.source is missing"),
+])
+def test_a_bad_device_file_is_refused_naming_its_field(tmp_path, edit, field):
+    raw = json.loads(device_files.path_of("h100").read_text())
+    edit(raw)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace(".", r"\.")):
+        device_files.load(str(path), "bf16")
+
+
+def test_a_measured_file_is_read_back_as_the_planner_reads_a_described_one(tmp_path):
+    base = json.loads(device_files.path_of("h100-sxm").read_text())
+    fake = {"matmul": [(1e8, 0.2), (5e10, 0.7), (4e11, 0.8)], "flash": 0.55,
+            "copy": [(2e6, 1.0e12), (2e9, 3.0e12), (2e8, 2.7e12)], "nccl": 0.8}
+    path = tmp_path / "h100-measured.json"
+    path.write_text(gpu_efficiency.dumps(gpu_efficiency.device_file(base, fake, "NVIDIA H100 80GB HBM3", "test")))
+    dev = device_files.load(str(path), "bf16")
+    assert dev.matmul == ((400e9, 0.8), (50e9, 0.7), (0.0, 0.2)) and dev.flash == 0.55
+    assert dev.hbm_rate == 3.0e12 and dev.hbm[:2] == ((2e9, 1.0), (200e6, 0.9))
+    assert dev.hbm[2][0] == 0 and dev.hbm[2][1] == pytest.approx(1 / 3, abs=1e-3)
+    assert dev.overlap and dev.tiers[0].rate == pytest.approx(450e9 * 0.8) and dev.peak == device_files.load(
+        "h100-sxm", "bf16").peak
 
 
 def test_without_cuda_the_measurement_says_so_in_one_line_and_exits_0():
@@ -65,6 +75,6 @@ def test_without_cuda_the_measurement_says_so_in_one_line_and_exits_0():
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: `make gpu-efficiency` measures it")
     done = subprocess.run([sys.executable, "07_choosing_a_layout/gpu_efficiency.py"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().count("\n") == 0 and "no CUDA device" in done.stdout

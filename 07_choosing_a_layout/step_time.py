@@ -1,0 +1,97 @@
+"""A GPU step's time from its operations (block_time.py) on a device file (device_files.py), by part.
+
+    busy       the fullest pipeline rank's m micro-batches: each block's forward, backward and what
+               recomputation reruns (block_time.microbatch_ops), the embedding and the head on the ranks
+               that hold them; split into `compute` (the matmuls, attention's products among them) and
+               `memory` (norms, residuals, activation, RoPE, the loss: memory-bound)
+    comm_tp    chapter 02's collectives of rank 0 in the step (layout_costs.rank0_traffic), on the tier the
+               TP group spans, all on the critical path; with --tp-overlap (chapter 02) only what the
+               matmul chunks do not cover: max(0, tp − the rank's matmuls)
+    comm_ep    chapter 05's all-to-all, on the critical path
+    comm_pp    chapter 03's sends and receives of rank 0, each a message on the tier the pipeline spans
+    bubble     (busy + tp + ep + pp) · b / (1 − b), b chapter 03's theory_bubble of the schedule
+    comm_dp    DP's gradient reduction (ZeRO: reduce-scatter and all-gather) starts after a stage's last
+               backward and hides behind the other stages' cool-down, the bubble: max(0, dp − bubble);
+               chapter 01's per-unit ZeRO-3 prefetches the next unit while one computes
+    comm_cp    the ring's K/V hops hide behind attention's own products: max(0, cp − attention)
+    optimizer  AdamW over the rank's shard of the parameters, one pass over memory: fp32 weight, gradient,
+               two moments read, weight and moments written, the bf16 copy written (30 bytes a parameter)
+
+A collective on a tier takes (bytes sent + received) / 2 ÷ (the tier's one-way rate × its efficiency) +
+its latency: the course counts both directions, a link carries them at once, and nccl-tests' busbw is
+that rate (a ring all-reduce moves 2(N−1)/N of the tensor each way). The step is the sum of the parts.
+"""
+from importlib import import_module
+
+from common.recompute import recomputed_of
+
+block_time = import_module("07_choosing_a_layout.block_time")              # this chapter: one block's operations
+pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")     # chapter 03: each rank's stages
+schedule_costs = import_module("07_choosing_a_layout.schedule_costs")      # this chapter: the stages
+per_unit_zero = import_module("07_choosing_a_layout.per_unit_zero")        # this chapter: chapter 01's ZeRO-3
+
+ADAMW_BYTES = 30              # per parameter: read w, g, m, v (fp32), write w, m, v and the bf16 copy
+
+
+def link_seconds(nbytes: float, messages: int, tier) -> float:
+    """Seconds of `messages` collectives moving `nbytes` (sent + received) over a tier."""
+    return nbytes / 2 / tier.rate + messages * tier.latency
+
+
+def tier_of(span: int, gpus_per_node: int, dev):
+    """The tier a group whose ranks span `span` consecutive ranks talks over: NVLink inside a node."""
+    return dev.tiers[0] if span <= gpus_per_node else dev.tiers[1]
+
+
+def spans(c) -> dict:
+    """How many consecutive ranks each group spans on the grid (edp, ep, pp, cp, tp), TP fastest."""
+    return {"tp": c.tp, "cp": c.tp * c.cp, "pp": c.tp * c.cp * c.pp, "ep": c.tp * c.cp * c.pp * c.ep,
+            "dp": c.tp * c.cp * c.pp * c.dp}
+
+
+def rank_work(run, c, dev) -> tuple[float, float, float, int]:
+    """(matmul s, memory s, attention s) of the busiest pipeline rank's m micro-batches."""
+    cfg = run.cfg
+    specs = schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
+    rows = run.global_batch // c.dp // c.microbatches
+    shape = block_time.Shape(rows * run.seq_len // c.cp, run.seq_len, c.tp, c.sequence_parallel, c.ep,
+                             2 if run.dtype == "bf16" else 4, run.attention)
+    best = (0.0, 0.0, 0.0)
+    for r in range(c.pp):
+        matmul = memory = attention = 0.0
+        for s in pipeline_stages.rank_stages(specs, c.pp, r):
+            blocks = len(s.layers)
+            again = {"none": 0, "selective": blocks, "full": recomputed_of(blocks, c.recompute_layers)}[c.recompute]
+            ops = block_time.microbatch_ops(cfg, shape, blocks, again, c.recompute, s.first, s.last)
+            mm, mem = block_time.seconds(ops, dev.spec, split=True)
+            matmul, memory = matmul + mm, memory + mem
+            attention += block_time.attention_seconds(cfg, shape, dev.spec, blocks)
+        if matmul + memory > sum(best[:2]):
+            best = (matmul, memory, attention)
+    m = c.microbatches
+    return m * best[0], m * best[1], m * best[2]
+
+
+def optimizer_seconds(run, c, dev, dense: int, experts: int) -> float:
+    """AdamW over what this rank updates: its dense weights over dp × cp and its experts over edp × cp from
+    ZeRO-1, all of them without."""
+    shard = (dense / (c.dp * c.cp) + experts / (c.dp // c.ep * c.cp)) if c.zero_stage else dense + experts
+    return dev.spec.op_seconds("vector", 10 * shard, ADAMW_BYTES * shard)
+
+
+def gpu_time_parts(run, c, dev, gpus_per_node: int, nbytes: dict, msgs: dict, bubble: float,
+                   params: tuple[int, int], per_unit: bool, units: int) -> dict:
+    """{compute, memory, bubble, comm_<group>, optimizer: seconds} of one step on a GPU; the step is their sum.
+    `params`: rank 0's (dense, expert) parameters; `per_unit`: chapter 01's ZeRO-3 with `units` units."""
+    matmul, memory, attention = rank_work(run, c, dev)
+    span = spans(c)
+    seconds = {g: link_seconds(nbytes[g], msgs[g], tier_of(span[g], gpus_per_node, dev.spec)) for g in nbytes}
+    if getattr(c, "tp_overlap", False):         # chapter 02's --tp-overlap: the chunks' matmuls cover the rest
+        seconds["tp"] = max(0.0, seconds["tp"] - matmul)
+    critical = matmul + memory + seconds["tp"] + seconds["ep"] + seconds["pp"]
+    idle = critical * bubble / (1 - bubble)
+    exposed = {**seconds, "dp": max(0.0, seconds["dp"] - idle), "cp": max(0.0, seconds["cp"] - attention)}
+    if per_unit:                 # chapter 01's prefetch: a unit's gather travels while the one before computes
+        exposed["dp"] = per_unit_zero.exposed(seconds["dp"], matmul + memory, units)
+    return {"compute": matmul, "memory": memory, "bubble": idle, **{f"comm_{g}": t for g, t in exposed.items()},
+            "optimizer": optimizer_seconds(run, c, dev, *params)}
