@@ -27,6 +27,11 @@ a permutation of data between ranks: its gradient is the inverse permutation, wh
 (rank r's piece j went to rank j's piece r; the gradient of rank j's piece r comes back to rank r's piece j).
 `AllToAll` is that one autograd Function; everything else (indexing, permutes) autograd knows.
 
+The shape is DeepSpeed's `DistributedAttention(local_attention, sequence_process_group)`: the re-partition is
+one object (`AllToAllAttention`) and the attention between its two all-to-alls is a parameter, plain causal
+attention for Ulysses, the ring for the hybrid. It is built once per split (context_parallel.py), so the order
+of the gathered positions is computed once, not at every call.
+
 Bytes per call (attention_bookkeeping.cp_bytes): each all-to-all sends (cp−1)/cp of its tensor and receives
 as much; forward q,k,v and out, backward dout and dq,dk,dv. Per rank ∝ S/cp: it falls as 1/cp.
 
@@ -42,9 +47,8 @@ import torch.nn.functional as F
 
 from common import comm
 
-from .attention_bookkeeping import WORK
 from .cp_split import SequenceSplit
-from .ring_attention import compute_dtype, ring_attention
+from .ring_attention import compute_dtype, ring_attention, untimed
 
 
 class AllToAll(torch.autograd.Function):
@@ -77,20 +81,25 @@ class Repartition:
 
     def __init__(self, group, gathered: torch.Tensor, target: torch.Tensor):
         self.group, self.n = group, dist.get_world_size(group)
-        where = {p: i for i, p in enumerate(gathered.tolist())}                  # position -> gathered row
-        self.order = torch.tensor([where[p] for p in target.tolist()])          # gathered[order] = target
+        by_position = torch.argsort(gathered)                                    # gathered[by_position]: sorted
+        self.order = by_position[torch.searchsorted(gathered[by_position], target)]   # gathered[order] = target
         self.back = torch.argsort(self.order)                                    # target[back] = gathered
+
+    def on(self, device) -> None:
+        """Keep the two orders where the tensors are (one copy, at the first call on a device)."""
+        if self.order.device != device:
+            self.order, self.back = self.order.to(device), self.back.to(device)
 
     def to_heads(self, t):                   # (B, a, L, hd): my L positions, all a heads
         B, a, L, hd = t.shape
         t = t.view(B, self.n, a // self.n, L, hd).transpose(0, 1)                # (n, B, a/n, L, hd): head group j
         t = AllToAll.apply(t, self.group)                                        # piece j: rank j's positions
         t = t.permute(1, 2, 0, 3, 4).reshape(B, a // self.n, self.n * L, hd)     # (B, a/n, n·L, hd), rank order
-        return t[:, :, self.order.to(t.device)]                                  # target order
+        return t[:, :, self.order]                                               # target order
 
     def to_positions(self, t):               # (B, a/n, n·L, hd): every gathered position, my head group
         B, g, nL, hd = t.shape
-        t = t[:, :, self.back.to(t.device)]                                      # rank order again
+        t = t[:, :, self.back]                                                   # rank order again
         t = t.view(B, g, self.n, nL // self.n, hd).permute(2, 0, 1, 3, 4)        # (n, B, a/n, L, hd): rank j's
         t = AllToAll.apply(t, self.group)                                        # piece j: head group j
         return t.transpose(0, 1).reshape(B, self.n * g, nL // self.n, hd)       # (B, a, L, hd)
@@ -98,28 +107,35 @@ class Repartition:
 
 def causal_local(q, k, v):
     """Plain causal attention of the heads this rank holds over the whole sequence, in fp32 (fp64 for fp64
-    inputs) like the other variants. WORK counts it: the causal entries, S(S+1)/2 per head and row, in the
-    forward and again in the backward (a tensor hook on the output, which fires as its gradient arrives)."""
-    B, h, S, _ = q.shape
-    entries = B * h * S * (S + 1) // 2
-    WORK.add(entries)
+    inputs) like the other variants: Ulysses' inner attention. q (B, h/cp, S, hd), k v (B, kv/cp, S, hd)."""
     with torch.autocast(q.device.type, enabled=False):
         dt = compute_dtype(q)
         out = F.scaled_dot_product_attention(q.to(dt), k.to(dt), v.to(dt), is_causal=True,
                                              enable_gqa=q.shape[1] != k.shape[1])
-    out = out.to(q.dtype)
-    if out.requires_grad:
-        out.register_hook(lambda g: WORK.add(entries))
-    return out
+    return out.to(q.dtype)
 
 
-def alltoall_attention(q, k, v, group, split: SequenceSplit) -> torch.Tensor:
-    """Ulysses: the same contract as ring_attention.ring_attention. q (B, h, S/cp, hd), k and v (B, kv, S/cp,
-    hd) rotated at their global positions, cp dividing h and kv; returns this rank's (B, h, S/cp, hd)."""
+class AllToAllAttention:
+    """An attention over an all-to-all group: `inner` (q, k, v) -> out runs on every position of the group and
+    its share of the heads, between the two re-partitions. Called like the ring: q (B, h, L, hd), k and v
+    (B, kv, L, hd), this rank's L positions; returns (B, h, L, hd)."""
+
+    def __init__(self, inner, repartition: Repartition):
+        self.inner, self.re = inner, repartition
+
+    def __call__(self, q, k, v):
+        re = self.re
+        re.on(q.device)
+        q, k, v = re.to_heads(q), re.to_heads(k), re.to_heads(v)                 # (B, h/n | kv/n, n·L, hd)
+        return re.to_positions(self.inner(q, k, v))                              # (B, h, L, hd)
+
+
+def alltoall_attention(group, split: SequenceSplit) -> AllToAllAttention:
+    """Ulysses over the CP group: causal attention of h/cp heads over all S positions, in global order. Called
+    with the same contract as ring_attention.ring_attention (q (B, h, S/cp, hd), k and v (B, kv, S/cp, hd)
+    rotated at their global positions, cp dividing h and kv); returns this rank's (B, h, S/cp, hd)."""
     gathered = torch.cat([split.positions(j) for j in range(split.cp)])          # every rank's, in rank order
-    re = Repartition(group, gathered, torch.arange(split.seq_len))
-    q, k, v = re.to_heads(q), re.to_heads(k), re.to_heads(v)                     # (B, h/cp | kv/cp, S, hd)
-    return re.to_positions(causal_local(q, k, v))                                # (B, h, S/cp, hd)
+    return AllToAllAttention(causal_local, Repartition(group, gathered, torch.arange(split.seq_len)))
 
 
 class HybridGroups:
@@ -144,10 +160,13 @@ class HybridGroups:
                     self.outer = made
 
 
-def hybrid_attention(q, k, v, groups: HybridGroups, split: SequenceSplit) -> torch.Tensor:
-    """All-to-all over my K-group, ring over the cp/K groups (`split.inner` = K). Same contract as the others."""
+def hybrid_attention(groups: HybridGroups, split: SequenceSplit, span=untimed) -> AllToAllAttention:
+    """All-to-all over my K-group, ring over the cp/K groups (`split.inner` = K), the ring's parts timed by
+    `span` (ring_attention.ring_attention's). Called with the same contract as the others."""
     K, g, outer = split.inner, dist.get_rank(groups.outer), split.outer()       # g: my K-group, my ring rank
     gathered = torch.cat([split.positions(g * K + j) for j in range(K)])         # my K-group's, in rank order
-    re = Repartition(groups.inner, gathered, outer.positions(g))                # outer local order
-    q, k, v = re.to_heads(q), re.to_heads(k), re.to_heads(v)                     # (B, h/K | kv/K, S·K/cp, hd)
-    return re.to_positions(ring_attention(q, k, v, groups.outer, outer))        # (B, h, S/cp, hd)
+
+    def ring(q, k, v):                                                           # (B, h/K | kv/K, S·K/cp, hd)
+        return ring_attention(q, k, v, groups.outer, outer, span)
+
+    return AllToAllAttention(ring, Repartition(groups.inner, gathered, outer.positions(g)))   # outer local order

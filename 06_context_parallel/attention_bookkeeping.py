@@ -1,26 +1,43 @@
 """The bookkeeping around the context-parallel attention: what it computed, when, and what it sent.
 
-None of it changes a number of the attention (ring_attention.py, allgather_attention.py hold the math):
+None of it is inside the attention (ring_attention.py, allgather_attention.py, alltoall_attention.py hold the
+math and nothing else): the work depends only on the shapes and the split's chunk pairs, so it is counted from
+them, by the caller; the ring's timeline spans are recorded by a `span` the caller hands to the ring.
 
-    WORK        the score entries this rank has computed (a query against a key, one head, one sequence
-                row): `attend_block` and `block_grads` add each block's pairs. train_cp.py and train_5d.py
-                reset it every step; context_parallel.cp_step_metrics turns it into attn_work_imbalance.
-    ring_span   a timeline span around one part of a ring step (post, compute, wait), recorded only when
-                TRACE has a timeline (overlap_cp.py gives it one).
-    cp_bytes    the bytes one attention call sends and receives under "cp", for each of the four variants
-                (ring, allgather, alltoall, alltoall+ring): what common/comm.py must count, to the byte.
+    call_entries  the score entries one attention call's forward computes on a CP rank, from the split's pairs
+                  (ring, all-gather), or the causal S(S+1)/2 of the rank's head group (the all-to-all variants)
+    WORK          what this rank has computed since the step began: context_parallel.ContextParallelAttention
+                  adds each call's entries (and its backward's, which recomputes the same ones); train_cp.py and
+                  train_5d.py reset it every step; context_parallel.cp_step_metrics turns it into
+                  attn_work_imbalance
+    RingSpans     a `span` for ring_attention: each part of a ring step (post, compute, wait) as a span on a
+                  common/timeline.Timeline (train_cp.py --timeline, overlap_cp.py)
+    cp_bytes      the bytes one attention call sends and receives under "cp", for each of the four variants
+                  (ring, allgather, alltoall, alltoall+ring): what common/comm.py must count, to the byte.
 """
 import time
 from contextlib import contextmanager
 
-import torch
+from .cp_split import SequenceSplit
 
-from .cp_split import Pair
+
+def call_entries(variant: str, split: SequenceSplit, rank: int, B: int, h: int) -> int:
+    """Score entries (one query against one key, one head, one sequence row) that one attention call's forward
+    computes on cp rank `rank`, whose q is (B, h, S/cp, hd):
+      ring, allgather  every chunk pair of its queries with any rank's keys: B·h·split.work(rank)
+      alltoall         causal attention of its h/cp heads over all S positions: B·(h/cp)·S(S+1)/2
+      alltoall+ring    the ring over the cp/K groups on h/K heads: B·(h/K)·outer.work(rank // K)
+    The backward recomputes each probability from the saved log-sum-exp: the same entries again."""
+    if variant == "alltoall":
+        return B * (h // split.cp) * split.seq_len * (split.seq_len + 1) // 2
+    if variant == "alltoall+ring":
+        return B * (h // split.inner) * split.outer().work(rank // split.inner)
+    return B * h * split.work(rank)
 
 
 class WorkTally:
-    """Score entries (one query against one key, one head, one sequence row) this rank has computed since
-    `reset()`: every chunk pair of the forward and of the backward's recomputation."""
+    """Score entries this rank has computed since `reset()`: every attention call's forward, and the
+    backward's recomputation of the same entries."""
 
     def __init__(self):
         self.entries = 0
@@ -28,46 +45,28 @@ class WorkTally:
     def reset(self):
         self.entries = 0
 
-    def count(self, q: torch.Tensor, pairs: list[Pair]) -> None:
-        """One block: q (B, h, S/cp, hd) against each pair's keys, len_q·len_k entries per head and row."""
-        B, h = q.shape[0], q.shape[1]
-        self.entries += sum(B * h * (p.q_rows.stop - p.q_rows.start) * (p.k_rows.stop - p.k_rows.start)
-                            for p in pairs)
-
     def add(self, entries: int) -> None:
-        """Entries computed outside the chunk pairs: the all-to-all variant's local attention."""
         self.entries += entries
 
 
 WORK = WorkTally()
 
 
-class RingTrace:
-    """Off by default (`timeline` None). Given a common/timeline.Timeline, the ring's forward records, per ring
-    step t, the time spent posting the next hop, computing on the held block, and waiting for the next block
-    to arrive: the wait is the transfer that did NOT hide under the compute. Timing only: no number changes.
-    bench_cp.py's overlap part turns it on (06_context_parallel/overlap_cp.py)."""
+class RingSpans:
+    """ring_attention's `span`: given a common/timeline.Timeline, `with spans("compute", t):` records its body
+    as ring step t's "compute" (or "post", "wait"), the wall-clock span and this thread's CPU seconds inside
+    it. The wait is the transfer that did NOT hide under the compute. Timing only: no number changes."""
 
-    def __init__(self):
-        self.timeline = None
+    def __init__(self, timeline):
+        self.timeline = timeline
 
     @contextmanager
-    def span(self, kind: str, t: int):
-        start = self.timeline.now() if self.timeline is not None else None
-        cpu = time.thread_time()
+    def __call__(self, kind: str, t: int):
+        start, cpu = self.timeline.now(), time.thread_time()
         yield
-        if self.timeline is not None:
-            # cpu_s: this thread's CPU seconds inside the span, the work itself: ranks that share cores are
-            # descheduled mid-span, which the wall-clock span counts and cpu_s does not
-            self.timeline.add(kind, start, self.timeline.now(), ring_step=t, cpu_s=time.thread_time() - cpu)
-
-
-TRACE = RingTrace()
-
-
-def ring_span(kind: str, t: int):
-    """`with ring_span("compute", t):` times its body as ring step t's `kind` on TRACE's timeline, if any."""
-    return TRACE.span(kind, t)
+        # cpu_s: this thread's CPU seconds inside the span, the work itself: ranks that share cores are
+        # descheduled mid-span, which the wall-clock span counts and cpu_s does not
+        self.timeline.add(kind, start, self.timeline.now(), ring_step=t, cpu_s=time.thread_time() - cpu)
 
 
 def cp_bytes(variant: str, B: int, S: int, cp: int, kv: int, hd: int, element_size: int, forward_runs: int = 1,

@@ -5,8 +5,9 @@
 Writes 06_context_parallel/results/variants.md (and variants.png, the bytes against cp at S 512): for cp 2, 4, 8 and S 128, 256, 512, one attention call (forward
 and backward) of the tiny preset's shapes (8 heads, 4 KV heads, head_dim 16, one sequence, fp32) with each of
 ring, allgather, alltoall and alltoall+ring (K = 2): the bytes one rank sends + receives under "cp", counted by
-common/comm.py and checked equal to attention_bookkeeping.cp_bytes; the attention work, max / min over the CP
-ranks; and the median time of 3 calls on the slowest rank. The CP group is ranks 0..cp−1; the other ranks wait.
+common/comm.py and checked equal to attention_bookkeeping.cp_bytes; the attention work (score entries, forward
+and backward: attention_bookkeeping.call_entries), max / min over the CP ranks; and the median time of 3 calls on
+the slowest rank. The CP group is ranks 0..cp−1; the other ranks wait.
 Bytes and work are the same on every machine; times are this machine's (8 processes sharing its cores).
 """
 import argparse
@@ -35,7 +36,7 @@ attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping
 bench_3d = import_module("04_3d_combined.bench_3d")                            # chapter 04: write
 
 WORLD, CPS, SEQS, K, REPEATS = 8, (2, 4, 8), (128, 256, 512), 2, 3
-VARIANTS = ("ring", "allgather", "alltoall", "alltoall+ring")
+VARIANTS = context_parallel.ATTENTIONS                 # ring, allgather, alltoall, alltoall+ring
 
 
 def measure(variant: str, cp: int, S: int, group, hybrid) -> dict | None:
@@ -50,20 +51,20 @@ def measure(variant: str, cp: int, S: int, group, hybrid) -> dict | None:
     gen = torch.Generator().manual_seed(S)
     h, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q, k, v = (torch.randn(1, n, S // cp, hd, generator=gen, requires_grad=True) for n in (h, kv, kv))
+    attention = context_parallel.build_attention(variant, hybrid if variant == "alltoall+ring" else group, split)
     seconds = []
     for _ in range(REPEATS):
         comm.COUNTER.reset()
-        attention_bookkeeping.WORK.reset()
         dist.barrier(group)
         start = time.perf_counter()
-        out = context_parallel.ATTENTIONS[variant](q, k, v, hybrid if variant == "alltoall+ring" else group, split)
+        out = attention(q, k, v)
         out.backward(torch.ones_like(out))
         seconds.append(time.perf_counter() - start)
     counted = comm.COUNTER.total("cp")
     formula = attention_bookkeeping.cp_bytes(variant, 1, S, cp, kv, hd, 4, h=h, K=K)
     assert counted == formula, (variant, cp, S, counted, formula)
-    stats = torch.tensor([statistics.median(seconds), attention_bookkeeping.WORK.entries, -attention_bookkeeping.WORK.entries],
-                         dtype=torch.float64)
+    work = 2 * attention_bookkeeping.call_entries(variant, split, dist.get_rank(group), 1, h)   # forward, backward
+    stats = torch.tensor([statistics.median(seconds), work, -work], dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)            # slowest rank, most and least work
     return {"bytes": counted, "imbalance": stats[1].item() / -stats[2].item(), "seconds": stats[0].item()}
 

@@ -9,10 +9,12 @@ Attention and of chapter 02's ParallelAttention), and nothing else changes in th
 
     attend(q, k, v, cos, sin)        q: (B, h, S/cp, hd), k and v: (B, kv, S/cp, hd), this rank's positions
         rotate q and k by the angles of their global positions      (cos, sin: the model's whole tables)
-        ring_attention(q, k, v)      K/V blocks travel the ring (ring_attention.py), or
-        allgather_attention(...)     K/V all-gathered, dK/dV reduce-scattered (allgather_attention.py)
-        alltoall_attention(...)      heads re-partitioned: all S positions, h/cp heads (alltoall_attention.py)
-        hybrid_attention(...)        the all-to-all over K ranks, the ring over cp/K groups (the same file)
+        attention(q, k, v), built once per run by `build_attention`:
+          ring          K/V blocks travel the ring (ring_attention.py), or
+          allgather     K/V all-gathered, dK/dV reduce-scattered (allgather_attention.py)
+          alltoall      heads re-partitioned: all S positions, h/cp heads (alltoall_attention.py)
+          alltoall+ring the all-to-all over K ranks, the ring over cp/K groups (the same file)
+        count the score entries computed (attention_bookkeeping: from the split's pairs, not inside the kernels)
         -> (B, S/cp, h·hd)
 
 Gradients. Every weight is replicated over the CP ranks, and each CP rank's gradient comes from its
@@ -22,6 +24,7 @@ count, so that sum is exactly the single-device gradient of the mean loss.
 """
 
 import math
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -30,15 +33,28 @@ from common.compile import eager
 from common.domains import POSITIVE_INT
 from common.errors import require
 from common.model import apply_rope
+from common.recompute import is_recomputing
 
 from .allgather_attention import allgather_attention
 from .alltoall_attention import HybridGroups, alltoall_attention, hybrid_attention
-from .attention_bookkeeping import WORK
+from .attention_bookkeeping import WORK, call_entries
 from .cp_split import SPLITS, SequenceSplit, check_split, n_chunks
-from .ring_attention import ring_attention
+from .ring_attention import ring_attention, untimed
 
-ATTENTIONS = {"ring": ring_attention, "allgather": allgather_attention, "alltoall": alltoall_attention,
-              "alltoall+ring": hybrid_attention}
+ATTENTIONS = ("ring", "allgather", "alltoall", "alltoall+ring")
+
+
+def build_attention(variant: str, group, split: SequenceSplit, span=untimed):
+    """The CP attention of `variant`, a callable (q, k, v) -> out with ring_attention's contract, built once
+    per run (the all-to-all's order of positions is computed here). `group`: the CP group, or for alltoall+ring
+    its HybridGroups. `span`: the ring's timer of each ring step's parts (attention_bookkeeping.RingSpans)."""
+    if variant == "ring":
+        return partial(ring_attention, group=group, split=split, span=span)
+    if variant == "allgather":
+        return partial(allgather_attention, group=group, split=split)
+    if variant == "alltoall":
+        return alltoall_attention(group, split)
+    return hybrid_attention(group, split, span)
 
 
 def add_cp_args(p, cp_help: str) -> None:
@@ -47,7 +63,7 @@ def add_cp_args(p, cp_help: str) -> None:
     g.add_argument("--cp-split", default="zigzag", choices=SPLITS,
                    help="who holds which positions: zigzag (2·cp chunks, rank r holds chunks r and 2cp−1−r: "
                         "equal causal work) or contiguous (rank r holds the r-th S/cp)")
-    g.add_argument("--cp-attention", default="ring", choices=tuple(ATTENTIONS),
+    g.add_argument("--cp-attention", default="ring", choices=ATTENTIONS,
                    help="ring: K/V blocks passed around the CP ring, overlapping compute; allgather: K/V "
                         "all-gathered before local attention, dK/dV reduce-scattered; alltoall (Ulysses): one "
                         "all-to-all to (all S positions, h/cp heads), local attention, one back; alltoall+ring: "
@@ -101,13 +117,15 @@ def check_cp(args, cp: int, tp: int = 1, cfg=None) -> None:
 
 
 class ContextParallelAttention:
-    """The attention core of every block over the CP group (a plain callable: it holds no weights)."""
+    """The attention core of every block over the CP group (a plain callable: it holds no weights).
+    `span`: a timer of the ring's steps (attention_bookkeeping.RingSpans, train_cp.py --timeline), or none."""
 
-    def __init__(self, group, split: SequenceSplit, variant: str):
-        self.group, self.split, self.attention = group, split, ATTENTIONS[variant]
-        self.positions = split.positions(dist.get_rank(group))          # (S/cp,): my global positions
+    def __init__(self, group, split: SequenceSplit, variant: str, span=untimed):
+        self.split, self.variant, self.rank = split, variant, dist.get_rank(group)
+        self.positions = split.positions(self.rank)                     # (S/cp,): my global positions
         if variant == "alltoall+ring":             # its two sub-groups, made on every rank in the same order
-            self.group = HybridGroups(group, split.inner)
+            group = HybridGroups(group, split.inner)
+        self.attention = build_attention(variant, group, split, span)
         self.tables = None                                              # my rows of the RoPE tables
 
     def rope_rows(self, cos, sin):
@@ -122,15 +140,24 @@ class ContextParallelAttention:
     def __call__(self, q, k, v, cos, sin):     # q (B, h, S/cp, hd), k v (B, kv, S/cp, hd), cos sin (max S, hd/2)
         cos, sin = self.rope_rows(cos, sin)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)         # each token's own angle
-        out = self.attention(q, k, v, self.group, self.split)           # its softmax math in fp32, under any autocast
+        out = self.attention(q, k, v)                                    # its softmax math in fp32, under any autocast
+        self.count_work(q)
         B, h, S, hd = out.shape                                          # (B, h, S/cp, hd)
         return out.transpose(1, 2).reshape(B, S, h * hd)                 # (B, S/cp, h·hd)
 
+    def count_work(self, q) -> None:
+        """Bookkeeping: add this call's score entries to attention_bookkeeping.WORK, and its backward's (the
+        same entries, recomputed from the saved log-sum-exp) when it will be differentiated. A recomputation
+        (--recompute full) is a forward again; its backward is the one already counted."""
+        forward = call_entries(self.variant, self.split, self.rank, q.shape[0], q.shape[1])
+        backward = torch.is_grad_enabled() and q.requires_grad and not is_recomputing()
+        WORK.add(forward * (2 if backward else 1))
 
-def attention_over_cp(model, group, split: SequenceSplit, variant: str) -> None:
+
+def attention_over_cp(model, group, split: SequenceSplit, variant: str, span=untimed) -> None:
     """The step inserted into a composition: every attention of this rank's piece (single-device or
     TP-sharded: both call `self.attend`) gets the context-parallel core. Nothing else changes."""
-    core = ContextParallelAttention(group, split, variant)             # one for all: one copy of its tables
+    core = ContextParallelAttention(group, split, variant, span)       # one for all: one copy of its tables
     for module in model.modules():
         if hasattr(module, "attend"):
             module.attend = core

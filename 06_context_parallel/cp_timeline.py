@@ -1,8 +1,9 @@
 """`train_cp.py --timeline PATH`: when each rank's ring attention computes, and when it waits for a block.
 
-The ring's forward already marks, per ring step, posting the next hop, computing on the held block and
-waiting for the next one (attention_bookkeeping.TRACE, which bench_cp.py's overlap part uses). With
---timeline those spans go into a common/timeline.Timeline: every rank's are gathered on rank 0, written as a
+The ring's forward takes a `span`, a timer of each part of a ring step: posting the next hop, computing on
+the held block and waiting for the next one. With --timeline, train_cp.py hands every attention
+`ring_spans(timeline)` (attention_bookkeeping.RingSpans, which bench_cp.py's overlap part uses too), and
+those spans go into a common/timeline.Timeline: every rank's are gathered on rank 0, written as a
 Chrome / Perfetto trace, and summed per rank into one line each. That is where the contiguous split's
 imbalance shows as time: rank r computes r+1 of the cp blocks (a skipped block costs nothing), so the
 last rank computes cp times what rank 0 does, and rank 0 spends the difference waiting.
@@ -13,16 +14,20 @@ total differs only by the diagonal's masked half). With one GPU per rank, a wait
 step lasts as long as the busiest rank, cp times the idlest's work with the contiguous split."""
 from common.timeline import Timeline, write_chrome_trace
 
-from .attention_bookkeeping import TRACE
+from .attention_bookkeeping import RingSpans
+from .ring_attention import untimed
 
 KINDS = ("compute", "wait", "post")
 
 
 def start(path, rank: int) -> Timeline:
     """The run's timeline (collective: the ranks' clocks are compared); it records only when `path` is set."""
-    timeline = Timeline(rank, enabled=path is not None)
-    TRACE.timeline = timeline if path is not None else None
-    return timeline
+    return Timeline(rank, enabled=path is not None)
+
+
+def ring_spans(timeline: Timeline):
+    """The ring's `span` for this run: its steps' parts on `timeline` if it records, else nothing timed."""
+    return RingSpans(timeline) if timeline.enabled else untimed
 
 
 def seconds_per_rank(events: list[dict]) -> dict[int, dict[str, float]]:
@@ -40,7 +45,6 @@ def seconds_per_rank(events: list[dict]) -> dict[int, dict[str, float]]:
 
 def finish(timeline: Timeline, path, rt, log, metadata: dict) -> None:
     """Gather every rank's spans on rank 0 (a collective), write the trace, print one line per rank."""
-    TRACE.timeline = None
     if path is None:
         return
     events = timeline.gather()

@@ -12,6 +12,7 @@ around it (common/activation_meter.MeasuredActivations), the number context para
 from importlib import import_module
 
 from .context_parallel import attention_over_cp
+from .ring_attention import untimed
 
 tp_trainer = import_module("02_tensor_parallel.tp_trainer")                  # chapter 02: TP (+ DP) verbs
 
@@ -19,10 +20,10 @@ tp_trainer = import_module("02_tensor_parallel.tp_trainer")                  # c
 class CPTrainer(tp_trainer.TPTrainer):
     """TP over `tp_group`, CP over `cp_group`, the gradient sum over `dp_cp_group`; AdamW."""
 
-    def __init__(self, model, tp_group, cp_group, dp_cp_group, split, variant: str, **kwargs):
+    def __init__(self, model, tp_group, cp_group, dp_cp_group, split, variant: str, span=untimed, **kwargs):
         super().__init__(model, tp_group, dp_cp_group, sequence_parallel=False, **kwargs)   # my TP slices
-        if split.cp > 1:
-            attention_over_cp(self.model, cp_group, split, variant)
+        if split.cp > 1:                # span: the ring's timer (train_cp.py --timeline), or none
+            attention_over_cp(self.model, cp_group, split, variant, span)
 
     def comm_bytes(self) -> dict:
         """Chapter 02's bytes by group, the gradient all-reduce's named for the group it runs over: chapter

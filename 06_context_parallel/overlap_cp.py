@@ -16,7 +16,8 @@ Compute grows as c², a hop as c (plus a fixed latency), so from some c on a ste
 hop: with F the FLOP rate and B the bandwidth, 4·rows·h·c²·hd/F ≥ 8·rows·kv·c·hd/B, that is c ≥ (2·kv/h)·F/B,
 the ring-attention paper's c ≥ F/B with this model's K/V size per query head. Then, at every c, a few real
 ring forwards (zig-zag, cp 2, S = 2c) record each ring step's posting, compute and wait
-(attention_bookkeeping.TRACE): the wait is the part of the hop that did not hide under the compute.
+(attention_bookkeeping.RingSpans, handed to the ring): the wait is the part of the hop that did not hide under
+the compute.
 """
 import argparse
 import json
@@ -39,7 +40,7 @@ from common.timeline import Timeline
 
 cp_split = import_module("06_context_parallel.cp_split")              # this chapter: the zig-zag split
 ring_attention = import_module("06_context_parallel.ring_attention")  # this chapter: attend_block, the ring
-attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # this chapter: the ring's trace
+attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # this chapter: the ring's spans
 
 SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)    # block sizes c swept
 MIN_SECONDS = 0.1                            # time each measurement for about this long
@@ -104,17 +105,16 @@ def crossover(sweep: list[dict]) -> float | None:
 
 
 def ring_timeline(c: int, rows: int, h: int, kv: int, hd: int, layers: int, timeline: Timeline) -> list[dict]:
-    """`layers` ring forwards (cp 2, zig-zag, S = 2c) with the trace on; every rank's spans on rank 0."""
+    """`layers` ring forwards (cp 2, zig-zag, S = 2c), each ring step's parts timed; every rank's spans on rank 0."""
     split = cp_split.SequenceSplit(2 * c, 2, "zigzag")
     q, k, v = torch.randn(rows, h, c, hd), torch.randn(rows, kv, c, hd), torch.randn(rows, kv, c, hd)
     ring_attention.ring_attention(q, k, v, dist.group.WORLD, split)      # warm-up, untraced
     timeline.events.clear()
-    attention_bookkeeping.TRACE.timeline = timeline
+    spans = attention_bookkeeping.RingSpans(timeline)
     for layer in range(layers):
         dist.barrier()              # each forward starts together: what one rank waits for is then the hop,
         timeline.begin_step(layer + 1)   # not the other rank still finishing the previous one
-        ring_attention.ring_attention(q, k, v, dist.group.WORLD, split)
-    attention_bookkeeping.TRACE.timeline = None
+        ring_attention.ring_attention(q, k, v, dist.group.WORLD, split, spans)
     return timeline.gather()
 
 

@@ -20,15 +20,17 @@ partial sums of their gradients, and each block's probabilities are recomputed f
 
 Bytes per attention call (forward + backward, counted by common/comm.py under "cp"), with
 blk = B·(S/cp)·kv·hd·element_size, one rank's K (or V) block: the forward sends K and V cp−1 times; the
-backward sends them cp−1 times again and the partial dK and dV cp−1 times (attention_bookkeeping.cp_bytes,
-with the work tally and the ring's timeline spans: the bookkeeping, kept apart from the math).
+backward sends them cp−1 times again and the partial dK and dV cp−1 times (attention_bookkeeping.cp_bytes).
+Nothing here counts or times: the work is the split's pairs (attention_bookkeeping.call_entries, counted by the
+caller), and a caller that draws the ring on a timeline hands it a `span` (attention_bookkeeping.RingSpans).
 """
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 
 from common import comm
 
-from .attention_bookkeeping import WORK, ring_span
 from .cp_split import Pair, SequenceSplit
 
 
@@ -77,7 +79,6 @@ def merge(out, lse, out_b, lse_b):
 def attend_block(q, kv, pairs: list[Pair], out, lse) -> None:
     """This rank's queries against one held K/V block, every chunk pair merged into (out, lse) in place.
     q: (B, h, S/cp, hd) in the compute dtype; kv: (2, B, kv, S/cp, hd), K and V stacked."""
-    WORK.count(q, pairs)                                                  # bookkeeping: the entries computed
     k, v = (expand_heads(t, q.shape[1]).to(q.dtype) for t in kv)           # (B, h, S/cp, hd) each
     for p in pairs:
         s = scores(q[:, :, p.q_rows], k[:, :, p.k_rows], p)                   # (B, h, Lq, Lk)
@@ -91,7 +92,6 @@ def block_grads(q, kv, pairs: list[Pair], do, lse, delta, dq, dkv) -> None:
     (in place) and to dkv, the gradient of the held block (2, B, kv, S/cp, hd). The probabilities are
     recomputed, P = e^(S − lse) with the forward's final lse, so P is already normalised over *all* keys,
     not only this block's. do: dL/dout (B, h, S/cp, hd); delta: rowsum(dO∘O) (B, h, S/cp)."""
-    WORK.count(q, pairs)                                                  # bookkeeping: the recomputed entries
     h, n_kv = q.shape[1], kv.shape[2]
     k, v = (expand_heads(t, h).to(q.dtype) for t in kv)                    # (B, h, S/cp, hd) each
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
@@ -129,26 +129,32 @@ def wait(works: list) -> None:
         w.wait()
 
 
+def untimed(kind: str, t: int):
+    """The ring's `span` when nobody draws it: `with span("compute", t):` times nothing."""
+    return nullcontext()
+
+
 # --- the ring -----------------------------------------------------------------------------------------
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, split: SequenceSplit):
+    def forward(ctx, q, k, v, group, split: SequenceSplit, span):
         cp, r = dist.get_world_size(group), dist.get_rank(group)
         ranks = dist.get_process_group_ranks(group)
         nxt, prv = ranks[(r + 1) % cp], ranks[(r - 1) % cp]                # global ranks of the neighbours
+        # span(kind, t): the caller's timer of each part of ring step t (post, compute, wait), or `untimed`
         with torch.autocast(q.device.type, enabled=False):                # the softmax math in fp32
             qf, out, lse = forward_start(q)                                   # out, lse: the running result
             kv = torch.stack([k, v])                                          # (2, B, kv, S/cp, hd), travels
             for t in range(cp):
                 if t < cp - 1:          # post the next hop first: it travels while this block computes
                     kv_next = torch.empty_like(kv)
-                    with ring_span("post", t):
+                    with span("post", t):
                         works = comm.exchange([(kv, kv_next)], nxt, prv, group, "cp")
-                with ring_span("compute", t):
+                with span("compute", t):
                     attend_block(qf, kv, split.pairs(r, (r - t) % cp), out, lse)   # held: rank (r − t)'s block
                 if t < cp - 1:
-                    with ring_span("wait", t):
+                    with span("wait", t):
                         wait(works)
                     kv = kv_next
         ctx.save_for_backward(q, k, v, out, lse)
@@ -198,13 +204,15 @@ class RingAttention(torch.autograd.Function):
                 home = torch.empty_like(partial)
                 wait(comm.exchange([(partial, home)], nxt, prv, group, "cp"))
                 own += home
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, group, split: SequenceSplit) -> torch.Tensor:
+def ring_attention(q, k, v, group, split: SequenceSplit, span=untimed) -> torch.Tensor:
     """Causal attention of this rank's queries over every earlier global position of the sequence.
 
     q: (B, h, S/cp, hd), k and v: (B, kv, S/cp, hd) with h a multiple of kv, all already rotated by RoPE at
     their global positions (`split.positions(rank)`). Returns (B, h, S/cp, hd), this rank's rows of
-    softmax(QKᵀ/√hd + causal mask)·V. `group` is the CP group; with one rank this is plain attention."""
-    return RingAttention.apply(q, k, v, group, split)
+    softmax(QKᵀ/√hd + causal mask)·V. `group` is the CP group; with one rank this is plain attention.
+    `span(kind, t)`: a context manager around each part of ring step t, for a caller that draws the ring on a
+    timeline (attention_bookkeeping.RingSpans); by default nothing is timed."""
+    return RingAttention.apply(q, k, v, group, split, span)

@@ -90,9 +90,10 @@ def main(argv=None) -> list[dict]:
         model.load_state_dict(resume["model"], strict=True)
         start = resume["step"]
     tokens_per_step = args.global_batch * args.seq_len          # global: each token counted once
+    timeline = cp_timeline.start(args.timeline, rt.rank)     # records the ring's spans only with --timeline
     trainer = cp_trainer.CPTrainer(model, mesh.group("tp"), cp_group, mesh.group("dp_cp"), split, args.cp_attention,
-                                   lr=args.lr, weight_decay=args.weight_decay, tokens_per_step=tokens_per_step,
-                                   device=rt.device, bf16=args.dtype == "bf16")
+                                   span=cp_timeline.ring_spans(timeline), lr=args.lr, weight_decay=args.weight_decay,
+                                   tokens_per_step=tokens_per_step, device=rt.device, bf16=args.dtype == "bf16")
     # the activation bytes each micro-batch keeps, measured, beside the ledger's prediction for S/cp positions
     predicted = activation_ledger.predicted_bytes(cfg, args, args.global_batch // dp // args.microbatches, tp, cp=cp,
                                                   gathered_kv=cp > 1 and args.cp_attention == "allgather")
@@ -107,7 +108,6 @@ def main(argv=None) -> list[dict]:
         log.print("world size 1: the single-device reference. More ranks: "
                   "torchrun --nproc_per_node=4 06_context_parallel/train_cp.py [--cp-split contiguous]")
 
-    timeline = cp_timeline.start(args.timeline, rt.rank)     # records only with --timeline
     start_rng(args, resume)                   # torch's generator: seeded, or as the checkpoint left it
     log.start(start + 1)
     for step in range(start + 1, args.steps + 1):

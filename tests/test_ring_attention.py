@@ -53,9 +53,11 @@ def _shape(rng: random.Random, gqa: bool, degree: int = 1) -> dict:
 
 def check_attention() -> list[dict]:
     """Every case at cp 1, 2 and 4 on this rank: the errors of the output and of dq, dk, dv against the
-    single-device reference (this rank's rows of it), the "cp" bytes and the score entries counted."""
-    cp_split, ring_attention, allgather_attention = _chapter()
+    single-device reference (this rank's rows of it), the "cp" bytes and the score entries the bookkeeping
+    counts for the call (forward and backward), each variant built once per case as a run builds it."""
+    cp_split = import_module("06_context_parallel.cp_split")
     alltoall_attention = import_module("06_context_parallel.alltoall_attention")
+    context_parallel = import_module("06_context_parallel.context_parallel")            # build_attention
     attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")   # bytes formula, work
     from common import comm
     world, me = dist.get_world_size(), dist.get_rank()
@@ -78,13 +80,11 @@ def check_attention() -> list[dict]:
             ref.backward(grad)
 
             split = cp_split.SequenceSplit(S, cp, split_name, K if variant == "alltoall+ring" else 1)
-            attention = {"ring": ring_attention.ring_attention, "allgather": allgather_attention.allgather_attention,
-                         "alltoall": alltoall_attention.alltoall_attention,
-                         "alltoall+ring": alltoall_attention.hybrid_attention}
+            attention = context_parallel.build_attention(variant, hybrid if variant == "alltoall+ring" else group,
+                                                         split)
             ql, kl, vl = (split.take(t.detach(), r, dim=2).requires_grad_() for t in (q, k, v))
             comm.COUNTER.reset()
-            attention_bookkeeping.WORK.reset()
-            out = attention[variant](ql, kl, vl, hybrid if variant == "alltoall+ring" else group, split)
+            out = attention(ql, kl, vl)
             out.backward(split.take(grad, r, dim=2))
             errors = {name: ((mine - split.take(want, r, dim=2)).norm() / split.take(want, r, dim=2).norm()).item()
                       for name, mine, want in (("out", out.detach(), ref.detach()), ("dq", ql.grad, q.grad),
@@ -93,7 +93,8 @@ def check_attention() -> list[dict]:
                                 rank=r, errors=errors, bytes=comm.COUNTER.by_group().get("cp", 0),
                                 formula=attention_bookkeeping.cp_bytes(variant, B, S, cp, kv, hd, q.element_size(),
                                                                        h=h, K=K),
-                                work=attention_bookkeeping.WORK.entries, work_expected=_work(split, variant, r, B, h)))
+                                work=2 * attention_bookkeeping.call_entries(variant, split, r, B, h),
+                                work_expected=_work(split, variant, r, B, h)))
     return results
 
 
@@ -135,8 +136,8 @@ def test_bytes_equal_the_formula(measured):
 
 
 def test_work_counts_every_computed_pair(measured):
-    """attention_bookkeeping.WORK counts the forward's pairs and the backward's recomputation of the same pairs,
-    all heads and rows; zigzag gives every rank the same work, contiguous gives the last rank cp times the first's;
+    """attention_bookkeeping.call_entries (what a run's WORK adds per call, twice with the backward) counts the
+    forward's pairs and the backward's recomputation of the same pairs, all heads and rows; zigzag gives every rank the same work, contiguous gives the last rank cp times the first's;
     the all-to-all's is the same on every rank by construction, the hybrid's ring part as a ring of cp/K."""
     for case in itertools.chain(*measured):
         assert case["work"] == case["work_expected"], _label(case)
