@@ -3,7 +3,8 @@
     python common/gpu_check.py            # writes results/gpu_check.md (and prints it)
     python common/gpu_check.py --quick    # the first part only (every script, fp32 and bf16, 5 steps)
 
-On a machine without CUDA it says so in one line and exits 0: there is nothing to check.
+On a machine without CUDA it says so in one line and exits 0: there is nothing to check. With a Python
+that lacks PyTorch (before `make setup`) it says so in one line and exits 1: it cannot check.
 It needs only what the GPU machine already has (PyTorch with CUDA, rich): no setup step, no download.
 
 1. Every `train_*.py` at world size 1 (`python SCRIPT.py --device cuda`), `tiny` preset (`tiny-moe` where
@@ -118,7 +119,12 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="every script only (part 1), not the MFU runs")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    import torch                        # (after --help: importing torch takes seconds)
+    try:
+        import torch                    # (after --help: importing torch takes seconds)
+    except ModuleNotFoundError:
+        print(f"gpu-check: this Python ({sys.executable}) has no PyTorch; run `make setup`, or run "
+              "common/gpu_check.py with a Python that has PyTorch and CUDA", file=sys.stderr)
+        return 1
     if not torch.cuda.is_available():
         print(f"gpu-check: no CUDA device on this machine (PyTorch {torch.__version__}); nothing to check")
         return 0

@@ -118,18 +118,20 @@ def stop_if_not_finite(step: int, loss: float, grad_norm: float, args) -> None:
            if not math.isfinite(value)]
     if not bad:
         return
-    causes = [f"the learning rate is too high for this model (--lr {args.lr:g})"]
-    fixes = [f"lower --lr (e.g. --lr {args.lr / 10:g})"]
+    # What was seen and what to try, in that order: the program cannot know why (a learning rate too high, an
+    # overflow, or a stale gradient buffer in the layout's code all look the same here), so it names no cause.
+    seen, tries = [f"--lr {args.lr:g}"], [f"a lower --lr (e.g. --lr {args.lr / 10:g})"]
     if args.clip == 0:
-        causes.append("gradients are not clipped")
-        fixes.append("clip them (--clip 1.0)")
+        seen.append("--clip 0 (no clipping)")
+        tries.append("--clip 1.0")
     if args.dtype == "bf16":
-        causes.append("bf16 overflowed")
-        fixes.append("train in --dtype fp32")
+        seen.append("--dtype bf16")
+        tries.append("--dtype fp32")
+    tries.append("the same flags on one device (world size 1): if that run stays finite, look at the layout's code")
     kept = (f"; checkpoints in {args.checkpoint_dir!r} are from earlier steps, untouched"
             if args.checkpoint_dir else "")
-    raise ConfigError(f"step {step}: {' and '.join(bad)}, so training stopped here{kept}. Likely cause: "
-                      f"{' or '.join(causes)}; fix: {', '.join(fixes)}")
+    raise ConfigError(f"step {step}: {' and '.join(bad)} with {', '.join(seen)}, so training stopped here{kept}; "
+                      f"to try: {'; or '.join(tries)}")
 
 
 def should_save(args, step: int) -> bool:

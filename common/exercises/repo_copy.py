@@ -58,6 +58,10 @@ def copy_repo(out: Path, src: Path = ROOT) -> Path:
     its answer keys; returns `out`."""
     out = Path(out)
     check_out(out, src)
+    try:                        # what the checks cannot see: a place the system refuses (/proc, a full disk)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--out {out}: cannot create it ({err.strerror}); name a directory you can write") from None
     for rel in tracked_files(Path(src)):
         if is_key(rel):                       # the answers stay in the instructor's checkout
             continue

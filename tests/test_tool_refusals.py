@@ -1,0 +1,31 @@
+"""The course's tools, refused in one line: without their dependencies (`make gpu-check` before `make setup`:
+a Python without PyTorch), at a place the system refuses (exercise mode's --out under /proc), and with a
+value outside a field's domain (the planner's --explain). Each runs in this process (no training starts)."""
+import sys
+from importlib import import_module
+
+import pytest
+
+from common.exercises.__main__ import main as exercises_main
+
+
+def one_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in text, text
+    return lines[0]
+
+
+def test_gpu_check_without_pytorch_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)                 # `import torch` fails as it would there
+    assert import_module("common.gpu_check").main(["--quick"]) == 1
+    out = capsys.readouterr()
+    said = one_line(out.out + out.err)
+    assert said.startswith("gpu-check: this Python") and "has no PyTorch" in said and "make setup" in said, said
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: a place Linux refuses to create in")
+def test_a_copy_where_the_system_refuses_is_one_line_and_exit_2(capsys):
+    assert exercises_main(["make", "--chapter", "07", "--out", "/proc/course_copy"]) == 2
+    out = capsys.readouterr()
+    said = one_line(out.out + out.err)
+    assert said == "error: --out /proc/course_copy: cannot create it (No such file or directory); name a directory you can write", said
