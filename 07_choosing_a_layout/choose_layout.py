@@ -249,16 +249,14 @@ def main(argv=None) -> list[dict]:
     rows, dev = plan(args)
     cfg = layout_inputs.model_for(args.model)
     fit = sum(r["fits"] for r in rows)
-    print(f"{len(rows)} layouts of {args.world} {dev.name} ranks that the chapters run ({plan.refused} more refused "
-          f"by their checks), {fit} fit; " + ("fastest first, equal times by memory:" if fit else
-                                               "none fits, the smallest first:"))
-    print(f"  {'layout':<72} {'GiB/rank':>9} {'step (s)':>9} {'MFU':>6} {'bubble':>7}")
-    for r in rows[:args.top]:
-        print(f"  {describe(r):<72} {r['memory_bytes']['total'] / 2**30:9.2f} {r['step_time_s']:9.3g} "
-              f"{r['mfu']:6.1%} {r['bubble']:7.1%}{'' if r['fits'] else '  (does not fit)'}")
+    print("\n".join(explain_layout.wrap(
+        f"{len(rows)} layouts of {args.world} {dev.name} ranks that the chapters run ({plan.refused} more refused "
+        f"by their checks), {fit} fit; " + ("fastest first, equal times by memory:" if fit else
+                                             "none fits, the smallest first:"))))
+    print("\n".join(explain_layout.table(rows[:args.top], dev, args.world)))
     print("\n".join(["", *explain_layout.decision_tree(rows, cfg, dev, args, describe, args.why)]))
     if fit:
-        print("\n" + run_it(rows[0], cfg, args))
+        print("\n".join(["", *explain_layout.run_lines(run_it(rows[0], cfg, args))]))
     if args.explain:
         refusal_of = (lambda wanted: next((runnable.refusal(c, args.model, cfg, args.global_batch, args.seq_len,
                                                             args.dtype) for c in candidates(cfg, args.world,

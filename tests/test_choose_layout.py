@@ -21,6 +21,7 @@ layout_costs = import_module("07_choosing_a_layout.layout_costs")
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
 partial_recompute = import_module("07_choosing_a_layout.partial_recompute")
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
+explain_layout = import_module("07_choosing_a_layout.explain_layout")
 attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")
 
 TINY = layout_costs.Run(PRESETS["tiny"], 16, 128, "fp32")
@@ -215,18 +216,19 @@ def test_partial_recomputation_is_the_fewest_blocks_per_stage_that_fit():
 
 def test_explain_a_layout_and_a_published_run(capsys):
     choose_layout.main(["--model", "tiny", "--world", "8", "--device", "h100", "--explain", "dp=4,pp=2,m=4"])
-    out = capsys.readouterr().out
+    out = "\n".join(explain_layout.unwrapped(capsys.readouterr().out))
     assert "dp 4 × tp 1 × pp 2 × cp 1" in out and "of the" in out and "memory, its fullest pipeline rank" in out
     assert "Run it: torchrun --nproc_per_node=8 04_3d_combined/train_3d.py --model tiny --dp 4 --tp 1 --pp 2" in out
     # a published shape has no preset to run at full size: its miniature is what runs here
     choose_layout.main(["--model", "llama3-8b", "--world", "8", "--device", "h100", "--seq-len", "1024",
                         "--explain", "dp=2,tp=4"])
-    out = capsys.readouterr().out
+    out = "\n".join(explain_layout.unwrapped(capsys.readouterr().out))
     assert "Run it in miniature on this machine: torchrun --nproc_per_node=4 04_3d_combined/train_3d.py " \
            "--model tiny --dp 2 --tp 2" in out and "--model llama3-8b" not in out.split("Run it")[-1], out
     choose_layout.main(["--model", "tiny", "--world", "16", "--gpus-per-node", "16", "--device", "h100", "--explain",
                         "tp=16", "--top", "1"])
-    out = capsys.readouterr().out          # the refusal is chapter 02's own message, word for word
+    # the refusal is chapter 02's own message, word for word
+    out = "\n".join(explain_layout.unwrapped(capsys.readouterr().out))
     assert "the chapters refuse it: the model's 8 query heads do not split over --tp 16" in out, out.splitlines()[-1]
 
 
@@ -295,6 +297,6 @@ def test_nothing_fits_exits_1_after_writing_the_rows(tmp_path):
         "error: no layout of 1 h100 rank fits: the smallest, dp 1 × tp 1 × pp 1 × cp 1, recompute full, m=16, "
         "still holds 6,049.10 GiB per rank against 80.00 GiB less its 5% headroom; use more ranks (--world)"), \
         proc.stderr
-    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and "(does not fit)" in proc.stdout
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and "* does not fit" in proc.stdout
     rows = json.loads(out.read_text())
     assert rows and not any(r["fits"] for r in rows)
