@@ -6,6 +6,7 @@ from importlib import import_module
 
 import pytest
 
+from common.errors import ConfigError
 from common.exercises.__main__ import main as exercises_main
 
 
@@ -29,3 +30,19 @@ def test_a_copy_where_the_system_refuses_is_one_line_and_exit_2(capsys):
     out = capsys.readouterr()
     said = one_line(out.out + out.err)
     assert said == "error: --out /proc/course_copy: cannot create it (No such file or directory); name a directory you can write", said
+
+
+@pytest.mark.parametrize("field, message", [
+    ("zero=5", "--explain zero=5: zero=5 is not one of 0, 1, 2, 3; e.g. zero=1"),
+    ("dp=2,recompute=most", "--explain dp=2,recompute=most: recompute=most is not one of none, selective, full"),
+    ("tp=0", "--explain tp=0: tp=0 is not a whole number ≥ 1; e.g. tp=2"),
+    ("zero", "--explain zero: 'zero' is not a layout field"),
+])
+def test_an_explain_field_outside_its_domain_is_refused_naming_it(field, message):
+    """Refused as the flag is parsed (a ConfigError: the planner's one line, exit 2), before any planning;
+    zero=0 (no ZeRO) is a stage like the others."""
+    choose_layout = import_module("07_choosing_a_layout.choose_layout")
+    with pytest.raises(ConfigError) as refused:
+        choose_layout.parse_args(["--model", "tiny", "--explain", field])
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value), str(refused.value)
+    assert choose_layout.parse_args(["--model", "tiny", "--explain", "zero=0,dp=8"]).explain == {"zero_stage": 0, "dp": 8}
