@@ -1,4 +1,4 @@
-"""The planner's words: the first choices explained, and any one layout explained on demand.
+"""The planner's words: its table, the first choices explained, and any one layout explained on demand.
 
     python 07_choosing_a_layout/choose_layout.py --model tiny --world 8 --explain dp=2,tp=2,pp=2,m=4
     python 07_choosing_a_layout/choose_layout.py --explain llama3-405b-8k-16384gpu   # a published run by name
@@ -7,7 +7,14 @@ A layout is written as comma-separated fields, each `key=value` or a bare `sp` (
 dp, tp, pp, cp, ep, zero, recompute, layers (--recompute-layers), schedule, v (virtual stages), m (micro-batches). Fields left out
 match any value: the explained row is then the best-ranked layout with the fields given. A published
 run's name (published.py) plans that run's cluster and batch and explains the layout it ran.
+
+Everything reads at 80 columns: the table's cells are short (memory in the unit its smallest row needs), and
+the words wrap to the terminal's width (COLUMNS first, as rich reads it; 80 when the output is not a
+terminal), each continuation line indented 4, a command continued with ` \\` so that it still pastes.
 """
+import re
+import shutil
+import textwrap
 from importlib import import_module
 
 from common.domains import Domain, Refused
@@ -64,6 +71,72 @@ def _whole(value: str, key: str) -> int:
 LAYOUT = Domain("layout", "key=value fields, or a published run's name", _layout)
 
 
+def columns() -> int:
+    """Where the words wrap: the terminal's width (COLUMNS first), 80 when not a terminal, 40 to 100."""
+    return max(40, min(shutil.get_terminal_size((80, 24)).columns, 100))
+
+
+def wrap(line: str, indent: str = "") -> list[str]:
+    """One logical line in lines a terminal shows whole: `indent` first, then 4 spaces on every continuation;
+    a number keeps its unit on its line (a no-break space while wrapping)."""
+    kept = re.sub(r"(?<=[0-9]) (?=(?:GiB|MiB|KiB|B|s)\b)", "\xa0", line)
+    return [x.replace("\xa0", " ") for x in textwrap.wrap(kept, columns(), initial_indent=indent,
+                                                          subsequent_indent="    ", break_long_words=False,
+                                                          break_on_hyphens=False)]
+
+
+def wrap_command(command: str, indent: str = "  ") -> list[str]:
+    """A shell command in lines of at most columns(), each but the last ending in ` \\` (it still pastes)."""
+    lines = textwrap.wrap(command, columns() - 2, initial_indent=indent, subsequent_indent="    ",
+                          break_long_words=False, break_on_hyphens=False)
+    return [x + " \\" for x in lines[:-1]] + lines[-1:]
+
+
+def unwrapped(text: str) -> list[str]:
+    """The logical lines of printed text: each continuation (4 spaces in) joined back to the line it continues."""
+    out = []
+    for x in text.splitlines():
+        if x.startswith("    ") and out:
+            out[-1] = out[-1].removesuffix(" \\") + " " + x.strip()
+        else:
+            out.append(x)
+    return out
+
+
+def table(rows: list[dict], dev, world: int) -> list[str]:
+    """The printed rows: degrees, ZeRO stage, recomputation, schedule (v, m), memory of the fullest rank in
+    one unit for the column, step time, bubble; then what a reader needs to read them (a row that does not
+    fit, blocks recomputed, and why rows of different bubbles tie on a CPU)."""
+    unit, scale = next((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+                       if min(r["memory_bytes"]["total"] for r in rows) >= s or s == 1)
+    digits = 2 if min(r["memory_bytes"]["total"] for r in rows) / scale < 10 else 1
+    head = ("dp", "tp", "pp", "cp") + (("ep",) if any(r["ep"] > 1 for r in rows) else ()) + \
+        ("SP", "ZeRO", "recompute", "schedule", "v", "m", f"{unit}/rank", "step (s)", "bubble")
+    cells = [[str(r[k]) for k in head[:head.index("SP")]] +
+             ["SP" if r["sequence_parallel"] else "-", str(r["zero_stage"]),
+              r["recompute"] + (f" ({r['recompute_layers']})" if r.get("recompute_layers") else ""),
+              r["schedule"] if r["pp"] > 1 else "-", str(r["virtual_stages"]), str(r["microbatches"]),
+              f"{r['memory_bytes']['total'] / scale:,.{digits}f}" + ("" if r["fits"] else "*"),
+              f"{r['step_time_s']:.4g}", f"{r['bubble']:.1%}"] for r in rows]
+    left = {"SP", "recompute", "schedule"}
+    width = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
+    line = lambda row: "  " + " ".join(x.ljust(w) if h in left else x.rjust(w) for x, w, h in zip(row, width, head))
+    out = [line(head).rstrip()] + [line(c).rstrip() for c in cells]
+    if not all(r["fits"] for r in rows):
+        out += wrap(f"* does not fit: more than {capacity(dev)} per rank")
+    if any(r.get("recompute_layers") for r in rows):
+        out += wrap("full (k): full recomputation of the first k blocks of each stage only (--recompute-layers k)")
+    tied = {f"{r['step_time_s']:.4g}" for r in rows for q in rows if f"{r['step_time_s']:.4g}" ==
+            f"{q['step_time_s']:.4g}" and r["bubble"] != q["bubble"]}
+    if tied and dev.cores is not None and world > dev.cores:
+        out += [""] + wrap(f"Equal step times, different bubbles: on this CPU the {world} ranks share {dev.cores} "
+                           f"cores, so a rank idle in the pipeline's bubble leaves its core to another rank's work; "
+                           f"the model charges no bubble when ranks outnumber cores (layout_costs.time_parts), and "
+                           f"layouts that differ only in their schedule's bubble tie (then the one that holds less "
+                           f"comes first).")
+    return out
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else format_bytes(n)
 
@@ -99,7 +172,7 @@ def decision_tree(rows: list[dict], cfg, dev, args, describe, top: int) -> list[
                    f"Compute {parts['compute']:.3g} s; the largest other cost is {slowest.replace('_', ' ')}, "
                    f"{parts[slowest]:.3g} s" + (f"; the bubble is {r['bubble']:.1%} of a pipeline step"
                                                 if r["pp"] > 1 else "") + ".")
-    return out
+    return [x for line in out for x in wrap(line)]
 
 
 def explain_one(spec: dict, rows: list[dict], dev, describe, refusal_of, run_it) -> list[str]:
@@ -110,9 +183,10 @@ def explain_one(spec: dict, rows: list[dict], dev, describe, refusal_of, run_it)
     found = [r for r in rows if published.matches(r, wanted)]
     if not found:
         why = refusal_of(wanted)
-        return [f"--explain {fields(wanted)}: no runnable layout of this plan has these fields"
-                + (f"; the chapters refuse it: {why}" if why else "; it is not among the candidates (the world, "
-                   "the batch split or the micro-batch counts the planner tries)")]
+        return wrap(f"--explain {fields(wanted)}: no runnable layout of this plan has these fields"
+                    + (f"; the chapters refuse it: {why}" if why else "; it is not among the candidates the planner "
+                       "tries (degrees that divide the world, the batch split over dp, the course's micro-batch "
+                       "counts, an interleaved v from 2 to layers ÷ pp)"))
     r, fitting = found[0], [x for x in rows if x["fits"]]
     first, mem, parts = fitting[0] if fitting else rows[0], r["memory_bytes"], r["time_parts_s"]
     where = (f"ranks {fitting.index(r) + 1} of the {len(fitting)} layouts that fit" if r["fits"] else
@@ -122,13 +196,19 @@ def explain_one(spec: dict, rows: list[dict], dev, describe, refusal_of, run_it)
            f"{memory_words(mem)}; total {gib(mem['total'])}, {gib(mem['held_between_steps'])} "
            f"of weights, gradients and AdamW held between steps",
            f"  time per step {r['step_time_s']:.4g} s (MFU {r['mfu']:.1%}): "
-           + ", ".join(f"{k.replace('_', ' ')} {parts[k]:.3g} s" for k in WORDS if parts.get(k)),
-           "  " + run_it(r).replace("\n  ", " ")]
+           + ", ".join(f"{k.replace('_', ' ')} {parts[k]:.3g} s" for k in WORDS if parts.get(k))]
     if r is not first:
         gaps = sorted(((parts.get(k, 0) - first["time_parts_s"].get(k, 0), k) for k in WORDS), reverse=True)
         out.append(f"  against the first ({describe(first)}, {first['step_time_s']:.4g} s): "
                    + ", ".join(f"{k.replace('_', ' ')} {d:+.3g} s" for d, k in gaps if abs(d) > 1e-12))
-    return out
+    said = [wrap(line.strip(), "  " if i else "") for i, line in enumerate(out)]
+    return [x for lines in said[:3] + [run_lines(run_it(r), "  ")] + said[3:] for x in lines]
+
+
+def run_lines(text: str, indent: str = "") -> list[str]:
+    """run_it's text ("Run it:", then the command on the next line, 2 in) wrapped: the command 2 further in."""
+    head, _, command = text.partition("\n  ")
+    return wrap(head, indent) + (wrap_command(command, indent + "  ") if command else [])
 
 
 def fields(layout: dict) -> str:
