@@ -1,17 +1,20 @@
 """The table and the timeline picture of overlap_tp.py's runs: exposed TP communication with and without --tp-overlap.
 
     python 02_tensor_parallel/bench_tp.py --only overlap     # runs overlap_tp.py at tp 2 and 4, then this
+    python 02_tensor_parallel/overlap_tp_report.py A.json [B.json ...] [--png PATH]   # the table of your own runs
 
 Writes results/tp_overlap.md (medians over steps and ranks) and results/tp_timeline.png (one step of every rank,
 plain above, --tp-overlap below: the blocking collectives in red; the ring's chunk matmuls in blue with the
 hops' posting and waiting in grey and orange).
 """
+import argparse
+import json
 import statistics
+import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
+import common.plots  # noqa: E402,F401  (first: it picks the plot backend, files when headless)
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLORS = {"collective": "#d62728", "compute": "#1f77b4", "post": "#7f7f7f", "wait": "#ff7f0e"}
@@ -39,8 +42,8 @@ def table(runs: list[dict], command: str) -> str:
             f"(D {first['D']}, {first['layers']} layers), {first['rows']} sequences × {first['seq_len']} positions, "
             f"sequence parallelism, fp32, gloo. Machine: {first['cpu_count']}-core CPU ({first['cores_usable']} usable), "
             f"{first['threads_per_rank']} thread per rank: tp 2 gives each rank a core, tp 4 puts two ranks on each "
-            f"core. Median over {first['steps']} steps × every rank.\nCommand: `{command}` (it runs `torchrun "
-            "--nproc_per_node=N 02_tensor_parallel/overlap_tp.py`).\n\n"
+            f"core. Median over {first['steps']} steps × every rank.\nCommand: `{command}` (from `torchrun "
+            "--nproc_per_node=N 02_tensor_parallel/overlap_tp.py` runs).\n\n"
             "| tp | run | exposed TP comm ms / step | step ms | exposed fraction | step CPU ms (this thread) "
             "| load average (1 min) |\n|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n\n"
             "Exposed: wall-clock time inside a blocking all-gather or reduce-scatter (plain), or inside a ring "
@@ -77,3 +80,18 @@ def plot_timeline(runs: list[dict], out: Path, step: int = 2) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", help="overlap_tp.py --out files")
+    p.add_argument("--png", default=None, help="also draw the timeline picture here")
+    args = p.parse_args(argv)
+    runs = [json.loads(Path(f).read_text()) for f in args.runs]
+    print(table(runs, " ".join(["python 02_tensor_parallel/overlap_tp_report.py"] + args.runs)))
+    if args.png:
+        print("timeline:", plot_timeline(runs, Path(args.png)))
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,7 @@
 # otherwise 4 ranks.
 
 # %%
+import json
 import os
 import sys
 import tempfile
@@ -19,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path.cwd() if (Path.cwd() / "common").is_dir() else Path.cwd().parent   # repository root or notebooks/
 sys.path.insert(0, str(ROOT))
-from common.plots import plot_relative_difference, show  # noqa: E402  (first: it picks the plot backend)
+from common.plots import plot_relative_difference, show, show_png  # noqa: E402  (first: it picks the plot backend)
 import matplotlib.pyplot as plt  # noqa: E402
 
 from common.launch import launch  # noqa: E402
@@ -54,10 +55,12 @@ for name, shape in full_shapes.items():
 
 # %% [markdown]
 # ## Three runs, one loss
-# World size 1 is the reference; TP=N and TP=N with sequence parallelism must give the same losses.
+# World size 1 is the reference; TP=N, TP=N with sequence parallelism, and the same with `--tp-overlap`
+# (its all-gathers and reduce-scatters as ring steps under the matmuls' chunks) must give the same losses.
 
 # %%
-runs = {"1 rank": (1, []), f"TP={N}": (N, []), f"TP={N} + SP": (N, ["--sequence-parallel"])}
+runs = {"1 rank": (1, []), f"TP={N}": (N, []), f"TP={N} + SP": (N, ["--sequence-parallel"]),
+        f"TP={N} + SP, overlap": (N, ["--sequence-parallel", "--tp-overlap"])}
 history = {}
 for label, (n, flags) in runs.items():
     metrics = out_dir / f"{label.replace(' ', '_').replace('=', '').replace('+', '')}.jsonl"
@@ -86,3 +89,20 @@ ax2.set_ylabel("MiB sent + received per step (rank 0)")
 ax2.set_title("TP communication: SP adds an all-gather per gathered input")
 fig.tight_layout()
 show(fig, "02_tp_loss_difference_and_bytes")
+
+# %% [markdown]
+# ## The ring under the matmuls: `--tp-overlap`'s timeline
+# One forward + backward of every rank, plain sequence parallelism above and `--tp-overlap` below
+# (`02_tensor_parallel/overlap_tp.py`, the README's §4 "Hide it under the matmuls"): red, a blocking
+# all-gather or reduce-scatter; blue, a ring step's chunk matmuls; grey and orange, posting the next hop and
+# waiting for it (what the matmuls did not cover). On this CPU gloo's hops need the same cores as the
+# matmuls, and other work on the machine stretches every span: the README says what a GPU changes.
+
+# %%
+overlap_tp_report = import_module("02_tensor_parallel.overlap_tp_report")
+size = ["--model", "tiny", "--rows", "2", "--seq-len", "64"] if QUICK else []
+trace = out_dir / "overlap_tp.json"
+launch("02_tensor_parallel/overlap_tp.py", N, ["--out", trace, "--steps", "2", *size])
+run = json.loads(trace.read_text())
+print(overlap_tp_report.table([run], f"torchrun --nproc_per_node={N} 02_tensor_parallel/overlap_tp.py"))
+show_png(overlap_tp_report.plot_timeline([run], out_dir / "tp_timeline.png"), "02_tp_overlap_timeline")

@@ -4,8 +4,8 @@ script that has TP trained with it, equal to one device (loss 1e-6, gradient nor
 
 The operators are equal to float round-off, not to the bit: the ring adds a chunk's partial sums in ring
 order (gloo's reduce-scatter in its own), and a weight gradient is the sum of tp chunk products. One spawned
-group per world size runs every check: 2 ranks (the operators, TP 2), 4 ranks (the operators, TP 4, TP 2 × DP 2,
-with PP, with CP, with experts, the refusal); the references run on one rank."""
+group per world size runs every check: 2 ranks (the operators, TP 2, TP 2 recomputing), 4 ranks (the
+operators, TP 4, TP 2 × DP 2, with PP, with CP, with experts, the refusal); the references run on one rank."""
 import sys
 from importlib import import_module
 from pathlib import Path
@@ -146,7 +146,9 @@ MOE = ["--model", "tiny-moe"]
 OVERLAP = ["--sequence-parallel", "--tp-overlap"]
 REFERENCES = {"tp": (TP_SCRIPT, TP_BASE), "dense": (THREE, BASE), "moe": (FOUR, BASE + MOE)}
 # world -> name -> (script, flags, reference, check chapter 02's bytes formula)
-RUNS = {2: {"tp 2": (TP_SCRIPT, TP_BASE + OVERLAP + ["--tp", "2"], "tp", True)},
+RUNS = {2: {"tp 2": (TP_SCRIPT, TP_BASE + OVERLAP + ["--tp", "2"], "tp", True),
+            "tp 2, --recompute full": (TP_SCRIPT, TP_BASE + OVERLAP + ["--tp", "2", "--recompute", "full"], "tp",
+                                       False)},
         4: {"tp 4": (TP_SCRIPT, TP_BASE + OVERLAP, "tp", True),
             "tp 2 × dp 2": (TP_SCRIPT, TP_BASE + OVERLAP + ["--tp", "2"], "tp", True),
             "tp 2 × pp 2": (THREE, BASE + OVERLAP + ["--dp", "1", "--tp", "2", "--pp", "2"], "dense", False),
