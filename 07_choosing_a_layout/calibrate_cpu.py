@@ -68,10 +68,10 @@ def time_cp_runs() -> list[tuple[str, dict, float]]:
 def per_rank_work(layout: dict) -> tuple[float, float, float, float]:
     """(W / C, one rank's model FLOPs, its collectives and messages, its bytes sent + received) per step."""
     cfg, L = PRESETS[layout["model"]], layout
-    world = L["dp"] * L["tp"] * L["pp"] * L["cp"]
     run = layout_costs.Run(cfg, L["batch"], L["seq"], "fp32")
-    c = layout_costs.Candidate(L["dp"], L["tp"], L["pp"], L["cp"], 1, 0, "none", False, "1f1b", L["m"])
+    c = layout_costs.Candidate(dp=L["dp"], tp=L["tp"], pp=L["pp"], cp=L["cp"], microbatches=L["m"])
     nbytes, msgs = layout_costs.rank0_traffic(run, c, schedule_costs.specs_for(cfg, L["pp"], 1, L["seq"]))
+    world = c.layout().world
     flops = mfu.flops_per_token(cfg, L["seq"]) * L["batch"] * L["seq"] / world
     return world / CORES, flops, sum(msgs.values()), sum(nbytes.values())
 

@@ -71,8 +71,8 @@ def parts(layout: dict) -> tuple[float, tuple, float]:
     """(what the planner holds on rank 0 besides the transients, the two widths, the receives)."""
     run = layout_costs.Run(PRESETS["tiny"], 16, 128, "fp32")
     mode = layout.get("recompute", "none")
-    c = layout_costs.Candidate(layout["dp"], layout["tp"], layout["pp"], 1, 1, layout.get("zero", 0), mode, False,
-                               "1f1b", layout["m"])
+    c = layout_costs.Candidate(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], zero_stage=layout.get("zero", 0),
+                               recompute=mode, microbatches=layout["m"])
     rows = 16 // layout["dp"] // layout["m"]
     peaks = dict(schedule_costs.activation_peaks(run.cfg, mode, "1f1b", c.pp, c.microbatches, 1, rows, 128, 128,
                                                  c.tp, False, "fp32", None))
@@ -102,7 +102,7 @@ def head_parts(shape: dict) -> tuple[float, int]:
     """(what the planner holds on one device besides the working set and AdamW, one [t, V] in fp32)."""
     cfg = head_config(shape)
     run = layout_costs.Run(cfg, 2, 128, "fp32")
-    c = layout_costs.Candidate(1, 1, 1, 1, 1, 0, "none", False, "1f1b", 1)
+    c = layout_costs.Candidate()                                       # one device
     peaks = dict(schedule_costs.activation_peaks(cfg, "none", "1f1b", 1, 1, 1, 2, 128, 128, 1, False, "fp32", None))
     memory = layout_costs.rank_memory(run, c, schedule_costs.specs_for(cfg, 1, 1, 128), 0, peaks[0], gloo=True)
     return memory["total"] - memory["working"] - memory["optim_bytes"], working_set.logits(cfg, 2, 128, 1)

@@ -36,6 +36,7 @@ layout_costs = import_module("07_choosing_a_layout.layout_costs")
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
 choose_layout = import_module("07_choosing_a_layout.choose_layout")
+planner = import_module("07_choosing_a_layout.planner")
 RESULTS = HERE / "results"
 GROUPS = ("dp", "tp", "pp")
 
@@ -81,7 +82,7 @@ def predicted_here(name: str, dev) -> tuple[dict, list[int], dict]:
     dp, tp, pp = (int(x) for x in name.split(" × "))
     m = int(bench_3d.microbatches({"dp": dp, "pp": pp})[1])
     run = layout_costs.Run(PRESETS["tiny"], 16, 128, "fp32")
-    c = layout_costs.Candidate(dp, tp, pp, 1, 1, 0, "none", False, "1f1b", m)
+    c = layout_costs.Candidate(dp=dp, tp=tp, pp=pp, microbatches=m)
     specs, plan = schedule_costs.specs_for(run.cfg, pp, 1, 128), schedule_costs.plan_for("1f1b", pp, m, 1)
     peaks = activation_ledger.pipeline_peaks(run.cfg, "none", plan, specs, 16 // dp // m, 128, tp)
     return layout_costs.predict(run, c, dev, 8), peaks, layout_costs.rank_memory(run, c, specs, 0, peaks[0], gloo=True)
@@ -122,7 +123,7 @@ def check_time() -> tuple[list[str], list[tuple]]:
 def cp_prediction(layout: dict) -> float:
     """The planner's step time for one of chapter 06's timed runs (its world is cp ranks)."""
     run = layout_costs.Run(PRESETS[layout["model"]], layout["batch"], layout["seq"], "fp32")
-    c = layout_costs.Candidate(1, 1, 1, layout["cp"], 1, 0, "none", False, "1f1b", 1)
+    c = layout_costs.Candidate(cp=layout["cp"])
     return layout_costs.predict(run, c, layout_inputs.device_for("cpu", "fp32", layout["cp"]), layout["cp"])[
         "step_time_s"]
 
@@ -138,22 +139,12 @@ def published_rows(argv, layout: dict) -> tuple[str, list[dict], dict | None, in
     """(device name, every row the planner made, the published layout's best-ranked row or None, its rank
     among the rows that fit or None)."""
     args = choose_layout.parse_args(list(argv))
-    rows, dev = choose_layout.plan(args)
+    rows, dev, _ = planner.plan(args)
     fitting = [r for r in rows if r["fits"]]
     matches = [r for r in rows if published.matches(r, layout)]
     mine = matches[0] if matches else None                                   # rows are in ranking order
     rank = fitting.index(mine) + 1 if mine in fitting else None
     return dev.name, rows, mine, rank
-
-
-def plain_dp_bytes(argv) -> int:
-    """What plain data parallelism would hold per GPU: the whole model's state and one sequence's activations."""
-    args = choose_layout.parse_args(list(argv))
-    cfg = layout_inputs.model_for(args.model)
-    run = layout_costs.Run(cfg, args.world, args.seq_len, args.dtype)
-    dev = layout_inputs.device_for(args.device, args.dtype, args.world)
-    return layout_costs.predict(run, layout_costs.Candidate(args.world, 1, 1, 1, 1, 0, "none", False, "1f1b", 1),
-                                dev, 8)["memory_bytes"]["total"]
 
 
 def measured_words(run) -> tuple[str, str]:

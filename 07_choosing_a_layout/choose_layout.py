@@ -4,12 +4,13 @@
     python 07_choosing_a_layout/choose_layout.py --model llama3-405b --world 16384 --gpus-per-node 8 \\
         --device h100 --dtype bf16 --global-batch 2048 --seq-len 8192 --json runs/405b.json
 
-It enumerates the layouts the course runs: the degrees dp × tp × pp × cp = world (ep among the dp ranks,
-for a mixture of experts), the ZeRO stage, the recomputation mode, sequence parallelism, the schedule,
-its virtual stages and micro-batches, each kept only if the training script that would run it accepts
-it (runnable.py asks the script's own checks); predicts for each what every rank holds, what it sends,
-the bubble and a step time (layout_costs.py: the chapters' own formulas); keeps what fits, ranks by step
-time (ties by memory), prints the command that runs the first, and explains the first choices in words,
+The plan is planner.py's: it enumerates the layouts the course runs: the degrees dp × tp × pp × cp = world
+(ep among the dp ranks, for a mixture of experts), the ZeRO stage, the recomputation mode, sequence
+parallelism, the schedule, its virtual stages and micro-batches, each kept only if the training script
+that would run it accepts it (runnable.py asks the script's own checks); predicts for each what every rank
+holds, what it sends, the bubble and a step time (layout_costs.py: the chapters' own formulas); keeps what
+fits and ranks by step time (ties by memory). This command prints it, the command that runs the first,
+and explains the first choices in words,
 or any one layout with --explain. What the planner is worth is checked against measured runs and
 published ones by check_layouts.py (the chapter's README shows both tables).
 
@@ -26,7 +27,7 @@ the --json rows, every one fits = false, are still written); 2, a bad flag (one 
 """
 import json
 import sys
-from dataclasses import replace
+from functools import partial
 from importlib import import_module
 from pathlib import Path
 
@@ -34,123 +35,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `com
 
 from common.cli import Parser  # noqa: E402
 from common.domains import OUTPUT_FILE, POSITIVE_INT, Domain, Refused, real, whole  # noqa: E402
-from common.errors import fail, require, run_main  # noqa: E402
-from common.model import PRESETS  # noqa: E402
-from common.recompute import MODES  # noqa: E402
+from common.errors import fail, run_main  # noqa: E402
 
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")    # this chapter: models and devices
 layout_costs = import_module("07_choosing_a_layout.layout_costs")      # this chapter: one layout's numbers
 runnable = import_module("07_choosing_a_layout.runnable")              # this chapter: the scripts' own checks
-partial_recompute = import_module("07_choosing_a_layout.partial_recompute")  # this chapter: the fewest blocks
+planner = import_module("07_choosing_a_layout.planner")                # this chapter: the plan, ranked
 explain_layout = import_module("07_choosing_a_layout.explain_layout")  # this chapter: the planner's words
 published = import_module("07_choosing_a_layout.published")            # this chapter: published runs
 framework_flags = import_module("07_choosing_a_layout.framework_flags")  # this chapter: Megatron-LM's, torchtitan's
 
 
-def schedules(cfg, pp: int) -> list[tuple[str, int]]:
-    """(name, virtual stages) of every schedule the chapters run at `pp`: 1F1B, interleaved 1F1B (chunks_per_rank),
-    ZB-H1, and the V's two (ZB-V, DualPipeV: two stages per rank). GPipe is left out: it has 1F1B's bubble
-    and time and keeps all m micro-batches in flight instead of at most p, so it never ranks above 1F1B."""
-    if pp == 1:
-        return [("1f1b", 1)]
-    return ([("1f1b", 1)] + [("interleaved", v) for v in chunks_per_rank(cfg.n_layers, pp)]
-            + [("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)])
-
-
-def chunks_per_rank(n_layers: int, pp: int) -> list[int]:
-    """The interleaved schedule's v, up to one layer per chunk (v = L/p: the chapters refuse more stages than
-    layers): every v from 2 to 4 (Megatron's GPT-3 ran 3), then doubling, and L/p itself. Between two
-    doublings the bubble (p−1)/(v·m + p−1) moves little while the messages grow with v, so the ladder
-    keeps the planner's time in bounds where L/p is large (GPT-3's 96 layers on 2 ranks: 7 values, not 47)."""
-    most = n_layers // pp
-    ladder = {2, 3, 4, most} | {2 ** k for k in range(3, most.bit_length())}
-    return sorted(v for v in ladder if 2 <= v <= most)
-
-
 SCHEMA = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute", "recompute_layers", "sequence_parallel", "schedule", "virtual_stages",
           "microbatches", "memory_bytes", "fullest_pp_rank", "comm_bytes", "bubble", "step_time_s", "mfu",
           "time_parts_s", "fits", "command")
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def microbatch_counts(rows: int, pp: int, schedule: str) -> list[int]:
-    """The course's default (the largest count ≤ 2·pp that splits the rows, common/cli's rule; a
-    multiple of pp for the interleaved schedule) and one row per micro-batch: without a pipeline the
-    least activation memory (gradient accumulation), with one the smallest bubble (1F1B keeps at most
-    about p micro-batches in flight whatever m is)."""
-    step = pp if schedule == "interleaved" else 1
-    fits = [m for m in range(step, rows + 1, step) if rows % m == 0]
-    default = [m for m in fits if m <= 2 * pp]
-    if not default:
-        return []
-    return sorted({max(default)} | ({rows} if rows in fits else set()))
-
-
-def candidates(cfg, world: int, global_batch: int, seq_len: int, gpus_per_node: int):
-    """Every distinct layout of `world` ranks, before the chapters' checks: TP inside a node; the batch split
-    over the data-parallel ranks (the micro-batches are counted from it); a ZeRO stage only where there is
-    a group to shard over (at dp × cp = 1 every stage is the same layout as stage 0)."""
-    for tp in (t for t in divisors(world) if t <= gpus_per_node):
-        for cp in divisors(world // tp):
-            for pp in divisors(world // (tp * cp)):
-                dp = world // (tp * cp * pp)
-                if global_batch % dp:
-                    continue
-                for ep in divisors(dp) if cfg.n_experts else [1]:
-                    for schedule, v in schedules(cfg, pp):
-                        for m in microbatch_counts(global_batch // dp, pp, schedule):
-                            for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
-                                for mode in MODES:
-                                    for sp in (False, True) if tp > 1 else (False,):
-                                        yield layout_costs.Candidate(dp, tp, pp, cp, ep, zero, mode, sp, schedule,
-                                                                     m, v)
-
-
-def runnable_candidates(cfg, model: str, world: int, global_batch: int, seq_len: int, gpus_per_node: int,
-                        dtype: str = "fp32") -> tuple[list, int]:
-    """(the candidates the chapters' scripts accept, how many they refused): runnable.refusal asks each."""
-    every = list(candidates(cfg, world, global_batch, seq_len, gpus_per_node))
-    kept = [c for c in every if runnable.refusal(c, model, cfg, global_batch, seq_len, dtype) is None]
-    return kept, len(every) - len(kept)
-
-
-def ranking(r: dict) -> tuple:
-    """Fastest first among the layouts that fit, equal times (to 4 digits) by memory; then the rest by memory."""
-    # >>> exercise 07.ranking
-    if r["fits"]:
-        return False, float(f"{r['step_time_s']:.4g}"), r["memory_bytes"]["total"]
-    return True, r["memory_bytes"]["total"], r["step_time_s"]
-    # <<< exercise 07.ranking
-
-
-def plan(args) -> tuple[list[dict], object]:
-    """(every runnable layout's row, in ranking order; the device). `plan.refused` counts the candidates the
-    chapters' scripts refused."""
-    cfg = layout_inputs.model_for(args.model)
-    require(args.seq_len <= cfg.max_seq_len,
-            f"--seq-len {args.seq_len} is longer than --model {args.model}'s {cfg.max_seq_len} positions")
-    dev = layout_inputs.device_for(args.device, args.dtype, args.world, args.efficiency)
-    gpn = args.world if dev.cores is not None else args.gpus_per_node
-    run = layout_costs.Run(cfg, args.global_batch, args.seq_len, args.dtype, args.attention)
-    kept, plan.refused = runnable_candidates(cfg, args.model, args.world, args.global_batch, args.seq_len, gpn,
-                                             args.dtype)
-    # full recomputation also as a lever: the fewest blocks per stage that fit (--recompute-layers), the rest kept
-    partial = (replace(c, recompute_layers=k) for c in kept if (k := partial_recompute.least_recompute_layers(run, c, dev)))
-    rows = []
-    for c in kept + list(partial):
-        row = layout_costs.predict(run, c, dev, gpn)
-        # a published shape has no course preset to run at full size: its command is the miniature's (run_it)
-        row["command"] = (runnable.command(c, args.model, cfg, args.global_batch, args.seq_len, args.dtype)
-                          if args.model in PRESETS else None)
-        rows.append(row)
-    require(rows, f"no layout of --world {args.world} that the chapters run splits this model and batch "
-                  f"(--global-batch {args.global_batch} over the data-parallel ranks, heads over TP): use a world "
-                  f"size that is a product of the model's divisors, e.g. a power of two")
-    rows.sort(key=ranking)
-    return rows, dev
 
 
 def describe(r: dict) -> str:
@@ -230,10 +128,7 @@ def run_it(r: dict, cfg, args) -> str:
     in miniature on this machine (every degree above 1 made 2, the preset of the same kind)."""
     if r["command"]:
         return f"Run it:\n  {r['command']}"
-    c = layout_costs.Candidate(*(r[k] for k in ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute",
-                                                "sequence_parallel", "schedule", "microbatches", "virtual_stages",
-                                                "recompute_layers")))
-    mini = runnable.miniature(c, cfg)
+    mini = runnable.miniature(layout_costs.Candidate.of_row(r), cfg)
     return ("Run it in miniature on this machine:\n  " + mini[1]) if mini else \
         "No miniature of it runs here (its script refuses the reduced degrees)."
 
@@ -246,11 +141,11 @@ class NothingFits(Exception):
 def main(argv=None) -> list[dict]:
     """Plan, print, write --json; every layout's row, or NothingFits when none fits."""
     args = parse_args(argv)
-    rows, dev = plan(args)
+    rows, dev, refused = planner.plan(args)
     cfg = layout_inputs.model_for(args.model)
     fit = sum(r["fits"] for r in rows)
     print("\n".join(explain_layout.wrap(
-        f"{len(rows)} layouts of {args.world} {dev.name} ranks that the chapters run ({plan.refused} more refused "
+        f"{len(rows)} layouts of {args.world} {dev.name} ranks that the chapters run ({refused} more refused "
         f"by their checks), {fit} fit; " + ("fastest first, equal times by memory:" if fit else
                                              "none fits, the smallest first:"))))
     print("\n".join(explain_layout.table(rows[:args.top], dev, args.world)))
@@ -258,12 +153,9 @@ def main(argv=None) -> list[dict]:
     if fit:
         print("\n".join(["", *explain_layout.run_lines(run_it(rows[0], cfg, args))]))
     if args.explain:
-        refusal_of = (lambda wanted: next((runnable.refusal(c, args.model, cfg, args.global_batch, args.seq_len,
-                                                            args.dtype) for c in candidates(cfg, args.world,
-                      args.global_batch, args.seq_len, args.world if dev.cores else args.gpus_per_node)
-                      if published.matches(vars(c), wanted)), None))
-        print("\n".join(["", *explain_layout.explain_one(args.explain, rows, dev, describe, refusal_of,
-                                                                         lambda r: run_it(r, cfg, args))]))
+        print("\n".join(["", *explain_layout.explain_one(args.explain, rows, dev, describe,
+                                                          partial(planner.refusal_of, args, dev),
+                                                          lambda r: run_it(r, cfg, args))]))
         print("\n".join(framework_flags.explained(args.explain, rows, cfg, args.global_batch, args.seq_len)))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

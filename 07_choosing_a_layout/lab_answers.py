@@ -12,7 +12,7 @@ from common.lab_key import Edit, Key  # noqa: E402
 CH = "07_choosing_a_layout"
 lab_layout = import_module("07_choosing_a_layout.lab_layout")
 # L4: the planner keeps every candidate, without the chapters' verdict
-SKIP = Edit(f"{CH}/choose_layout.py",
+SKIP = Edit(f"{CH}/planner.py",
             "kept = [c for c in every if runnable.refusal(c, model, cfg, global_batch, seq_len, dtype) is None]",
             "kept = every")
 
@@ -20,7 +20,7 @@ SKIP = Edit(f"{CH}/choose_layout.py",
 def main() -> None:
     key = Key(CH, "Chapter 07 lab — choosing a layout")
     key.names(f"{CH}/runnable.py", "def refusal", "def command")
-    key.names(f"{CH}/choose_layout.py", "def candidates", "def ranking")
+    key.names(f"{CH}/planner.py", "def candidates", "def ranking")
     lab_layout.bytes_section(key)
     lab_layout.scale_section(key)
     lab_layout.refusals_section(key)

@@ -35,10 +35,9 @@ that decides whether a layout fits. The step time is a model, stated:
               critical path
 """
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from importlib import import_module
-from types import SimpleNamespace
 
 from common.comm import collective_bytes
 from common.mfu import attention_flops_per_token, flops_per_token, recompute_flops_per_token
@@ -50,6 +49,7 @@ pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")     # ch
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: the bubble
 expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")   # chapter 05: all-to-all bytes
 attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # chapter 06: the ring's bytes
+parallel_5d = import_module("06_context_parallel.parallel_5d")             # chapters 04-06: the Layout
 runnable = import_module("07_choosing_a_layout.runnable")                  # this chapter: which script runs it
 per_unit_zero = import_module("07_choosing_a_layout.per_unit_zero")        # this chapter: chapter 01's ZeRO-3
 working_set = import_module("07_choosing_a_layout.working_set")            # this chapter: beyond the ledger
@@ -63,21 +63,35 @@ def recomputed_blocks(stages, per_stage: int | None) -> int:
     return sum(recomputed_of(len(s.layers), per_stage) for s in stages)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Candidate:
-    """One layout: the degrees (dp counts every data-parallel rank, ep among them) and the levers."""
-    dp: int
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    zero_stage: int
-    recompute: str
-    sequence_parallel: bool
-    schedule: str
-    microbatches: int
+    """One layout of the plan: the degrees of the course's Layout (dp counts every data-parallel rank, ep
+    among them) and the levers a script's flags add. What follows from the degrees (the world, each
+    group's size and span, the gradient group of each kind of state, a stage's parameters, the element
+    size) is the Layout's to say: `layout()` builds it, the one chapters 04-06's scripts decide."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    microbatches: int = 1
     virtual_stages: int = 1
     recompute_layers: int | None = None     # --recompute-layers: the first blocks of each stage (None: all)
+
+    def layout(self, dtype: str = "fp32"):
+        """The course's Layout of these degrees (chapter 06's Layout5D: at cp 1 and ep 1 its groups are
+        chapter 04's), for a run in `dtype`; no process group is made."""
+        return parallel_5d.Layout5D(self.dp, self.tp, self.pp, self.microbatches, dtype=dtype, ep=self.ep,
+                                    cp=self.cp)
+
+    @classmethod
+    def of_row(cls, row: dict) -> "Candidate":
+        """The candidate a planner row (predict's, or a --json row) describes."""
+        return cls(**{f.name: row[f.name] for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -90,29 +104,23 @@ class Run:
     attention: str = "flash"    # a GPU's attention kernel (block_time.py): "flash" (fused) or "unfused"
 
 
-def stage_params(cfg, spec, tp: int, ep: int) -> tuple[int, int]:
-    """(dense, expert) parameters one rank holds of stage `spec`: matrices split over TP (a KV head
-    replicated when K < tp), norms whole, experts E/ep each (whole over TP)."""
-    D, hd, V = cfg.dim, cfg.head_dim, cfg.vocab_size
-    kv = cfg.kv_heads_per_rank(tp)
-    attn = 2 * D * (cfg.n_heads // tp) * hd + 2 * D * kv * hd + 2 * D             # wq, wo, wk, wv, two norms
-    mlp = D * cfg.n_experts if cfg.n_experts else 3 * D * cfg.ffn_hidden // tp     # the router, or SwiGLU
-    experts = cfg.n_experts // ep * 3 * D * cfg.expert_hidden if cfg.n_experts else 0
-    n = len(spec.layers)
-    dense = n * (attn + mlp) + (V // tp * D if spec.first else 0) + (D + V // tp * D if spec.last else 0)
-    return dense, n * experts
-
-
 def per_unit(run: Run, c: Candidate) -> bool:
     """Does chapter 01's ZeRO-3 run layout `c` (runnable.py): one unit's weights gathered at a time."""
     return runnable.script_of(run.cfg, c) == "zero"
 
 
-@lru_cache(maxsize=None)
-def zero3_units(cfg) -> tuple[int, ...]:
-    """The parameters of chapter 01's ZeRO-3 units (per_unit_zero.py), a block's as stage_params counts it."""
-    block, _ = stage_params(cfg, SimpleNamespace(layers=[0], first=False, last=False), 1, 1)
-    return tuple(per_unit_zero.unit_params(cfg, block))
+def rank_parameters(run: Run, c: Candidate, stages) -> tuple[int, int]:
+    """(dense, expert) parameters one rank holds of `stages`, as the Layout counts each stage."""
+    per_stage = [c.layout(run.dtype).stage_parameters(run.cfg, s) for s in stages]
+    return sum(d for d, _ in per_stage), sum(x for _, x in per_stage)
+
+
+def state_groups(run: Run, c: Candidate, dense: int, experts: int) -> tuple[tuple[int, int], ...]:
+    """((fp32 bytes M, ranks N), ...) of each kind of state a rank holds, over the group the Layout sums its
+    gradients over (and ZeRO shards it over): dense over dp × cp, experts over edp × cp."""
+    layout = c.layout(run.dtype)
+    groups = layout.gradient_groups()
+    return tuple((4 * n, layout.group_size(groups[kind])) for kind, n in (("dense", dense), ("experts", experts)))
 
 
 def memory_by_component(run: Run, c: Candidate, peak_activation: int, dense: int, experts: int) -> dict:
@@ -124,7 +132,7 @@ def memory_by_component(run: Run, c: Candidate, peak_activation: int, dense: int
     `held` is what stays between steps: chapter 01's zero_memory_components for each group."""
     out = dict.fromkeys(("params", "grads", "optim_bytes"), 0.0)
     held = dict.fromkeys(("params", "grads", "optim_bytes"), 0.0)
-    for M, N in ((4 * dense, c.dp * c.cp), (4 * experts, c.dp // c.ep * c.cp)):    # fp32 master weights
+    for M, N in state_groups(run, c, dense, experts):                               # fp32 master weights
         between = zero_accounting.zero_memory_components(c.zero_stage, M, N)
         out["params"], out["grads"] = out["params"] + M, out["grads"] + M
         out["optim_bytes"] += between["optim_bytes"]
@@ -143,13 +151,10 @@ def memory_by_component(run: Run, c: Candidate, peak_activation: int, dense: int
 def rank_memory(run: Run, c: Candidate, specs, pp_rank: int, peak_activation: int, gloo: bool) -> dict:
     """What pipeline rank `pp_rank` holds, by component, with `peak_activation` bytes of activations and
     its working set (working_set.py; `gloo`: the executor posts every receive of a step at its start)."""
-    dense = experts = 0
     mine = pipeline_stages.rank_stages(specs, c.pp, pp_rank)
-    for s in mine:
-        d, x = stage_params(run.cfg, s, c.tp, c.ep)
-        dense, experts = dense + d, experts + x
+    dense, experts = rank_parameters(run, c, mine)
     if per_unit(run, c):
-        memory = per_unit_zero.memory(zero3_units(run.cfg), c.dp, run.dtype, peak_activation)
+        memory = per_unit_zero.memory(per_unit_zero.unit_params(run.cfg), c.dp, run.dtype, peak_activation)
     else:
         memory = memory_by_component(run, c, peak_activation, dense, experts)
     working = working_set.of_rank(run, c, mine, pp_rank, gloo)
@@ -160,7 +165,7 @@ def rank0_traffic(run: Run, c: Candidate, specs) -> tuple[dict, dict]:
     """({group: bytes}, {group: messages}) global rank 0 sends + receives in one step."""
     cfg, m, v = run.cfg, c.microbatches, c.virtual_stages
     rows, positions = run.global_batch // c.dp // m, run.seq_len // c.cp
-    e = 2 if run.dtype == "bf16" else 4
+    e = c.layout(run.dtype).element_size
     mine = pipeline_stages.rank_stages(specs, c.pp, 0)
     layers = sum(len(s.layers) for s in mine)
     # full recomputation reruns the forward's exchanges in the blocks it recomputes: (blocks, forward runs)
@@ -169,10 +174,9 @@ def rank0_traffic(run: Run, c: Candidate, specs) -> tuple[dict, dict]:
     nbytes, msgs = dict.fromkeys(("dp", "tp", "pp", "ep", "cp"), 0), dict.fromkeys(("dp", "tp", "pp", "ep", "cp"), 0)
     unit_by_unit = per_unit(run, c)
     if unit_by_unit and c.dp > 1:                    # chapter 01's ZeRO-3: every unit, every micro-batch
-        nbytes["dp"], msgs["dp"] = per_unit_zero.traffic(zero3_units(cfg), c.dp, m)
+        nbytes["dp"], msgs["dp"] = per_unit_zero.traffic(per_unit_zero.unit_params(cfg), c.dp, m)
     for s in mine:
-        dense, experts = stage_params(cfg, s, c.tp, c.ep)
-        for M, N in ((4 * dense, c.dp * c.cp), (4 * experts, c.dp // c.ep * c.cp)):
+        for M, N in state_groups(run, c, *rank_parameters(run, c, [s])):
             if N > 1 and M and not unit_by_unit:
                 nbytes["dp"] += (collective_bytes("all_reduce", M, N) if c.zero_stage == 0 else
                                  int(2 * zero_accounting.zero_sent_share(c.zero_stage, N, per_microbatch=False) * M))
@@ -218,23 +222,21 @@ def bytes_of(collectives: list, n: int) -> int:
 
 def link_of(group: str, c: Candidate, dev, gpus_per_node: int) -> tuple[float, float]:
     """(rate, latency) of the link a group's ranks talk over: inside a node when the group's span on the
-    grid (edp, ep, pp, cp, tp) fits in one."""
-    span = {"tp": c.tp, "cp": c.tp * c.cp, "pp": c.tp * c.cp * c.pp, "ep": c.tp * c.cp * c.pp * c.ep,
-            "dp": c.tp * c.cp * c.pp * c.dp}[group]
-    inside = dev.cores is not None or span <= gpus_per_node
+    Layout's grid (edp, ep, pp, cp, tp) fits in one."""
+    inside = dev.cores is not None or c.layout().group_span(group) <= gpus_per_node
     return (dev.intra, dev.latency_intra) if inside else (dev.inter, dev.latency_inter)
 
 
 def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, msgs: dict, bubble: float) -> dict:
     """{compute, bubble, comm_<group>: seconds} of one step (a GPU's also memory and optimizer: step_time.py);
     the step is their sum (the module docstring)."""
-    cfg, world = run.cfg, c.dp * c.tp * c.pp * c.cp
+    cfg, world = run.cfg, c.layout().world
     if dev.spec is not None:        # a GPU: every operation at its own rate on the device file (step_time.py)
         mine = pipeline_stages.rank_stages(schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len,
                                                                     c.schedule), c.pp, 0)
-        params = [sum(x) for x in zip(*(stage_params(cfg, s, c.tp, c.ep) for s in mine))]
+        params = list(rank_parameters(run, c, mine))
         return step_time.gpu_time_parts(run, c, dev, gpus_per_node, nbytes, msgs, bubble, params, per_unit(run, c),
-                                        len(zero3_units(cfg)))
+                                        len(per_unit_zero.unit_params(cfg)))
     blocks = recomputed_blocks(schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule), c.recompute_layers)
     flops = (flops_per_token(cfg, run.seq_len) + recompute_flops_per_token(cfg, run.seq_len, c.recompute, blocks)) \
         * run.global_batch * run.seq_len
@@ -257,7 +259,7 @@ def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, ms
         seconds[g] = nbytes[g] / link_rate + msgs[g] * latency
     exposed = {**seconds, "dp": max(0.0, seconds["dp"] - idle), "cp": max(0.0, seconds["cp"] - attention)}
     if per_unit(run, c):          # chapter 01's prefetch: a unit's gather travels while the one before computes
-        exposed["dp"] = per_unit_zero.exposed(seconds["dp"], compute, len(zero3_units(cfg)))
+        exposed["dp"] = per_unit_zero.exposed(seconds["dp"], compute, len(per_unit_zero.unit_params(cfg)))
     return {"compute": compute, "bubble": idle, **{f"comm_{g}": t for g, t in exposed.items()}}
 
 
@@ -271,7 +273,7 @@ def fullest_rank(run: Run, c: Candidate, specs, peaks, gloo: bool) -> tuple[int,
 
 def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     """The planner's row for one layout: the JSON schema of choose_layout.py, plus the time's parts."""
-    cfg, world = run.cfg, c.dp * c.tp * c.pp * c.cp
+    cfg, world = run.cfg, c.layout().world
     specs = schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
     rows = run.global_batch // c.dp // c.microbatches
     peaks = schedule_costs.activation_peaks(cfg, c.recompute, c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,

@@ -3,7 +3,7 @@
 `--recompute-layers K` (common/recompute.py) recomputes the first K blocks of each pipeline stage and keeps
 the rest; each block recomputed frees one block's activations per micro-batch in flight and costs one
 block's forward. For a layout that fits only with full recomputation, the planner adds one more row: the
-least K that fits (choose_layout.plan), so that a layout is not charged a whole extra forward where part of
+least K that fits (planner.plan), so that a layout is not charged a whole extra forward where part of
 one is enough.
 """
 from importlib import import_module

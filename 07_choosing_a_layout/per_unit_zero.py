@@ -17,18 +17,24 @@ final norm with the head), as FSDP does, and runs the layouts that have nothing 
 tests/test_zero.py checks the bytes, the weights at the peak and what is held between steps against
 chapter 01's runs.
 """
+import math
+from functools import lru_cache
 from importlib import import_module
+
+from common.model import parameter_shapes
 
 zero_accounting = import_module("01_data_parallel.zero_accounting")         # chapter 01: ZeRO memory
 
 
-def unit_params(cfg, block: int) -> list[int]:
-    """The parameters of each unit (zero_sharding.model_units): the embedding, `block` for each block,
-    the final norm with the head."""
-    return [cfg.vocab_size * cfg.dim] + [block] * cfg.n_layers + [cfg.dim + cfg.vocab_size * cfg.dim]
+@lru_cache(maxsize=None)
+def unit_params(cfg) -> tuple[int, ...]:
+    """The parameters of each unit (zero_sharding.model_units): the embedding, each block, the final norm
+    with the head, as common/model.parameter_shapes counts each piece."""
+    size = {piece: sum(math.prod(shape) for shape in shapes.values()) for piece, shapes in parameter_shapes(cfg).items()}
+    return (size["embedding"], *[size["block"]] * cfg.n_layers, size["head"])
 
 
-def memory(units: list[int], N: int, dtype: str, peak_activation: int) -> dict:
+def memory(units: tuple[int, ...], N: int, dtype: str, peak_activation: int) -> dict:
     """One rank's bytes by component at the peak of a step, and what it holds between steps."""
     unit_bytes, M = [4 * n for n in units], 4 * sum(units)
     between = zero_accounting.zero_memory_components(3, M, N)
@@ -40,7 +46,7 @@ def memory(units: list[int], N: int, dtype: str, peak_activation: int) -> dict:
             "held_between_steps": sum(between.values())}
 
 
-def traffic(units: list[int], N: int, m: int) -> tuple[int, int]:
+def traffic(units: tuple[int, ...], N: int, m: int) -> tuple[int, int]:
     """(bytes sent + received, collectives) of one step on one rank."""
     unit_bytes = [4 * n for n in units]
     return int(2 * m * (N - 1) / N * (3 * sum(unit_bytes) - unit_bytes[0])), m * (3 * len(units) - 1)

@@ -80,8 +80,7 @@ def parser_of(kind: str):
 
 def refusal(c, model: str, cfg, global_batch: int, seq_len: int, dtype: str = "fp32") -> str | None:
     """None when the script that would run layout `c` accepts it, else that script's own message."""
-    kind = script_of(cfg, c)
-    world = c.dp * c.tp * c.pp * c.cp
+    kind, world = script_of(cfg, c), c.layout().world
     # >>> exercise 07.refusal
     try:
         args = parser_of(kind).parse_args(flags(c, model, cfg, global_batch, seq_len, dtype))
@@ -95,9 +94,8 @@ def refusal(c, model: str, cfg, global_batch: int, seq_len: int, dtype: str = "f
 def command(c, model: str, cfg, global_batch: int, seq_len: int, dtype: str = "fp32", extra=()) -> str:
     """The command that runs layout `c`: torchrun with one rank per device of the layout."""
     path, _ = SCRIPTS[script_of(cfg, c)]
-    world = c.dp * c.tp * c.pp * c.cp
     argv = flags(c, model, cfg, global_batch, seq_len, dtype) + list(extra)
-    return f"torchrun --nproc_per_node={world} {path} " + shlex.join(argv)
+    return f"torchrun --nproc_per_node={c.layout().world} {path} " + shlex.join(argv)
 
 
 def miniature(c, cfg):

@@ -44,9 +44,8 @@ def tier_of(span: int, gpus_per_node: int, dev):
 
 
 def spans(c) -> dict:
-    """How many consecutive ranks each group spans on the grid (edp, ep, pp, cp, tp), TP fastest."""
-    return {"tp": c.tp, "cp": c.tp * c.cp, "pp": c.tp * c.cp * c.pp, "ep": c.tp * c.cp * c.pp * c.ep,
-            "dp": c.tp * c.cp * c.pp * c.dp}
+    """How many consecutive ranks each group spans on the Layout's grid (edp, ep, pp, cp, tp), TP fastest."""
+    return {g: c.layout().group_span(g) for g in ("tp", "cp", "pp", "ep", "dp")}
 
 
 def rank_work(run, c, dev) -> tuple[float, float, float, int]:
@@ -55,7 +54,7 @@ def rank_work(run, c, dev) -> tuple[float, float, float, int]:
     specs = schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
     rows = run.global_batch // c.dp // c.microbatches
     shape = block_time.Shape(rows * run.seq_len // c.cp, run.seq_len, c.tp, c.sequence_parallel, c.ep,
-                             2 if run.dtype == "bf16" else 4, run.attention)
+                             c.layout(run.dtype).element_size, run.attention)
     best = (0.0, 0.0, 0.0)
     for r in range(c.pp):
         matmul = memory = attention = 0.0
@@ -75,7 +74,9 @@ def rank_work(run, c, dev) -> tuple[float, float, float, int]:
 def optimizer_seconds(run, c, dev, dense: int, experts: int) -> float:
     """AdamW over what this rank updates: its dense weights over dp × cp and its experts over edp × cp from
     ZeRO-1, all of them without."""
-    shard = (dense / (c.dp * c.cp) + experts / (c.dp // c.ep * c.cp)) if c.zero_stage else dense + experts
+    layout = c.layout(run.dtype)
+    groups = {kind: layout.group_size(group) for kind, group in layout.gradient_groups().items()}
+    shard = (dense / groups["dense"] + experts / groups["experts"]) if c.zero_stage else dense + experts
     return dev.spec.op_seconds("vector", 10 * shard, ADAMW_BYTES * shard)
 
 

@@ -67,7 +67,8 @@ def of_rank(run, c, stages, pp_rank: int, gloo: bool, coef=None) -> float:
     """Pipeline rank `pp_rank`'s working set in bytes, for layout `c` of `run` (layout_costs' Run and
     Candidate), `stages` the stages it holds (the module docstring)."""
     a, b, h = coef or load()
-    rows, positions, e = run.global_batch // c.dp // c.microbatches, run.seq_len // c.cp, 2 if run.dtype == "bf16" else 4
+    rows, positions = run.global_batch // c.dp // c.microbatches, run.seq_len // c.cp
+    e = c.layout(run.dtype).element_size                                  # bytes of one activation element
     td, tf = terms(run.cfg, rows, positions, c.tp, e)
     peak = max(a * td + b * tf, h * logits(run.cfg, rows, positions, c.tp) if any(s.last for s in stages) else 0)
     boundary = rows * (positions // c.tp if c.sequence_parallel else positions) * run.cfg.dim * e

@@ -1,4 +1,4 @@
-"""The layout planner (07_choosing_a_layout/choose_layout.py): only layouts the chapters' scripts accept (and
+"""The layout planner (07_choosing_a_layout/planner.py, choose_layout.py): only layouts the chapters' scripts accept (and
 the first three of the tiny model's plan start and train), its JSON schema and ranking, its bytes against
 the formulas the chapters assert and the bytes runs measured, its memory as the grid's trainers hold it,
 the step time as the sum of its parts, --explain, the published configurations' sanity cases and their table
@@ -16,6 +16,7 @@ from common.model import PRESETS
 from harness import ROOT
 
 choose_layout = import_module("07_choosing_a_layout.choose_layout")
+planner = import_module("07_choosing_a_layout.planner")
 runnable = import_module("07_choosing_a_layout.runnable")
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
@@ -30,7 +31,9 @@ L, D, S, M = 8, 128, 128, 1_640_576 * 4           # tiny: layers, width; the seq
 
 
 def row(run, dp, tp, pp, cp=1, ep=1, m=1, sp=False, zero=0, mode="none", schedule="1f1b", v=1, dev=H100):
-    return layout_costs.predict(run, layout_costs.Candidate(dp, tp, pp, cp, ep, zero, mode, sp, schedule, m, v), dev, 8)
+    c = layout_costs.Candidate(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero, recompute=mode, sequence_parallel=sp,
+                               schedule=schedule, microbatches=m, virtual_stages=v)
+    return layout_costs.predict(run, c, dev, 8)
 
 
 def test_json_schema(tmp_path):
@@ -45,7 +48,7 @@ def test_json_schema(tmp_path):
         assert r["dp"] * r["tp"] * r["pp"] * r["cp"] == 8 and isinstance(r["fits"], bool) and r["step_time_s"] > 0
         parts = ("params", "grads", "optim_bytes", "peak_activation_bytes", "working")
         assert r["memory_bytes"]["total"] == pytest.approx(sum(r["memory_bytes"][k] for k in parts), abs=5)
-    assert [choose_layout.ranking(r) for r in rows] == sorted(choose_layout.ranking(r) for r in rows)
+    assert [planner.ranking(r) for r in rows] == sorted(planner.ranking(r) for r in rows)
     fitting = [r for r in rows if r["fits"]]                            # fastest first, equal times by memory
     assert all(float(f"{a['step_time_s']:.4g}") < float(f"{b['step_time_s']:.4g}") or
                a["memory_bytes"]["total"] <= b["memory_bytes"]["total"] for a, b in zip(fitting, fitting[1:]))
@@ -124,7 +127,7 @@ def test_memory_is_what_the_grid_trainers_hold():
         assert [mem["params"], mem["grads"], mem["optim_bytes"]] == [whole, whole, int(2 * whole / 4)], stage
         if tp == 1:
             assert mem["held_between_steps"] == int(held[stage]), stage
-    assert runnable.script_of(TINY.cfg, layout_costs.Candidate(4, 1, 1, 1, 1, 3, "none", False, "1f1b", 2)) == "zero"
+    assert runnable.script_of(TINY.cfg, layout_costs.Candidate(dp=4, zero_stage=3, microbatches=2)) == "zero"
     unit = 4 * (2 * D * D + 2 * D * 64 + 2 * D + 3 * D * 384)                  # a block of tiny (the largest unit)
     mem = row(TINY, 4, 1, 1, m=2, zero=3)["memory_bytes"]
     assert [mem["params"], mem["grads"], mem["optim_bytes"]] == [M / 4 + 2 * unit, M / 4 + 2 * unit, 2 * M / 4]
@@ -134,7 +137,7 @@ def test_memory_is_what_the_grid_trainers_hold():
     r = row(TINY, 1, 1, 4, m=8)
     specs = schedule_costs.specs_for(TINY.cfg, 4, 1, S)
     ranks = dict(schedule_costs.activation_peaks(TINY.cfg, "none", "1f1b", 4, 8, 1, 2, S, S, 1, False))
-    totals = {k: layout_costs.rank_memory(TINY, layout_costs.Candidate(1, 1, 4, 1, 1, 0, "none", False, "1f1b", 8),
+    totals = {k: layout_costs.rank_memory(TINY, layout_costs.Candidate(pp=4, microbatches=8),
                                           specs, k, peak, gloo=False)["total"] for k, peak in ranks.items()}
     assert r["memory_bytes"]["total"] == int(max(totals.values())) and r["fullest_pp_rank"] == max(totals, key=totals.get)
     acts = [row(TINY, 8, 1, 1, m=2, mode=mode)["memory_bytes"]["peak_activation_bytes"]
@@ -198,7 +201,7 @@ def test_partial_recomputation_is_the_fewest_blocks_per_stage_that_fit():
     the planner's k is the least that fits (k − 1 does not), and costs between none and full in memory
     and time; the planner's rows then hold it, with its command. Where none fits, there is no such row."""
     from dataclasses import replace
-    c = layout_costs.Candidate(4, 1, 2, 1, 1, 0, "full", False, "1f1b", 4)          # 4 layers per stage
+    c = layout_costs.Candidate(dp=4, pp=2, recompute="full", microbatches=4)          # 4 layers per stage
     none, full = row(TINY, 4, 1, 2, m=4), row(TINY, 4, 1, 2, m=4, mode="full")
     small = replace(H100, memory=(none["memory_bytes"]["total"] + full["memory_bytes"]["total"]) // 2)
     k = partial_recompute.least_recompute_layers(TINY, c, small)
@@ -256,7 +259,7 @@ def test_every_flag_declares_a_domain_and_help_shows_it(capsys):
     assert stop.value.code == 0 and "ranks (GPUs) in all (a whole number ≥ 1 and ≤ 1048576; default: 8)" in help_text
 
 
-def planner(*argv):
+def run_planner(*argv):
     return subprocess.run([sys.executable, "07_choosing_a_layout/choose_layout.py", *argv], cwd=ROOT,
                           capture_output=True, text=True)
 
@@ -284,7 +287,7 @@ def test_command_line_names_the_bad_flag_in_one_line():
     """The script itself: exit code 2 and that one line, `error: ` first, no traceback, nothing on stdout
     (one bad flag launched for real; the others' messages are checked in this process, above)."""
     argv, message = BAD_FLAGS[4]
-    proc = planner("--device", "h100", *argv)
+    proc = run_planner("--device", "h100", *argv)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and not proc.stdout
 
@@ -292,7 +295,7 @@ def test_command_line_names_the_bad_flag_in_one_line():
 def test_nothing_fits_exits_1_after_writing_the_rows(tmp_path):
     """405B parameters on one 80 GiB GPU: every layout is printed and written, none fits, exit code 1."""
     out = tmp_path / "rows.json"
-    proc = planner("--model", "llama3-405b", "--world", "1", "--device", "h100", "--json", str(out))
+    proc = run_planner("--model", "llama3-405b", "--world", "1", "--device", "h100", "--json", str(out))
     assert proc.returncode == 1 and proc.stderr.startswith(
         "error: no layout of 1 h100 rank fits: the smallest, dp 1 × tp 1 × pp 1 × cp 1, recompute full, m=16, "
         "still holds 6,049.10 GiB per rank against 80.00 GiB less its 5% headroom; use more ranks (--world)"), \

@@ -166,11 +166,11 @@ def test_miniatures_bytes_per_group_are_the_planners(groups):
     """Rank 0's bytes in the last step, per group, against layout_costs.rank0_traffic (the routed all-to-all
     depends on the routing: within 20% of its uniform-routing expectation)."""
     Candidate = import_module("07_choosing_a_layout.layout_costs").Candidate
-    cases = {(16, "Llama 3 miniature"): ("tiny", Candidate(2, 2, 2, 2, 1, 2, "none", True, "1f1b", 2, 1)),
-             (8, "GPT-3 miniature"): ("tiny", Candidate(2, 2, 2, 1, 1, 0, "selective", True, "interleaved", 2, 2)),
-             (8, "DeepSeek-V3 miniature"): ("tiny-moe", Candidate(4, 1, 2, 1, 4, 1, "none", False, "zb-h1", 2, 1)),
+    cases = {(16, "Llama 3 miniature"): ("tiny", Candidate(dp=2, tp=2, pp=2, cp=2, zero_stage=2, sequence_parallel=True, microbatches=2)),
+             (8, "GPT-3 miniature"): ("tiny", Candidate(dp=2, tp=2, pp=2, recompute="selective", sequence_parallel=True, schedule="interleaved", microbatches=2, virtual_stages=2)),
+             (8, "DeepSeek-V3 miniature"): ("tiny-moe", Candidate(dp=4, pp=2, ep=4, zero_stage=1, schedule="zb-h1", microbatches=2)),
              # ZeRO-3 on the grid gathers the weights once per step: one gather and one reduce-scatter
-             (8, "ZeRO-3 × tp 2 × cp 2, dense"): ("tiny", Candidate(2, 2, 1, 2, 1, 3, "none", False, "1f1b", 2, 1))}
+             (8, "ZeRO-3 × tp 2 × cp 2, dense"): ("tiny", Candidate(dp=2, tp=2, cp=2, zero_stage=3, microbatches=2))}
     for (world, name), (preset, c) in cases.items():
         row, want = ok(groups[world][name])[-1], _planner_bytes(preset, c)
         dp = "comm_bytes_dp_cp" if c.cp > 1 else "comm_bytes_dp"

@@ -56,7 +56,7 @@ def test_one_device_measured_now_is_predicted_within_5_percent():
     (res,) = run_group(1, [("04_3d_combined.train_3d:main", argv)])
     measured = ok(res)[-1]["live_peak_bytes"]
     run = layout_costs.Run(PRESETS["tiny"], 16, 128, "fp32")
-    c = layout_costs.Candidate(1, 1, 1, 1, 1, 0, "none", False, "1f1b", 2)
+    c = layout_costs.Candidate(microbatches=2)
     cpu = replace(layout_inputs.device_for("h100", "fp32", 1), cores=2)          # any device whose ranks use gloo
     predicted = layout_costs.predict(run, c, cpu, 1)["memory_bytes"]
     assert predicted["working"] > 0 and predicted["total"] == pytest.approx(measured, rel=0.05)
@@ -64,7 +64,7 @@ def test_one_device_measured_now_is_predicted_within_5_percent():
 
 def test_a_gpu_layout_fits_within_its_headroom():
     run = layout_costs.Run(PRESETS["tiny"], 16, 128, "fp32")
-    c = layout_costs.Candidate(1, 1, 1, 1, 1, 0, "none", False, "1f1b", 2)
+    c = layout_costs.Candidate(microbatches=2)
     total = layout_costs.predict(run, c, layout_inputs.device_for("h100", "fp32", 1), 1)["memory_bytes"]["total"]
     h100 = layout_inputs.device_for("h100", "fp32", 1)
     assert h100.headroom == working_set.HEADROOM > 0

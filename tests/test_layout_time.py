@@ -13,6 +13,7 @@ from common.model import PRESETS
 calibrate_cpu = import_module("07_choosing_a_layout.calibrate_cpu")
 check_layouts = import_module("07_choosing_a_layout.check_layouts")
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
+per_unit_zero = import_module("07_choosing_a_layout.per_unit_zero")
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
 
@@ -36,8 +37,8 @@ def test_the_planner_step_time_is_the_calibrated_model():
     for name, layout, _ in calibrate_cpu.bench_3d_runs() + calibrate_cpu.time_cp_runs():
         world = layout["dp"] * layout["tp"] * layout["pp"] * layout["cp"]
         run = layout_costs.Run(PRESETS[layout["model"]], layout["batch"], layout["seq"], "fp32")
-        c = layout_costs.Candidate(layout["dp"], layout["tp"], layout["pp"], layout["cp"], 1, 0, "none", False,
-                                   "1f1b", layout["m"])
+        c = layout_costs.Candidate(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout["cp"],
+                                   microbatches=layout["m"])
         got = layout_costs.predict(run, c, calibrated_cpu(world), world)
         assert got["step_time_s"] == pytest.approx(calibrate_cpu.predict(COEF, layout), rel=1e-9), name
         assert got["step_time_s"] == pytest.approx(sum(got["time_parts_s"].values()), rel=1e-12), name
@@ -73,9 +74,9 @@ def test_per_unit_zero3_hides_each_gather_under_the_unit_before():
     h100 = layout_inputs.device_for("h100", "bf16", 8)
     for run in (layout_costs.Run(PRESETS["tiny"], 16, 128, "bf16"),                         # the gathers outlast it
                 layout_costs.Run(layout_inputs.model_for("llama3-8b"), 16, 8192, "bf16")):  # the compute covers them
-        units = len(layout_costs.zero3_units(run.cfg))
-        for c in (layout_costs.Candidate(8, 1, 1, 1, 1, 3, "none", False, "1f1b", 2),
-                  layout_costs.Candidate(4, 2, 1, 1, 1, 3, "none", False, "1f1b", 2)):
+        units = len(per_unit_zero.unit_params(run.cfg))
+        for c in (layout_costs.Candidate(dp=8, zero_stage=3, microbatches=2),
+                  layout_costs.Candidate(dp=4, tp=2, zero_stage=3, microbatches=2)):
             r = layout_costs.predict(run, c, h100, 8)
             parts = r["time_parts_s"]
             nbytes, msgs = layout_costs.rank0_traffic(run, c, schedule_costs.specs_for(run.cfg, 1, 1, run.seq_len))

@@ -17,6 +17,7 @@ from common.model import PRESETS
 from harness import ok, run_group
 
 choose_layout = import_module("07_choosing_a_layout.choose_layout")
+planner = import_module("07_choosing_a_layout.planner")
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
 
@@ -40,8 +41,8 @@ def runs():
 
 def planner_row(model: str, layout: dict) -> dict:
     """The planner's row for `layout` on 4 CPU ranks (one stage, 1F1B, 2 micro-batches, no recomputation)."""
-    rows, _ = choose_layout.plan(choose_layout.parse_args(["--model", model, "--world", "4", "--device", "cpu",
-                                                            "--global-batch", str(BATCH), "--seq-len", str(SEQ)]))
+    rows = planner.plan(choose_layout.parse_args(["--model", model, "--world", "4", "--device", "cpu",
+                                                  "--global-batch", str(BATCH), "--seq-len", str(SEQ)])).rows
     want = dict(layout, tp=1, pp=1, microbatches=2, recompute="none", recompute_layers=None, sequence_parallel=False)
     (row,) = [r for r in rows if all(r[k] == v for k, v in want.items())]
     return row

@@ -11,6 +11,7 @@ from common.model import PRESETS
 from harness import ok, run_group
 
 choose_layout = import_module("07_choosing_a_layout.choose_layout")
+planner = import_module("07_choosing_a_layout.planner")
 runnable = import_module("07_choosing_a_layout.runnable")
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
 
@@ -26,15 +27,15 @@ def test_every_candidate_is_a_layout_the_chapters_accept():
     layers, heads that do not split). (No ranking here: exercise 07.refusal is graded before 07.ranking.)"""
     cfg = PRESETS["tiny"]
     for world in (8, 16):
-        kept, refused = choose_layout.runnable_candidates(cfg, "tiny", world, 16, 128, 8)
+        kept, refused = planner.runnable_candidates(cfg, "tiny", world, 16, 128, 8)
         assert kept and refused > 0, (world, len(kept), refused)
         for c in kept:
             assert runnable.refusal(c, "tiny", cfg, 16, 128) is None, c
-    refused = [c for c in choose_layout.candidates(cfg, 16, 16, 128, 16) if runnable.refusal(c, "tiny", cfg, 16, 128)]
+    refused = [c for c in planner.candidates(cfg, 16, 16, 16) if runnable.refusal(c, "tiny", cfg, 16, 128)]
     assert any(c.pp * c.virtual_stages > cfg.n_layers for c in refused) and any(c.tp == 16 for c in refused)
     # the planner asks without building every rank's actions: the answer of the run that builds them, also
     # where the schedule refuses the micro-batches (interleaved: a multiple of pp; dualpipev: at least 2·pp)
-    every = list(choose_layout.candidates(cfg, 8, 16, 128, 8))
+    every = list(planner.candidates(cfg, 8, 16, 8))
     every += [replace(c, microbatches=m) for c in every if c.pp > 1 and c.zero_stage == 0 for m in (2, 4)]
     answers = [(runnable.refusal(c, "tiny", cfg, 16, 128), refusal_when_built(c, cfg)) for c in every]
     differ = [(c, asked, built) for c, (asked, built) in zip(every, answers) if asked != built]
@@ -55,7 +56,7 @@ def refusal_when_built(c, cfg) -> str | None:
 
 def test_a_refused_layout_gets_its_chapter_s_own_message():
     """The refusal is the script's message, word for word: chapter 02's for heads that do not split."""
-    c = layout_costs.Candidate(1, 16, 1, 1, 1, 0, "none", False, "1f1b", 1)
+    c = layout_costs.Candidate(tp=16)
     assert "the model's 8 query heads do not split over --tp 16" in (runnable.refusal(c, "tiny", PRESETS["tiny"], 16, 128)
                                                                       or "accepted")
 

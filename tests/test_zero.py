@@ -206,7 +206,7 @@ def test_four_ranks_equivalence_memory_and_bytes(reference):
     layout_costs = import_module("07_choosing_a_layout.layout_costs")
     from common.model import PRESETS
     run = layout_costs.Run(PRESETS["tiny"], 8, 32, "fp32")
-    c = layout_costs.Candidate(N, 1, 1, 1, 1, 3, "none", False, "1f1b", 1)
+    c = layout_costs.Candidate(dp=N, zero_stage=3)
     planned = layout_costs.predict(run, c, import_module("07_choosing_a_layout.layout_inputs").device_for("cpu", "fp32", N), 8)
     row0 = last[3][0]
     assert planned["comm_bytes"]["dp"] == row0["comm_bytes"]

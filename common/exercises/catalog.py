@@ -218,7 +218,7 @@ EXERCISES = [
              wrong=(('refuses_nothing', 'returns None when the script refuses'),
                     ('parser_only', "parses the flags but never asks the script's checked_layout"),
                     ('message_lost', "returns its own word instead of the script's message"))),
-    Exercise("07.ranking", "07_choosing_a_layout/choose_layout.py",
+    Exercise("07.ranking", "07_choosing_a_layout/planner.py",
              "ranking: the sort key, fastest first among the layouts that fit, equal times by memory, then the rest",
              "4. What it prints, and `--explain`",
              "return a tuple: whether it does not fit first (False sorts first); for a fitting row its step time "
