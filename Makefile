@@ -23,9 +23,10 @@ run: $(STAMP)
 # The whole test suite (CPU, gloo; about 11 minutes on 2 cores). Four workers on two cores: part of a test's
 # time is spent waiting (ranks starting, messages between ranks that share the cores, a killed rank's peers
 # timing out), which the others fill; every rank takes one thread (tests/conftest.py). Each worker takes a
-# whole file at a time: its tests share their spawned groups.
+# whole file at a time: its tests share their spawned groups. `make test CHAPTER=03`: one chapter's tests
+# (01 … 07, or common: tests/conftest.py maps each test file to its chapter, each notebook by its name).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 4 --dist loadfile tests
+	$(PY) -m pytest -q -n 4 --dist loadfile $(if $(filter-out all,$(CHAPTER)),--chapter $(CHAPTER)) tests
 
 # Every chapter's benchmark, one after another (about 39 minutes on 2 cores: 2½ + 2½ + 5 + 2 + 1 + 2½ + 4 + 4½ + 10 + 5);
 # each writes the tables (and plots) under its chapter's results/ that the READMEs show.
@@ -68,7 +69,7 @@ lab-answers: $(STAMP)
 	for key in 0*/lab_answers.py; do $(PY) $$key || exit 1; done
 
 # Exercise mode (common/exercises): a student copy of the course with one chapter's marked bodies
-# removed (CHAPTER=01 … 06 or all), and its grader: one verdict line per exercise, exit 0 when all are
+# removed (CHAPTER=01 … 07 or all), and its grader: one verdict line per exercise, exit 0 when all are
 # done. REPO= grades a copy with this checkout's environment (a copy has no .venv of its own).
 CHAPTER ?= all
 exercises: $(STAMP)

@@ -8,3 +8,55 @@ sys.path.insert(0, str(ROOT / "tests"))
 # The test workers share the machine's cores: every rank they start (spawned, launched, in a notebook's
 # run) takes one thread, not the cores ÷ its ranks that a run alone takes (common/distributed.set_cpu_threads).
 os.environ.setdefault("THREADS_PER_RANK", "1")
+
+# One chapter's tests: `make test CHAPTER=03` (pytest --chapter 03). Each test file belongs to the chapter whose
+# code it checks; `common` holds common/'s own tests and those that span every chapter (flags, launches,
+# checkpoints, bf16, --compile, --recompute, one GPU, the exercises, the museum, the links). A file not listed
+# is `common`. The notebooks go by their own name: NN_*.py is chapter NN's (pipeline_bubbles.py, chapter 03's).
+CHAPTER_FILES = {
+    "01": ("test_dp", "test_dp_cli", "test_zero"),
+    "02": ("test_tp", "test_tp_ops", "test_tp_overlap"),
+    "03": ("test_pp", "test_pp_bubble", "test_pp_schedules", "test_zero_bubble", "test_timeline"),
+    "04": ("test_3d",),
+    "05": ("test_4d", "test_moe", "test_moe_ep"),
+    "06": ("test_cp", "test_ring_attention", "test_compose"),
+    "07": ("test_choose_layout", "test_runnable", "test_layout_memory", "test_layout_time", "test_schedule_costs",
+           "test_gpu_efficiency", "test_device_model", "test_planner_output", "test_planner_runs",
+           "test_layout_object"),
+}
+CHAPTERS = (*CHAPTER_FILES, "common")
+NOTEBOOK_CHAPTERS = {"pipeline_bubbles": "03"}
+
+
+def chapter_of_file(stem: str) -> str:
+    return next((chapter for chapter, files in CHAPTER_FILES.items() if stem in files), "common")
+
+
+def chapter_of_notebook(stem: str) -> str:
+    return stem[:2] if stem[:2].isdigit() else NOTEBOOK_CHAPTERS.get(stem, "common")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--chapter", default=None, choices=CHAPTERS,
+                     help="only this chapter's tests (tests/conftest.py's CHAPTER_FILES; notebooks by their name)")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under --chapter, a test file of another chapter is not even imported (the notebooks' files are split by
+    notebook below)."""
+    wanted, name = config.getoption("--chapter"), collection_path.name
+    if wanted and name.startswith("test_") and name.endswith(".py") and not name.startswith("test_notebooks"):
+        return chapter_of_file(collection_path.stem) != wanted or None
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under --chapter, the notebooks of other chapters are deselected."""
+    wanted = config.getoption("--chapter")
+    if not wanted:
+        return
+    other = [item for item in items if hasattr(item, "callspec") and item.path.name.startswith("test_notebooks")
+             and chapter_of_notebook(Path(item.callspec.params["path"]).stem) != wanted]
+    if other:
+        config.hook.pytest_deselected(items=other)
+        items[:] = [item for item in items if item not in other]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from common.errors import ConfigError
 
-from . import commands, museum, wrong_answers
+from . import catalog, commands, museum, wrong_answers
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -14,10 +14,10 @@ def parse(argv=None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="one line per exercise: id, file, what grades it")
     mk = sub.add_parser("make", help="a student copy of the repository with the chapter's exercise bodies removed")
-    mk.add_argument("--chapter", required=True, help="01 … 06, or 'all'")
+    mk.add_argument("--chapter", required=True, help=f"{', '.join(catalog.CHAPTERS)}, or 'all'")
     mk.add_argument("--out", required=True, type=Path)
     gr = sub.add_parser("grade", help="run each exercise's tests; one verdict line per exercise")
-    gr.add_argument("--chapter", default=None, help="01 … 06, or 'all'")
+    gr.add_argument("--chapter", default=None, help=f"{', '.join(catalog.CHAPTERS)}, or 'all'")
     gr.add_argument("--repo", type=Path, default=None, help="the copy to grade (default: this repository)")
     gr.add_argument("--quick", action="store_true", help="the unit tests only, not the layout runs")
     gr.add_argument("--bug", default=None, help="grade a museum copy: are the tests that catch this bug green again?")
