@@ -4,12 +4,15 @@
 """
 import json
 import sys
+from importlib import import_module
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `common`
 from common.exercises.museum import key_section  # noqa: E402
 from common.lab_key import ROOT, Edit, Key, table  # noqa: E402
 from common.model import PRESETS, count_parameters  # noqa: E402
+
+overlap_tp_report = import_module("02_tensor_parallel.overlap_tp_report")
 
 CH = "02_tensor_parallel"
 
@@ -160,8 +163,57 @@ Shard is a local slice, Partial → Replicate an all-reduce. `comm_bytes_tp` in 
 bypass the counter). Throughput: the ratio columns of
 `results/throughput.md` (from `python 02_tensor_parallel/bench_tp.py`); times and their ratios are
 the measuring machine's and vary by CPU and load.""")
+    # 8. -------------------------------------------------------------------------------------------
+    overlap_section(key)
     key.section(*key_section("02"))      # the museum's bugs of this chapter: how each is found
     key.write()
+
+
+def overlap_section(key) -> None:
+    """§8: --tp-overlap against one device, and the exposed TP time of overlap_tp.py at tp 2 and 4."""
+    key.run("torchrun --nproc_per_node=2 02_tensor_parallel/train_tp.py --steps 10 --seq-len 32 --global-batch 8 --sequence-parallel --tp-overlap --metrics runs/lab02/overlap.jsonl --quiet")
+    same = key.run("python -m common.compare_metrics runs/lab02/tp1.jsonl runs/lab02/overlap.jsonl", check=False)
+    key.run("torchrun --nproc_per_node=2 02_tensor_parallel/overlap_tp.py --out runs/lab02/overlap2.json")
+    key.run("torchrun --nproc_per_node=4 02_tensor_parallel/overlap_tp.py --out runs/lab02/overlap4.json")
+    report = key.run("python 02_tensor_parallel/overlap_tp_report.py runs/lab02/overlap2.json runs/lab02/overlap4.json")
+    runs = [json.loads((ROOT / f"runs/lab02/overlap{n}.json").read_text()) for n in (2, 4)]
+    rows = []
+    for run in runs:
+        plain, ring = (overlap_tp_report.medians(run, v) for v in ("plain", "overlap"))
+        rows.append([run["tp"], f"{1e3 * plain['exposed_s']:,.0f}", f"{1e3 * ring['exposed_s']:,.0f}",
+                     f"{ring['exposed_s'] / plain['exposed_s']:.2f}", f"{1e3 * plain['step_cpu_s']:,.0f}",
+                     f"{1e3 * ring['step_cpu_s']:,.0f}", f"{run['load_average']:.1f}"])
+    key.section("8. Hide the communication: --tp-overlap", f"""
+(a) `compare_metrics` exit status **{same.code}**: {same.line_with("overlap.jsonl: max")}. Round-off, not the
+bit: the ring adds each chunk's partial sums in ring order (gloo's reduce-scatter in its own), and each
+weight gradient is a sum of N chunk products instead of one product over every position.
+
+(b) The prediction. One ring (an all-gather or a reduce-scatter over N ranks) is N − 1 hops of one
+(B, S/N, D) chunk; under `--tp-overlap` each hop runs under one chunk's matmuls, so what stays exposed is
+(N − 1)·max(0, t_hop − t_chunk) plus each post's latency, against plain SP's whole (N − 1)·t_hop. With
+the matmul faster than the hop the two are equal; with t_chunk ≥ t_hop the exposed time tends to the
+posts' latency, at tp 2 as at tp 4, if the hop truly runs beside the matmul.
+
+Measured (`overlap_tp_report.py`; medians over steps and ranks, milliseconds per step):
+
+{table(["tp", "plain SP exposed", "--tp-overlap exposed", "ratio", "plain step CPU", "overlap step CPU",
+        "load average"], rows)}
+
+What this machine can show: little. gloo moves the bytes with CPU threads, on the cores the matmuls use,
+so a hop "under" a matmul takes its core away from it: at tp 2 (one core per rank) a hop and a chunk
+share a core; at tp 4 (two ranks per core) nothing runs beside anything. And with other work on the
+machine (the load average), every wall-clock span includes time spent waiting for a core: the ratios
+above move from run to run, and on a quiet machine or another CPU a student sees other ones. The stable
+number is the step's CPU time, the same work in both runs plus the ring's small overhead (more, smaller
+matmuls and messages). On a GPU the hops run on the copy engines and NVLink while the SMs multiply; the
+ratio t_chunk/t_hop = 2·(K/N)·bandwidth/(e·peak) (K the matmul's unsplit width, e bytes per element)
+decides, and for TP's large MLP matmuls it exceeds 1 (README §4).
+
+The report as printed:
+
+```
+{report.out.strip()}
+```""")
 
 
 if __name__ == "__main__":

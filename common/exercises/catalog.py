@@ -106,6 +106,17 @@ EXERCISES = [
                     ('target_unmasked', "adds the target's logit from every rank, not only the one that holds it"),
                     ('onehot_everywhere', 'backward subtracts the one-hot on every rank'),
                     ('upstream_grad_dropped', 'backward ignores the incoming gradient (grad)'))),
+    Exercise("02.ring_step", "02_tensor_parallel/tp_overlap.py",
+             "ring_step: post the step's hops to the ring neighbours, compute while they travel, then wait",
+             "Hide it under the matmuls (--tp-overlap)",
+             "comm.exchange(pairs, nxt, prv, group, \"tp\") posts every (outgoing, incoming) pair and returns the "
+             "works; run compute() before wait(works); return what compute() returned (ring_span only times it)",
+             units=("tests/test_tp_overlap.py::test_operators_equal_the_plain_ones",),
+             layout="tests/test_tp_overlap.py::test_overlapped_runs_match_one_device[2]",
+             wrong=(('neighbours_swapped', 'sends to the previous rank and receives from the next'),
+                    ('counted_as_cp', 'posts the hops under "cp" (as ring attention does): the TP bytes miss them'),
+                    ('first_pair_only', "posts only the step's first pair: the entrance's backward never sends dX's "
+                                        "partial sums"))),
     Exercise("03.one_f_one_b", "03_pipeline_parallel/pipeline_schedules.py",
              "one_f_one_b: rank r's action list (warmup forwards, then one forward one backward, then the cooldown)",
              "The bubble, step by step — `pipeline_schedules.py`",

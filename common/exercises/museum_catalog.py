@@ -116,6 +116,29 @@ EXHIBITS = (
         "rebuilt activations sum the other TP group's partial outputs too, and backward differentiates a "
         "forward that never happened. Fix: the recomputation uses the module's own `self.group`, like the "
         "forward (common/recompute.py: the same collectives on the same groups)."),
+    Exhibit("02.bug4",
+        "--tp-overlap's gradient norm differs from plain --sequence-parallel's from step 1 (its step-1 loss "
+        "matches), then the losses drift; without --tp-overlap all is well",
+        "a chunk multiplied against the wrong shard (a decomposed collective's index bookkeeping)",
+        "02_tensor_parallel/tp_overlap.py",
+        "dw.add_((dyc[src].flatten(0, -2).t() @ held",
+        "dw.add_((dyc[j].flatten(0, -2).t() @ held",
+        ("tests/test_tp_overlap.py::test_operators_equal_the_plain_ones[2]",
+         "tests/test_tp_overlap.py::test_overlapped_runs_match_one_device[2]"),
+        ("torchrun --nproc_per_node=2 02_tensor_parallel/train_tp.py --tp 2 --sequence-parallel --steps 5 --quiet "
+         "--metrics runs/bug/sp.jsonl",
+         "torchrun --nproc_per_node=2 02_tensor_parallel/train_tp.py --tp 2 --sequence-parallel --tp-overlap "
+         "--steps 5 --quiet --metrics runs/bug/overlap.jsonl",
+         "python -m common.compare_metrics runs/bug/sp.jsonl runs/bug/overlap.jsonl",
+         "python -m common.compare_metrics runs/bug/sp.jsonl runs/bug/overlap.jsonl --key grad_norm"),
+        "`compare_metrics --key grad_norm` fails at step 1 while the step-1 loss matches: the forward is right, a "
+        "gradient is wrong, and only --tp-overlap shows it, so the suspects are tp_overlap.py's backwards. "
+        "`check_column_entrance` (tests/test_tp_overlap.py) names the piece: the input gradient and the outputs "
+        "match the plain entrance, the weight gradients do not. In the entrance's backward two rings run at once, "
+        "with two indices per step: `src`, the rank whose input shard is held now, and `j`, the chunk whose dX "
+        "partial sum passes through. The weight gradient pairs each shard with the gradient of the SAME "
+        "positions, dy[src]ᵀ·x_src; the bug pairs it with dy[j], the positions of another rank's shard. Every "
+        "product is the right shape, so nothing raises: only the sum is wrong. Fix: dyc[src]."),
     Exhibit("03.bug1",
         "zero-bubble (zb-h1) with data parallelism drifts from one device; 1F1B with DP, and zb-h1 alone, match",
         "gradients reduced before they are final (the all-reduce launched before zero bubble's W)",

@@ -36,6 +36,11 @@ WRONG_EDITS = {
         "onehot_everywhere": ("g[rows, local_t] -= inside.to(g.dtype)", "g[rows, local_t] -= 1"),
         "upstream_grad_dropped": ("return g * grad, None, None, None", "return g, None, None, None"),
     },
+    "02.ring_step": {
+        "neighbours_swapped": ("comm.exchange(pairs, nxt, prv, group", "comm.exchange(pairs, prv, nxt, group"),
+        "counted_as_cp": ('prv, group, "tp")', 'prv, group, "cp")'),
+        "first_pair_only": ("comm.exchange(pairs, nxt", "comm.exchange(pairs[:1], nxt"),
+    },
     "03.one_f_one_b": {
         "warmup_off_by_one": ("warmup = min(p - r - 1, m)                 #", "warmup = min(p - r, m)                 #"),
         "warmup_reversed": ("warmup = min(p - r - 1, m)                 #", "warmup = min(r, m)                 #"),
