@@ -27,11 +27,10 @@ SKIP = 2                                      # warm-up steps left out of each r
 
 def worker(args):
     """Inside torchrun: every implementation, `rounds` times, in one process group; rank 0 writes JSON."""
-    import torch
     import torch.distributed as dist
     from common import distributed
     # One thread per rank whatever the world size (the scripts' default gives each rank cores/N).
-    distributed.set_cpu_threads = lambda: torch.set_num_threads(1)
+    os.environ["THREADS_PER_RANK"] = "1"                  # read by init_distributed (set_cpu_threads)
     rt = distributed.init_distributed("cpu", 300)
     train_dp = import_module("01_data_parallel.train_dp")
     flags = ["--steps", str(args.steps), "--bucket-mb", str(args.bucket_mb), "--quiet",

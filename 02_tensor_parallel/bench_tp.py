@@ -2,7 +2,7 @@
 
     python 02_tensor_parallel/bench_tp.py            # a few minutes on a 2-core CPU
     python 02_tensor_parallel/bench_tp.py --quick    # fewer repeats
-    python 02_tensor_parallel/bench_tp.py --only comm|throughput|overlap
+    python 02_tensor_parallel/bench_tp.py --only comm|throughput
 
 Writes 02_tensor_parallel/results/:
   comm_per_call.md   every TP collective of one training step, logged call by call, against B·S·D
@@ -11,10 +11,8 @@ Writes 02_tensor_parallel/results/:
                      SP keeping each gathered input (keep_gathered) and SP re-gathering it (the default)
   throughput.md      tokens/s of this chapter's layers and of DTensor (--impl torch) at 1, 2, 4 ranks,
                      interleaved repeats, medians and ratios
-  tp_overlap.md      exposed TP communication per step with and without --tp-overlap at tp 2 and 4, and
-  tp_timeline.png    one step of every rank (overlap_tp.py measures, overlap_tp_report.py writes)
-(a), (b) and the SP table come from `bench_tp.py --probe` run under torchrun, which patches common.comm
-to log each call and measures the bytes autograd keeps (common/activation_meter.py); (c) from
+(a), (b) and the SP table come from `bench_tp.py --probe` run under torchrun, which logs each call
+(common/comm.py's COUNTER.logging_calls) and measures the bytes autograd keeps (common/activation_meter.py); (c) from
 train_tp.py's metrics files.
 """
 import argparse
@@ -44,29 +42,21 @@ def probe(sp: bool, keep_gathered: bool, out: str):
     from common.mesh import Mesh
     from common.model import PRESETS, build_model, count_parameters
     tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")
-    calls = []
-    for fn_name in ("all_reduce", "all_gather_into", "reduce_scatter_into"):
-        original = getattr(comm, fn_name)
-
-        def logged(*args, _orig=original, _name=fn_name, **kw):
-            big = args[1] if _name == "reduce_scatter_into" else args[0]   # the full-size tensor
-            before = comm.COUNTER.total("tp")
-            result = _orig(*args, **kw)
-            if kw.get("name") == "tp":
-                calls.append((_name, tuple(big.shape), comm.COUNTER.total("tp") - before))
-            return result
-        setattr(comm, fn_name, logged)
     rt = init_distributed("cpu")
     mesh = Mesh(rt.rank, rt.world_size, tp=rt.world_size)
     cfg, B, S = PRESETS["tiny"], 4, 64
     model = tensor_parallel.parallelize_model(build_model(cfg, 1337), mesh.group("tp"), sp, keep_gathered)
     x, y = TextData(None, S, 1337).global_batch(1, B)
-    with saved_storages(parameter_storages(model) | storages((x, y))) as kept:
-        h = model.embed(x)
-        for layer in model.layers:
-            h = layer(h, model.rope_cos, model.rope_sin)
-        tensor_parallel.tp_loss_sum(model.head(h), y, mesh.group("tp")).backward()
-    tensor_parallel.sync_tp_gradients(model, mesh.group("tp"))
+    with comm.COUNTER.logging_calls() as logged:                       # every collective, call by call
+        with saved_storages(parameter_storages(model) | storages((x, y))) as kept:
+            h = model.embed(x)
+            for layer in model.layers:
+                h = layer(h, model.rope_cos, model.rope_sin)
+            tensor_parallel.tp_loss_sum(model.head(h), y, mesh.group("tp")).backward()
+        tensor_parallel.sync_tp_gradients(model, mesh.group("tp"))
+    # the TP collectives, each with its full-size tensor's shape (the gathered output, the scattered input)
+    calls = [(kind, tuple(shape), nbytes) for kind, shape, name, nbytes in logged
+             if name == "tp" and kind in ("all_reduce", "all_gather_into", "reduce_scatter_into")]
     predicted = activation_ledger.microbatch_bytes(cfg, "none", B, S, cfg.n_layers, tp=rt.world_size,
                                                    sequence_parallel=sp)
     sizes = [None] * rt.world_size
@@ -183,20 +173,6 @@ def throughput(repeats, steps):
         "machine's: another CPU gives other values.\n")
 
 
-def overlap_tables(tmp):
-    """overlap_tp.py at tp 2 and 4, then its table and timeline picture."""
-    overlap_tp_report = import_module("02_tensor_parallel.overlap_tp_report")
-    runs = []
-    for n in (2, 4):
-        out = Path(tmp) / f"overlap_tp{n}.json"
-        torchrun(n, [str(Path(__file__).parent / "overlap_tp.py"), "--out", str(out)])
-        runs.append(json.loads(out.read_text()))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "tp_overlap.md").write_text(overlap_tp_report.table(runs, "python 02_tensor_parallel/bench_tp.py "
-                                                                          "--only overlap"))
-    overlap_tp_report.plot_timeline(runs, RESULTS / "tp_timeline.png")
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--probe", action="store_true", help="(internal) log every collective of one step")
@@ -204,19 +180,16 @@ def main():
     p.add_argument("--keep-gathered", action="store_true", help="(with --sp) keep each gathered input for backward")
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="2 repeats of 4 steps instead of 3 of 6")
-    p.add_argument("--only", choices=["comm", "throughput", "overlap"], default=None, help="run one part only")
+    p.add_argument("--only", choices=["comm", "throughput"], default=None, help="run one part only")
     args = p.parse_args()
     if args.probe:
         return probe(args.sp, args.keep_gathered, args.out)
-    if args.only in (None, "comm"):
+    if args.only != "throughput":
         with tempfile.TemporaryDirectory() as tmp:
             comm_tables(tmp)
-    if args.only in (None, "throughput"):
+    if args.only != "comm":
         throughput(*((2, 4) if args.quick else (3, 6)))
-    if args.only in (None, "overlap"):
-        with tempfile.TemporaryDirectory() as tmp:
-            overlap_tables(tmp)
-    for f in ("comm_per_call.md", "param_bytes.md", "sp_memory.md", "throughput.md", "tp_overlap.md"):
+    for f in ("comm_per_call.md", "param_bytes.md", "sp_memory.md", "throughput.md"):
         print(f"--- {f}\n{(RESULTS / f).read_text()}")
 
 

@@ -118,7 +118,7 @@ def _timed(timeline, name: str):
 
 def time_all_to_alls(timeline) -> None:
     """Every all-to-all of this process from now on leaves an "a2a" span on `timeline` (with its thread)."""
-    comm.ALL_TO_ALL_SPAN = lambda name: _timed(timeline, name)
+    comm.time_all_to_alls(lambda name: _timed(timeline, name))
 
 
 # --- what the timeline says ------------------------------------------------------------------------------

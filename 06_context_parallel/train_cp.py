@@ -37,6 +37,7 @@ from common.training import (StepTimer, global_sum, resume_state, run_identity, 
                              stop_if_not_finite)
 
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")     # chapter 02: the TP checks
+parallel_3d = import_module("04_3d_combined.parallel_3d")                 # chapter 04: the Layout's element size
 context_parallel = import_module("06_context_parallel.context_parallel")  # this chapter: CP's pieces
 cp_trainer = import_module("06_context_parallel.cp_trainer")              # this chapter: the step verbs
 attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # this chapter: bytes formula, work
@@ -155,7 +156,7 @@ def layout_rows(args, cfg, mesh, rt, data, split, start: int) -> dict:
     B, S, hd = args.global_batch // dp // args.microbatches, args.seq_len, cfg.head_dim
     kv = cfg.kv_heads_per_rank(tp)
     chunks = " ".join(f"r{r}:" + "+".join(f"[{a},{b})" for a, b in split.chunks(r)) for r in range(cp))
-    element = 2 if args.dtype == "bf16" else 4                   # K/V in the run's dtype (gradients in fp32)
+    element = parallel_3d.ELEMENT_SIZE[args.dtype]               # K/V in the run's dtype (gradients in fp32)
     per_layer, rerun = (attention_bookkeeping.cp_bytes(args.cp_attention, B, S, cp, kv, hd, element, runs,
                                                        h=cfg.n_heads // tp, K=args.cp_alltoall or 1) for runs in (1, 2))
     if args.recompute == "full":             # a recomputed block's forward exchanges again

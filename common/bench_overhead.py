@@ -10,8 +10,8 @@ the gradients), on the same model, the same batches and the same learning-rate s
 reaches the same losses; the table says by how much each script's loss differs from it.
 
 How it is timed: step beside step. Each script runs in this process, as `python SCRIPT.py` would run
-it, and after each of its steps (at its metrics row, `RunLog.log_step`) one step of the plain loop
-runs, on its own model. A script's step is the time from the end of the plain step before it to its
+it, and after each of its steps (at its metrics row: common/metrics.after_each_row) one step of the
+plain loop runs, on its own model. A script's step is the time from the end of the plain step before it to its
 metrics row: the whole iteration, its tail included (metrics, meters, checks), not only the part a
 script's own timer sees. Each ratio divides a script step by the plain step right after it, and the
 table gives the median of all of them (step 1, the warm-up, left out, and the last step, which also ends
@@ -32,7 +32,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -43,7 +42,7 @@ from common.cli import Parser                             # noqa: E402
 from common.data import TextData                          # noqa: E402
 from common.domains import POSITIVE_INT, whole            # noqa: E402
 from common.distributed import set_cpu_threads            # noqa: E402
-from common.metrics import RunLog                         # noqa: E402
+from common.metrics import after_each_row                 # noqa: E402
 from common.model import PRESETS, build_model, loss_sum   # noqa: E402
 from common.optim import decays, lr_at                    # noqa: E402
 from common.preset_training import training_defaults      # noqa: E402
@@ -106,10 +105,9 @@ def side_by_side(args, path: str, flags: list[str], model_name: str) -> dict:
             "--seed", str(args.seed), "--dtype", args.dtype, "--device", args.device, "--quiet",
             "--compile", args.compile, *(["--model", args.model] if "--model" not in flags else []), *flags]
     plain, out = plain_steps(args, model_name), {"plain_losses": [], "seconds": [], "plain_seconds": []}
-    log_step, started = RunLog.log_step, [None]
+    started = [None]
 
-    def log_step_then_plain(self, *a, **kw):
-        row = log_step(self, *a, **kw)
+    def plain_step(row):
         end = args.clock()
         if started[0] is not None:                        # (step 1, the warm-up, is left out)
             out["seconds"].append(end - started[0])
@@ -118,12 +116,9 @@ def side_by_side(args, path: str, flags: list[str], model_name: str) -> dict:
         if started[0] is not None:
             out["plain_seconds"].append(plain_end - end)
         started[0] = plain_end
-        return row
 
     main = runpy.run_path(str(ROOT / path))["main"]
-    # (the threads stay as the benchmark set them: a script at world size 1 would take every core)
-    with mock.patch.object(RunLog, "log_step", log_step_then_plain), \
-            mock.patch("common.distributed.set_cpu_threads", lambda: None):
+    with after_each_row(plain_step):
         out["losses"] = [r["loss"] for r in main(argv)]
     # the last step also ends the run (chapter 04's validation loss comes before its metrics row), which
     # is not a training step's cost: left out, like the first
@@ -209,10 +204,9 @@ def main(argv=None):
         for name in [n for n, (path, _) in SCRIPTS.items() if not any(t in path for t in args.only)]:
             del SCRIPTS[name]
     args.clock_name = args.clock or ("cpu" if args.device == "cpu" else "wall")
-    if args.clock_name == "cpu":
-        torch.set_num_threads(1)             # CPU time of one thread = the work of the step
-    else:
-        set_cpu_threads()                    # the threads every script takes at world size 1
+    if args.clock_name == "cpu":             # CPU time of one thread = the work of the step: every script's
+        os.environ["THREADS_PER_RANK"] = "1"     # init_distributed gives it one thread (set_cpu_threads)
+    set_cpu_threads()                        # the threads every script takes at world size 1
     args.clock = time.process_time if args.clock_name == "cpu" else time.perf_counter
     os.environ.pop("WORLD_SIZE", None)       # world size 1: each script makes its own group of one
     text = table(args, measure(args))

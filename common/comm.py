@@ -33,11 +33,25 @@ class CommCounter:
         self.sent = defaultdict(int)
         self.received = defaultdict(int)
         self.lock = threading.Lock()       # two threads of one rank may count at once (chapter 05's pairs)
+        self.calls = None                  # a list inside `logging_calls()`
 
-    def add(self, name: str, sent: float, received: float):
+    def add(self, name: str, sent: float, received: float, call: tuple = (None, None)):
+        """`call`: (the collective, the shape of its tensor), logged inside `logging_calls()`."""
         with self.lock:
             self.sent[name] += int(sent)
             self.received[name] += int(received)
+            if self.calls is not None:
+                self.calls.append((*call, name, int(sent) + int(received)))
+
+    @contextmanager
+    def logging_calls(self):
+        """`with COUNTER.logging_calls() as calls:` each collective inside appends (collective, tensor shape,
+        group name, bytes sent + received) to `calls`: a call-by-call account (chapter 02's bench_tp.py)."""
+        self.calls = []
+        try:
+            yield self.calls
+        finally:
+            self.calls = None
 
     def reset(self):
         self.sent.clear()
@@ -81,9 +95,15 @@ def _on(group):
     return getattr(_THREAD, "twins", {}).get(group, group)
 
 
-# Where a run draws its all-to-alls on a timeline (chapter 05), it sets this to a function(name) that returns
-# a context manager timing one exchange, entered in the thread that runs it.
-ALL_TO_ALL_SPAN = None
+# Where a run draws its all-to-alls on a timeline (chapter 05), it hands `time_all_to_alls` a span: a
+# function(name) that returns a context manager timing one exchange, entered in the thread that runs it.
+_all_to_all_span = None
+
+
+def time_all_to_alls(span) -> None:
+    """From now on, every all_to_all_single of this process runs inside `span(name)` (None: untimed)."""
+    global _all_to_all_span
+    _all_to_all_span = span
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -106,7 +126,7 @@ def collective_bytes(kind: str, n: int, N: int) -> int:
 @eager
 def all_reduce(t, group=None, name="dp", async_op=False, op=dist.ReduceOp.SUM):
     n, N = _nbytes(t), dist.get_world_size(group)
-    COUNTER.add(name, RING_SHARE["all_reduce"](N) * n, RING_SHARE["all_reduce"](N) * n)
+    COUNTER.add(name, RING_SHARE["all_reduce"](N) * n, RING_SHARE["all_reduce"](N) * n, ("all_reduce", t.shape))
     if N == 1:
         return None
     return dist.all_reduce(t, op=op, group=_on(group), async_op=async_op)
@@ -116,7 +136,8 @@ def all_reduce(t, group=None, name="dp", async_op=False, op=dist.ReduceOp.SUM):
 def all_gather_into(output, shard, group=None, name="dp", async_op=False):
     """Gather every rank's `shard` (equal sizes) into `output` = concatenation along dim 0."""
     n, N = _nbytes(output), dist.get_world_size(group)
-    COUNTER.add(name, RING_SHARE["all_gather"](N) * n, RING_SHARE["all_gather"](N) * n)
+    COUNTER.add(name, RING_SHARE["all_gather"](N) * n, RING_SHARE["all_gather"](N) * n,
+                ("all_gather_into", output.shape))
     if N == 1:
         output.copy_(shard.reshape(output.shape))
         return None
@@ -127,7 +148,8 @@ def all_gather_into(output, shard, group=None, name="dp", async_op=False):
 def reduce_scatter_into(output, full, group=None, name="dp", async_op=False, op=dist.ReduceOp.SUM):
     """Sum `full` over the group; rank i keeps the i-th equal chunk (along dim 0) in `output`."""
     n, N = _nbytes(full), dist.get_world_size(group)
-    COUNTER.add(name, RING_SHARE["reduce_scatter"](N) * n, RING_SHARE["reduce_scatter"](N) * n)
+    COUNTER.add(name, RING_SHARE["reduce_scatter"](N) * n, RING_SHARE["reduce_scatter"](N) * n,
+                ("reduce_scatter_into", full.shape))
     if N == 1:
         output.copy_(full.reshape(output.shape))
         return None
@@ -141,19 +163,19 @@ def broadcast(t, src: int, group=None, name="dp"):
     if N == 1:
         return
     me = dist.get_rank()
-    COUNTER.add(name, _nbytes(t) if me == src else 0, 0 if me == src else _nbytes(t))
+    COUNTER.add(name, _nbytes(t) if me == src else 0, 0 if me == src else _nbytes(t), ("broadcast", t.shape))
     dist.broadcast(t, src=src, group=_on(group))
 
 
 @eager
 def send(t, dst: int, group=None, name="pp"):
-    COUNTER.add(name, _nbytes(t), 0)
+    COUNTER.add(name, _nbytes(t), 0, ("send", t.shape))
     return dist.isend(t.contiguous(), dst=dst, group=_on(group))
 
 
 @eager
 def recv(t, src: int, group=None, name="pp"):
-    COUNTER.add(name, 0, _nbytes(t))
+    COUNTER.add(name, 0, _nbytes(t), ("recv", t.shape))
     return dist.irecv(t, src=src, group=_on(group))
 
 
@@ -167,7 +189,7 @@ def exchange(pairs: list, dst: int, src: int, group=None, name="pp") -> list:
     a ring of two, each rank would wait in its send for a neighbour waiting in its own."""
     ops = []
     for tag, (outgoing, incoming) in enumerate(pairs):
-        COUNTER.add(name, _nbytes(outgoing), _nbytes(incoming))
+        COUNTER.add(name, _nbytes(outgoing), _nbytes(incoming), ("exchange", outgoing.shape))
         ops += [dist.P2POp(dist.isend, outgoing.contiguous(), dst, _on(group), tag),
                 dist.P2POp(dist.irecv, incoming, src, _on(group), tag)]
     return dist.batch_isend_irecv(ops) if ops else []
@@ -180,12 +202,12 @@ def all_to_all_single(output, inp, output_splits, input_splits, group=None, name
     row_in = _nbytes(inp) // max(1, inp.shape[0]) if inp.shape[0] else 0
     row_out = _nbytes(output) // max(1, output.shape[0]) if output.shape[0] else 0
     COUNTER.add(name, row_in * (sum(input_splits) - input_splits[me]),
-                row_out * (sum(output_splits) - output_splits[me]))
+                row_out * (sum(output_splits) - output_splits[me]), ("all_to_all_single", inp.shape))
     if dist.get_world_size(group) == 1:
         output.copy_(inp)
         return
-    if ALL_TO_ALL_SPAN is None:
+    if _all_to_all_span is None:
         dist.all_to_all_single(output, inp, output_splits, input_splits, group=_on(group))
         return
-    with ALL_TO_ALL_SPAN(name):
+    with _all_to_all_span(name):
         dist.all_to_all_single(output, inp, output_splits, input_splits, group=_on(group))

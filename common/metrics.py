@@ -6,9 +6,11 @@ peak_memory_bytes (the CUDA allocator's peak during the step on rank 0; null off
 mfu (model FLOPs utilisation, common/mfu.py) once the script has called `track_mfu`.
 Chapters add their own keys through `log_step(**extra)`.
 """
+import contextvars
 import json
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,6 +25,19 @@ from common.errors import ConfigError
 EXAMPLE_ROW = '{"step": 1, "loss": 5.5}'   # what a metrics file's line looks like, for messages
 
 PIPE_COLUMNS = 160      # the console's width when it is not a terminal (a pipe, a file, a notebook's cell)
+
+_after_row = contextvars.ContextVar("after_row", default=None)      # inside `after_each_row`: fn(row)
+
+
+@contextmanager
+def after_each_row(fn):
+    """Inside, every RunLog's row, once logged, is passed to `fn(row)`: what a tool that runs a script in its
+    own process does between the script's steps (common/bench_overhead.py runs a plain step there)."""
+    token = _after_row.set(fn)
+    try:
+        yield
+    finally:
+        _after_row.reset(token)
 
 
 def console() -> Console:
@@ -97,6 +112,8 @@ class RunLog:
             self.file.flush()
         if self.progress:
             self.progress.update(self.task, completed=step, loss=loss, tps=row["tokens_per_s"])
+        if _after_row.get() is not None:
+            _after_row.get()(row)
         return row
 
     def note(self, text: str):
