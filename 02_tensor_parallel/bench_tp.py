@@ -2,7 +2,7 @@
 
     python 02_tensor_parallel/bench_tp.py            # a few minutes on a 2-core CPU
     python 02_tensor_parallel/bench_tp.py --quick    # fewer repeats
-    python 02_tensor_parallel/bench_tp.py --only comm|throughput
+    python 02_tensor_parallel/bench_tp.py --only comm|throughput|overlap
 
 Writes 02_tensor_parallel/results/:
   comm_per_call.md   every TP collective of one training step, logged call by call, against B·S·D
@@ -11,9 +11,11 @@ Writes 02_tensor_parallel/results/:
                      SP keeping each gathered input (keep_gathered) and SP re-gathering it (the default)
   throughput.md      tokens/s of this chapter's layers and of DTensor (--impl torch) at 1, 2, 4 ranks,
                      interleaved repeats, medians and ratios
+  tp_overlap.md      exposed TP communication per step with and without --tp-overlap at tp 2 and 4, and
+  tp_timeline.png    one step of every rank (overlap_tp.py measures, overlap_tp_report.py writes)
 (a), (b) and the SP table come from `bench_tp.py --probe` run under torchrun, which logs each call
-(common/comm.py's COUNTER.logging_calls) and measures the bytes autograd keeps (common/activation_meter.py); (c) from
-train_tp.py's metrics files.
+(common/comm.py's COUNTER.logging_calls) and measures the bytes autograd keeps (common/activation_meter.py);
+(c) from train_tp.py's metrics files.
 """
 import argparse
 import json
@@ -173,6 +175,20 @@ def throughput(repeats, steps):
         "machine's: another CPU gives other values.\n")
 
 
+def overlap_tables(tmp):
+    """overlap_tp.py at tp 2 and 4, then its table and timeline picture."""
+    overlap_tp_report = import_module("02_tensor_parallel.overlap_tp_report")
+    runs = []
+    for n in (2, 4):
+        out = Path(tmp) / f"overlap_tp{n}.json"
+        torchrun(n, [str(Path(__file__).parent / "overlap_tp.py"), "--out", str(out)])
+        runs.append(json.loads(out.read_text()))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "tp_overlap.md").write_text(overlap_tp_report.table(runs, "python 02_tensor_parallel/bench_tp.py "
+                                                                          "--only overlap"))
+    overlap_tp_report.plot_timeline(runs, RESULTS / "tp_timeline.png")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--probe", action="store_true", help="(internal) log every collective of one step")
@@ -180,16 +196,19 @@ def main():
     p.add_argument("--keep-gathered", action="store_true", help="(with --sp) keep each gathered input for backward")
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="2 repeats of 4 steps instead of 3 of 6")
-    p.add_argument("--only", choices=["comm", "throughput"], default=None, help="run one part only")
+    p.add_argument("--only", choices=["comm", "throughput", "overlap"], default=None, help="run one part only")
     args = p.parse_args()
     if args.probe:
         return probe(args.sp, args.keep_gathered, args.out)
-    if args.only != "throughput":
+    if args.only in (None, "comm"):
         with tempfile.TemporaryDirectory() as tmp:
             comm_tables(tmp)
-    if args.only != "comm":
+    if args.only in (None, "throughput"):
         throughput(*((2, 4) if args.quick else (3, 6)))
-    for f in ("comm_per_call.md", "param_bytes.md", "sp_memory.md", "throughput.md"):
+    if args.only in (None, "overlap"):
+        with tempfile.TemporaryDirectory() as tmp:
+            overlap_tables(tmp)
+    for f in ("comm_per_call.md", "param_bytes.md", "sp_memory.md", "throughput.md", "tp_overlap.md"):
         print(f"--- {f}\n{(RESULTS / f).read_text()}")
 
 
