@@ -232,3 +232,27 @@ def test_the_hint_sends_the_student_to_the_half_that_failed():
         line = grader.verdict(ex, ROOT, {n: record for n in ex.node_ids()}, quick=False).line()
         assert "wrong:" in line and "losses differ" in line, line
         assert (backward in line) == (not loss_off), (loss_off, norm_off, line)
+
+
+def test_a_body_that_calls_the_course_s_own_answer_is_wrong(tmp_path):
+    """03.zbv's tests compare with PyTorch's order (torch_order.py): a body that returns it is borrowed."""
+    ex = catalog.BY_ID["03.zbv"]
+    text = (ROOT / ex.file).read_text()
+    (tmp_path / ex.file).parent.mkdir(parents=True)
+    (tmp_path / ex.file).write_text(wrong_answers.planted_text(ex, "torch_reference", text))
+    passed = {node: {"status": "passed", "line": "", "text": ""} for node in ex.node_ids()}
+    line = grader.verdict(ex, tmp_path, passed, quick=False).line()
+    assert line.endswith("wrong: its body calls torch_order, the course's own answer that its tests compare with; "
+                         "write it yourself"), line
+    assert grader.verdict(ex, ROOT, passed, quick=False).status == "done"      # the reference body: its own
+
+
+def test_a_later_exercise_waits_on_an_earlier_one_whose_own_tests_fail():
+    """07.refusal written wrong makes the planner's rows wrong: the correct 07.ranking waits on it."""
+    refusal, ranking = catalog.BY_ID["07.refusal"], catalog.BY_ID["07.ranking"]
+    failed = {node: {"status": "failed", "line": "common.errors.ConfigError: --seq-len 4096 exceeds …", "text": ""}
+              for node in ranking.node_ids()}
+    assert grader.verdict(ranking, ROOT, failed, False, {refusal.id}).line().endswith("waits on 07.refusal")
+    assert grader.verdict(ranking, ROOT, failed, False).status == "wrong"
+    assert grader.verdict(refusal, ROOT, failed | {n: failed[ranking.units[0]] for n in refusal.node_ids()},
+                          False, {ranking.id}).status == "wrong"              # a later one is never waited on

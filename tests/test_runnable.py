@@ -1,10 +1,13 @@
 """Only the layouts the course runs (chapter 07's runnable.py): the planner's candidates are those the
 training scripts' own checks accept, a refusal is the script's own message, and the first three of a plan
 start and train."""
+import os
 from dataclasses import replace
 from importlib import import_module
+from unittest import mock
 
 import pytest
+import torch.distributed as dist
 
 from common.errors import ConfigError
 from common.model import PRESETS
@@ -14,6 +17,7 @@ choose_layout = import_module("07_choosing_a_layout.choose_layout")
 planner = import_module("07_choosing_a_layout.planner")
 runnable = import_module("07_choosing_a_layout.runnable")
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
+layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
 
 
 @pytest.fixture(scope="module")
@@ -37,21 +41,31 @@ def test_every_candidate_is_a_layout_the_chapters_accept():
     # where the schedule refuses the micro-batches (interleaved: a multiple of pp; dualpipev: at least 2·pp)
     every = list(planner.candidates(cfg, 8, 16, 8))
     every += [replace(c, microbatches=m) for c in every if c.pp > 1 and c.zero_stage == 0 for m in (2, 4)]
-    answers = [(runnable.refusal(c, "tiny", cfg, 16, 128), refusal_when_built(c, cfg)) for c in every]
+    answers = [(runnable.refusal(c, "tiny", cfg, 16, 128), refusal_when_built(c)) for c in every]
     differ = [(c, asked, built) for c, (asked, built) in zip(every, answers) if asked != built]
     assert not differ, differ[:1]                     # (layout, the planner's answer, the building run's)
     assert any(asked and "dualpipev needs" in asked for asked, _ in answers)
     assert any(asked and "multiple of --pp" in asked for asked, _ in answers)
 
 
-def refusal_when_built(c, cfg) -> str | None:
-    kind = runnable.script_of(cfg, c)
-    args = runnable.parser_of(kind).parse_args(runnable.flags(c, "tiny", cfg, 16, 128, "fp32"))
-    try:
-        import_module(runnable.SCRIPTS[kind][1]).checked_layout(args, c.dp * c.tp * c.pp * c.cp, cfg)
-    except ConfigError as err:
-        return str(err)
-    return None
+class _Accepted(Exception):
+    """The script got past its checks: it was about to start its process group."""
+
+
+def refusal_when_built(c) -> str | None:
+    """The answer of the run itself: the script's `main` with the layout's flags at its world size, which
+    checks the layout and builds every rank's actions, stopped where it would start its process group."""
+    script = runnable.SCRIPTS[runnable.script_of(PRESETS["tiny"], c)][1]
+    argv = runnable.flags(c, "tiny", PRESETS["tiny"], 16, 128, "fp32") + ["--quiet"]
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": str(c.dp * c.tp * c.pp * c.cp)}), \
+            mock.patch.object(dist, "init_process_group", side_effect=_Accepted):
+        try:
+            import_module(script).main(argv)
+        except ConfigError as err:
+            return str(err)
+        except _Accepted:
+            return None
+    raise AssertionError(f"{script} returned without starting its process group")
 
 
 def test_a_refused_layout_gets_its_chapter_s_own_message():
@@ -59,6 +73,17 @@ def test_a_refused_layout_gets_its_chapter_s_own_message():
     c = layout_costs.Candidate(tp=16)
     assert "the model's 8 query heads do not split over --tp 16" in (runnable.refusal(c, "tiny", PRESETS["tiny"], 16, 128)
                                                                       or "accepted")
+
+
+def test_a_published_shape_is_asked_with_its_own_shape():
+    """Llama 3 8B at 4K: 16 pipeline stages of its 32 layers, its 32 heads over tp 16, each refused for the
+    tiny preset's 8 layers and 8 heads, are accepted: the script is asked about the model planned (its
+    `cfg`), not about the preset its flags name to run a miniature."""
+    cfg = layout_inputs.model_for("llama3-8b")
+    for c in (layout_costs.Candidate(tp=16),
+              layout_costs.Candidate(pp=16, microbatches=16)):
+        assert runnable.refusal(c, "llama3-8b", cfg, 16, 4096) is None, c
+        assert runnable.refusal(c, "tiny", PRESETS["tiny"], 16, 128), c
 
 
 def test_the_first_three_start_and_train_two_steps(tiny_plan):

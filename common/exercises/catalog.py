@@ -35,6 +35,8 @@ class Exercise:
     layout: str = ""        # one pytest node id: a layout that must reproduce the single-device run
     wrong: tuple = ()       # (name, what the student wrote): realistic wrong answers its tests fail, each
                             # planted by `python -m common.exercises wrong --check` (from wrong_answers_key.py)
+    references: tuple = ()  # names of the course's own answer its tests compare with: a body that calls one
+                            # has borrowed the answer, not written it (the grader says so)
 
     @property
     def chapter(self) -> str:
@@ -149,10 +151,11 @@ EXERCISES = [
              units=("tests/test_pp_schedules.py::test_v_schedules_have_torch_s_order_rank_by_rank",
                     "tests/test_pp_schedules.py::test_v_every_forward_has_its_backward_once",
                     "tests/test_pp_schedules.py::test_v_dependencies_and_in_flight_limit"),
-             layout="tests/test_pp.py::test_world_2",
+             layout="tests/test_pp.py::test_world_2", references=("torch_order", "torch_schedule", "pipelining"),
              wrong=(('warmup_too_long', '2(p-r) forwards down in the warmup, one too many'),
                     ('steady_up_first', 'the steady state runs the up stage before the down stage'),
-                    ('flush_down_first', "flushes the down stage's W's before the up stage's"))),
+                    ('flush_down_first', "flushes the down stage's W's before the up stage's"),
+                    ('torch_reference', "returns rank r's list of the course's PyTorch order (torch_order.torch_schedule)"))),
     Exercise("04.grad_sync", "04_3d_combined/trainer_3d.py",
              "Trainer3D.sync_gradients: the DP all-reduces, then the TP sums of the replicated tensors",
              "One step, one batch, through the grid (`main` in `train_3d.py`, the verbs in `trainer_3d.py`)",
@@ -224,11 +227,13 @@ EXERCISES = [
              "parse flags(c, ...) with parser_of(kind), then call the script module's checked_layout(args, world, "
              "cfg, build=False); a ConfigError from either is the refusal (return its text), else None",
              units=("tests/test_runnable.py::test_every_candidate_is_a_layout_the_chapters_accept",
-                    "tests/test_runnable.py::test_a_refused_layout_gets_its_chapter_s_own_message"),
+                    "tests/test_runnable.py::test_a_refused_layout_gets_its_chapter_s_own_message",
+                    "tests/test_runnable.py::test_a_published_shape_is_asked_with_its_own_shape"),
              layout="tests/test_runnable.py::test_the_first_three_start_and_train_two_steps",
              wrong=(('refuses_nothing', 'returns None when the script refuses'),
                     ('parser_only', "parses the flags but never asks the script's checked_layout"),
-                    ('message_lost', "returns its own word instead of the script's message"))),
+                    ('message_lost', "returns its own word instead of the script's message"),
+                    ('no_cfg', "leaves out the optional cfg: the script checks its --model preset, not the shape planned"))),
     Exercise("07.ranking", "07_choosing_a_layout/planner.py",
              "ranking: the sort key, fastest first among the layouts that fit, equal times by memory, then the rest",
              "4. What it prints, and `--explain`",

@@ -3,10 +3,14 @@
     done                      every test that grades it passed (and only then: a skipped test checked nothing);
                               its layout run is left for later while an exercise sharing it is not written
     not done                  its stub is still in the file, or its own NotImplementedError stopped a test
-    waits on 02.f_g           its tests fail only where another exercise's NotImplementedError stopped them
+    waits on 02.f_g           its tests fail only where another exercise's NotImplementedError stopped them,
+                              or they fail and an exercise before it (the catalog's, the LABs' order) graded in
+                              the same run fails its own tests: that answer may break this one's tests
     wrong: <test>: <line>     a test failed on its own: the first failing comparison, in one line, and a hint
                               of where to look when the line tells (`hint`)
     wrong: <test> does not import: <line>    the test's module (or the code it imports) did not load
+    wrong: its body calls <name> …            the body calls the course's own answer that its tests compare
+                                              with (catalog.Exercise.references): borrowed, not written
     skipped: <test>: <reason> no test failed, but this one was skipped: the exercise is not graded yet
 
 Nothing here knows an answer: the verdicts are the course's own tests, read."""
@@ -15,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .catalog import BY_ID, Exercise
+from .catalog import BY_ID, EXERCISES, Exercise, regions
 from .run_tests import run_tests
 from .student_copy import stub_prefix, unsolved
 
@@ -95,6 +99,15 @@ def layout_waits(ex: Exercise, repo: Path) -> list[str]:
     return [o.id for o in BY_ID.values() if o.id != ex.id and o.layout == ex.layout and unsolved(repo, o)]
 
 
+def borrowed(ex: Exercise, repo: Path) -> str:
+    """The first of ex's `references` (the course's own answer its tests compare with) that its body names
+    outside a comment, or ""."""
+    text = (Path(repo) / ex.file).read_text()
+    lines = text.splitlines()
+    code = [line.split("#", 1)[0] for ex_id, first, stop in regions(text) if ex_id == ex.id for line in lines[first:stop]]
+    return next((name for name in ex.references if any(re.search(rf"\b{re.escape(name)}\b", c) for c in code)), "")
+
+
 def graded_nodes(ex: Exercise, repo: Path, quick: bool) -> list[str]:
     """The tests that grade ex now: its units, and its layout run unless --quick or layout_waits."""
     return ex.node_ids(quick or bool(layout_waits(ex, repo)))
@@ -105,6 +118,9 @@ def verdict(ex: Exercise, repo: Path, outcomes: dict, quick: bool, units_wrong=f
     fails and it is shared with one of them, that one is the likelier culprit: this one waits on it."""
     if unsolved(repo, ex):
         return Verdict(ex, "not done")
+    if name := borrowed(ex, repo):
+        return Verdict(ex, "wrong", f"its body calls {name}, the course's own answer that its tests compare with; "
+                                    "write it yourself")
     nodes = graded_nodes(ex, repo, quick)
     failed = [(node, outcomes[node]) for node in nodes if outcomes[node]["status"] not in ("passed", "skipped")]
     skipped = [(node, outcomes[node]) for node in nodes if outcomes[node]["status"] == "skipped"]
@@ -121,6 +137,8 @@ def verdict(ex: Exercise, repo: Path, outcomes: dict, quick: bool, units_wrong=f
     if not waits and [node for node, _ in failed] == [ex.layout]:
         waits = sorted(other.id for other in BY_ID.values()
                        if other.id in units_wrong and other.id != ex.id and other.layout == ex.layout)
+    if not waits:               # an earlier exercise's wrong answer may be what fails this one's tests
+        waits = [other.id for other in EXERCISES[:EXERCISES.index(ex)] if other.id in units_wrong]
     if waits:
         return Verdict(ex, "waits on", ", ".join(waits))
     node, rec = failed[0]

@@ -62,6 +62,9 @@ WRONG_EDITS = {
                              "        acts += [c.take(\"W\", down) for _ in range(c.next[(\"B\", down)] - c.next[(\"W\", down)])]\n",
                              "        acts += [c.take(\"W\", down) for _ in range(c.next[(\"B\", down)] - c.next[(\"W\", down)])]\n"
                              "        acts += [c.take(\"W\", up) for _ in range(c.next[(\"B\", up)] - c.next[(\"W\", up)])]\n"),
+        "torch_reference": ("        acts += [c.take(\"W\", down) for _ in range(c.next[(\"B\", down)] - c.next[(\"W\", down)])]\n",
+                            "        acts = __import__(\"importlib\").import_module(\"03_pipeline_parallel.torch_order\")"
+                            ".torch_schedule(\"zb-v\", p, m)[r]\n"),
     },
     "04.grad_sync": {
         "dp_only": ("tensor_parallel.sync_tp_gradients(self.model, self.tp_group)   # TP", "pass   # TP"),
@@ -107,6 +110,7 @@ WRONG_EDITS = {
         "refuses_nothing": ("        return str(err)\n    return None\n", "        return None\n    return None\n"),
         "parser_only": ("        import_module(SCRIPTS[kind][1]).checked_layout(args, world, cfg, build=False)   # (not every rank's actions)\n", ""),
         "message_lost": ("        return str(err)\n    return None\n", "        return \"refused\"\n    return None\n"),
+        "no_cfg": ("checked_layout(args, world, cfg, build=False)", "checked_layout(args, world, build=False)"),
     },
     "07.ranking": {
         "ignores_fit": ("    if r[\"fits\"]:\n        return False,", "    if True:\n        return False,"),
