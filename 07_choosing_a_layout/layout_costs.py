@@ -88,6 +88,11 @@ class Candidate:
         return parallel_5d.Layout5D(self.dp, self.tp, self.pp, self.microbatches, dtype=dtype, ep=self.ep,
                                     cp=self.cp)
 
+    def zero_group(self) -> int:
+        """Ranks ZeRO shards the dense state over: the Layout's dense gradient group (dp × cp)."""
+        layout = self.layout()
+        return layout.group_size(layout.gradient_groups()["dense"])
+
     @classmethod
     def of_row(cls, row: dict) -> "Candidate":
         """The candidate a planner row (predict's, or a --json row) describes."""

@@ -78,16 +78,10 @@ def candidates(cfg, world: int, global_batch: int, gpus_per_node: int):
                         for m in microbatch_counts(global_batch // dp, pp, schedule):
                             degrees = layout_costs.Candidate(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, schedule=schedule,
                                                              microbatches=m, virtual_stages=v)
-                            for zero in (0, 1, 2, 3) if sharded(degrees) else (0,):
+                            for zero in (0, 1, 2, 3) if degrees.zero_group() > 1 else (0,):
                                 for mode in MODES:
                                     for sp in (False, True) if tp > 1 else (False,):
                                         yield replace(degrees, zero_stage=zero, recompute=mode, sequence_parallel=sp)
-
-
-def sharded(c) -> bool:
-    """Has ZeRO a group to shard over: more than one rank in the Layout's dense gradient group?"""
-    layout = c.layout()
-    return layout.group_size(layout.gradient_groups()["dense"]) > 1
 
 
 def runnable_candidates(cfg, model: str, world: int, global_batch: int, seq_len: int, gpus_per_node: int,

@@ -105,7 +105,7 @@ def miniature(c, cfg):
     small = PRESETS["tiny-moe" if cfg.n_experts else "tiny"]
     dp, tp, pp, cp = (min(d, 2) for d in (c.dp, c.tp, c.pp, c.cp))
     mini = replace(c, dp=dp, tp=tp, pp=pp, cp=cp, ep=min(c.ep, dp), virtual_stages=min(c.virtual_stages, 2),
-                   microbatches=2 * pp if pp > 1 else 1,
-                   zero_stage=c.zero_stage if dp * cp > 1 else 0)
+                   microbatches=2 * pp if pp > 1 else 1)
+    mini = replace(mini, zero_stage=c.zero_stage if mini.zero_group() > 1 else 0)     # ZeRO where it has a group
     name = "tiny-moe" if cfg.n_experts else "tiny"
     return None if refusal(mini, name, small, 16, 128) else (mini, command(mini, name, small, 16, 128))
