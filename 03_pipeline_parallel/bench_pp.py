@@ -145,19 +145,19 @@ def report(all_results: dict, tmp: Path, quick: bool, chosen=CLASSIC, n_rounds: 
               "m = 8 micro-batches of 2 × 128 tokens)", "",
               "A plain backward is 1F1B's B; ZB-H1 splits it into B (input gradients) and W (weight gradients). "
               "Rank 0 is left out: in ZB-H1 its B is empty and its W is the whole backward (nobody waits for "
-              "the gradient of the tokens). A B right before its own W (most of the V schedules' backwards) is "
-              "one whole backward pass, and that W is empty (pipeline_executor.whole_backwards): there the "
-              "medians are those of whole passes.", "",
-              "| p | schedule | F ms | B ms | W ms | B + W ms |", "|---|---|---|---|---|---|"]
+              "the gradient of the tokens). The V schedules run most of their backwards as one whole pass, a "
+              "BW action (pipeline_actions.py): its own column.", "",
+              "| p | schedule | F ms | B ms | W ms | B + W ms | BW ms |", "|---|---|---|---|---|---|---|"]
     for p in sorted(all_results):
         for name, _ in chosen["speed"]:
             events, _ = load_trace(tmp / f"p{p}_{name}.json")
             ms = {k: [1e3 * (e["end"] - e["start"]) for e in events
-                      if e["kind"] == k and e["step"] > 1 and e["rank"] > 0] for k in ("F", "B", "W")}
+                      if e["kind"] == k and e["step"] > 1 and e["rank"] > 0] for k in ("F", "B", "W", "BW")}
             med = {k: statistics.median(v) if v else None for k, v in ms.items()}
             cell = lambda x: "" if x is None else f"{x:.1f}"                      # noqa: E731
             both = med["B"] + med["W"] if med["W"] is not None else None
-            lines.append(f"| {p} | {name} | {cell(med['F'])} | {cell(med['B'])} | {cell(med['W'])} | {cell(both)} |")
+            lines.append(f"| {p} | {name} | {cell(med['F'])} | {cell(med['B'])} | {cell(med['W'])} | {cell(both)} "
+                         f"| {cell(med['BW'])} |")
     # --- timelines --------------------------------------------------------------------------------
     lines += ["", "## Timelines (real runs, last step, m = 8)", ""]
     for p in sorted(all_results):
@@ -169,7 +169,7 @@ def report(all_results: dict, tmp: Path, quick: bool, chosen=CLASSIC, n_rounds: 
         lines.append(f"![timelines p={p}](timelines{stem}_p{p}.png)")
     simulated = [plot_timeline.simulated_events(n, 4, 8, v) for n, v in chosen["speed"]]
     plot_timeline.plot(simulated, OUT / f"timelines{stem}_simulated.png", "units",
-                       "simulated, unit costs (F = 1, B = 2; zero-bubble B = W = 1)")
+                       "simulated, unit costs (F = 1, B = 2; zero-bubble B = W = 1, BW = 2)")
     lines += ["", f"![simulated](timelines{stem}_simulated.png)", ""]
     (OUT / f"pp_bench{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -107,7 +107,8 @@ def timed_functions():
     """What the stopwatch wraps, ours and torch's, with the part each one's own time belongs to."""
     executor = pipeline_executor.PipelineExecutor
     ours = [(pipeline_trainer.PipelineTrainer, "forward_backward", "runtime"), (executor, "run", "runtime"),
-            (executor, "_forward", "F"), (executor, "_backward", "B"), (executor, "_weights", "W"),
+            (executor, "_forward", "F"), (executor, "_backward", "B"), (executor, "_whole_backward", "B"),
+            (executor, "_weights", "W"),
             (executor, "receive", "waiting"), (executor, "wait_sends", "waiting"),
             (comm, "send", "posting"), (comm, "recv", "posting")]
     ours += [(measured_executor.MeasuredExecutor, name, "measurement")

@@ -36,23 +36,24 @@ from common.launch import launch  # noqa: E402
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results"
 SCHEDS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
-V_SCHEDS = [("zb-v", 2), ("dualpipev", 2)]                  # two stages per rank, in a V
 MS = (1, 2, 4, 8, 16)
 STEPS = 8
 COLUMNS = ("theory", "stage costs", "+ gaps", "+ hand-overs", "own times", "measured")
 
 
 def configs(p: int, scheds=SCHEDS, ms=MS) -> list[tuple[str, int, int]]:
-    """(schedule, v, m) of every run at p ranks: interleaved needs m a multiple of p, dualpipev m ≥ 2p."""
-    def runs(name, m):
-        return {"interleaved": m % p == 0, "dualpipev": m >= 2 * p}.get(name, True)
-    return [(name, v, m) for name, v in scheds for m in ms if runs(name, m)]
+    """(schedule, v, m) of every run at p ranks that its schedule accepts (interleaved needs m a multiple of
+    p, dualpipev m ≥ 2p: pipeline_schedules.check_schedule)."""
+    schedules = import_module("03_pipeline_parallel.pipeline_schedules")
+    return [(name, v, m) for name, v in scheds for m in ms if schedules.accepts(name, p, m, v)]
 
 
 def chosen(names) -> list[tuple[str, int]]:
-    """(schedule, v) of the --schedules names, in the order given (None: the classic four)."""
-    every = dict(SCHEDS + V_SCHEDS)
-    return SCHEDS if not names else [(name, every[name]) for name in names]
+    """(schedule, v) of the --schedules names, in the order given (None: the classic four): the stages per
+    rank of the schedule (two for the V's), v = 2 for one that takes --virtual-stages."""
+    schedules = import_module("03_pipeline_parallel.pipeline_schedules")
+    return SCHEDS if not names else [(name, schedules.stages_per_rank(name, 2 if schedules.SCHEDULES[name].virtual
+                                                                      else 1)) for name in names]
 
 
 def trace_path(traces: Path, p: int, name: str, m: int) -> Path:
@@ -218,7 +219,8 @@ def main():
     ap.add_argument("--pp", type=int, nargs="+", default=[2], help="pipeline sizes to run (default: 2)")
     ap.add_argument("--traces", default=None, help="folder for the traces (default: a temporary one)")
     ap.add_argument("--reuse", action="store_true", help="read the traces already in --traces, run nothing")
-    ap.add_argument("--schedules", nargs="+", default=None, choices=[n for n, _ in SCHEDS + V_SCHEDS],
+    ap.add_argument("--schedules", nargs="+", default=None,
+                    choices=list(import_module("03_pipeline_parallel.pipeline_schedules").SCHEDULES),
                     help="run only these (default: gpipe 1f1b interleaved zb-h1; results then go to pp_bubble_v.*)")
     ap.add_argument("--ms", type=int, nargs="+", default=list(MS), help="micro-batch counts (default: 1 2 4 8 16)")
     ap.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)

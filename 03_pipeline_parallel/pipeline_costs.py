@@ -1,7 +1,7 @@
 """What a pipeline step's actions cost, read off a measured timeline: the inputs of `simulate`.
 
 The theory's bubble assumes equal stages and free messages. A real step (one trace written with
-`--timeline`) gives, for every rank, its F, B, W spans in order on one clock. Between two spans of a
+`--timeline`) gives, for every rank, its F, B, W (and BW) spans in order on one clock. Between two spans of a
 rank there are two kinds of time, and each action's start tells which one it paid:
 
     start = max(previous end on this rank + gap,  end of the input made on another rank + handover)
@@ -23,12 +23,12 @@ from statistics import fmean
 
 from common.timeline import COMPUTE
 
-from .pipeline_schedules import Action
-from .schedule_simulator import inputs
+from .pipeline_actions import Action
+from .schedule_simulator import inputs, outputs
 
 
 def step_spans(events: list[dict], step: int) -> dict[tuple, tuple[int, float, float]]:
-    """(kind, mb, stage) -> (rank, start, end) of every F, B, W span of one step."""
+    """(kind, mb, stage) -> (rank, start, end) of every F, B, W, BW span of one step."""
     return {(e["kind"], e["mb"], e["stage"]): (e["rank"], e["start"], e["end"])
             for e in events if e["step"] == step and e["kind"] in COMPUTE}
 
@@ -37,6 +37,7 @@ def fit_costs(events: list[dict], step: int, n_stages: int) -> dict:
     """One step's costs, in seconds: {"cost": {(kind, stage): mean time}, "gap" and "handover":
     {rank: mean} (`rank_means`), "durations": {(kind, mb, stage): each action's own time}}."""
     spans = step_spans(events, step)
+    made = {o: span for key, span in spans.items() for o in outputs(Action(*key))}   # a BW made a B and a W
     per_rank = defaultdict(list)
     for key, (rank, start, end) in spans.items():
         per_rank[rank].append((start, end, key))
@@ -44,7 +45,7 @@ def fit_costs(events: list[dict], step: int, n_stages: int) -> dict:
     for rank, acts in per_rank.items():
         prev_end = None
         for start, end, key in sorted(acts):
-            made_elsewhere = [spans[d][2] for d in inputs(Action(*key), n_stages) if spans[d][0] != rank]
+            made_elsewhere = [made[d][2] for d in inputs(Action(*key), n_stages) if made[d][0] != rank]
             ready = max(made_elsewhere, default=None)
             if ready is not None and (prev_end is None or ready > prev_end):
                 handovers[key] = start - ready           # the rank was free first: it waited for the message

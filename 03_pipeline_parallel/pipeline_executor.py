@@ -4,6 +4,7 @@ The schedule (pipeline_schedules.py) decides the order; this file does the work:
     F(mb, s): receive the stage input (tokens on stage 0), run the stage, send the output on
     B(mb, s): receive d loss / d output, backpropagate, send d loss / d input back
     W(mb, s): (zero-bubble) the parameter gradients that B left out
+    BW(mb, s): B and W in one backward pass; a Pair (DualPipeV): its F, then its BW (pipeline_actions.py)
 
 Point-to-point messages. Every message has a known shape (the activation shape (mb, S, D), or
 (mb, S/tp, D) with sequence parallelism: the caller says), so the receiver allocates the buffer and
@@ -28,10 +29,10 @@ of this rank's stages becomes a SplitLinear (same Parameter). B is then one back
 computes the stage input's gradient, which the previous rank is waiting for, and the gradients of
 the few parameters outside linear layers, while each linear layer leaves (x, dy) behind; W computes
 those layers' dW = dyᵀ x. Stage 0 has nobody waiting for an input gradient: its B does nothing and
-its W is the whole backward. A B immediately followed by its own W (DualPipeV's pairs, ZB-V's steady
-state) is one whole backward pass, run by the B (`whole_backwards`), and its F runs the linear layers as
-plain nn.Linear (`WeightGradStore.whole`): the same numbers as the split, without paying for two passes
-and for the split's Python layer; its W then has nothing left to do.
+its W is the whole backward. A BW action (ZB-V's steady state, DualPipeV's pairs) is one whole backward
+pass, and its F, marked `whole`, runs the linear layers as plain nn.Linear (`WeightGradStore.whole`), as
+every F of stage 0 does: the same numbers as the split, without paying for two passes and for the split's
+Python layer.
 
 Measurement is not in this file: measured_executor.py wraps the same methods (receive, compute,
 send, wait_sends) with timeline spans and counts the activation bytes alive, for the bubble and
@@ -47,6 +48,7 @@ import torch.nn as nn
 from common import comm, recompute
 
 from . import pipeline_schedules, pipeline_stages, zero_bubble
+from .pipeline_actions import BACKWARDS, BW, GRADS_DONE, B, F, W, units
 
 Key = tuple   # ("act" | "grad", micro-batch, destination stage)
 
@@ -57,20 +59,21 @@ def produced_messages(actions, n_stages: int, p: int, rank_of=None):
     schedules pass theirs, pipeline_schedules.placement)."""
     rank_of = rank_of or [s % p for s in range(n_stages)]
     out = []
-    for a in actions:
-        if a.kind == "F" and a.stage < n_stages - 1:
+    for a in units(actions):
+        if a.kind == F and a.stage < n_stages - 1:
             out.append((("act", a.mb, a.stage + 1), rank_of[a.stage + 1]))
-        elif a.kind == "B" and a.stage > 0:
+        elif a.kind in BACKWARDS and a.stage > 0:
             out.append((("grad", a.mb, a.stage - 1), rank_of[a.stage - 1]))
     return out
 
 
 def needed_message(a, n_stages: int, p: int, rank_of=None):
-    """(key, source rank) of the message action `a` waits for, or None. rank_of: as produced_messages'."""
+    """(key, source rank) of the message action `a` (not a Pair) waits for, or None. rank_of: as
+    produced_messages'."""
     rank_of = rank_of or [s % p for s in range(n_stages)]
-    if a.kind == "F" and a.stage > 0:
+    if a.kind == F and a.stage > 0:
         return ("act", a.mb, a.stage), rank_of[a.stage - 1]
-    if a.kind == "B" and a.stage < n_stages - 1:
+    if a.kind in BACKWARDS and a.stage < n_stages - 1:
         return ("grad", a.mb, a.stage), rank_of[a.stage + 1]
     return None
 
@@ -79,7 +82,7 @@ def message_count(actions, n_stages: int, p: int, rank_of=None) -> int:
     """Messages a rank's action list sends and receives in one step, each one micro-batch's activation
     (forward) or its gradient (backward), act_shape's bytes: their bytes are the step's comm_bytes_pp."""
     return len(produced_messages(actions, n_stages, p, rank_of)) + sum(
-        needed_message(a, n_stages, p, rank_of) is not None for a in actions)
+        needed_message(a, n_stages, p, rank_of) is not None for a in units(actions))
 
 
 def incoming_order(schedule, me: int, n_stages: int) -> dict[int, list[Key]]:
@@ -92,15 +95,10 @@ def incoming_order(schedule, me: int, n_stages: int) -> dict[int, list[Key]]:
     # <<< exercise 03.receive_order
 
 
-def whole_backwards(actions) -> set[tuple[int, int]]:
-    """(micro-batch, stage) of each B immediately followed by its own W: one backward pass does both."""
-    return {(b.mb, b.stage) for b, w in zip(actions, actions[1:])
-            if (b.kind, w.kind) == ("B", "W") and (b.mb, b.stage) == (w.mb, w.stage)}
-
-
 def last_grad_actions(actions) -> dict[int, int]:
-    """stage -> the index of its last B or W in a rank's action list: its gradients are final after it."""
-    return {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
+    """stage -> the index of its last B, W or BW (a Pair's included) in a rank's action list: its gradients
+    are final after it."""
+    return {u.stage: i for i, a in enumerate(actions) for u in units([a]) if u.kind in GRADS_DONE}
 
 
 def stage_parameters(model: nn.Module, spec) -> list[nn.Parameter]:
@@ -162,10 +160,9 @@ class PipelineExecutor:
         data-parallel all-reduce of that stage there).
         Returns the summed scaled loss of the micro-batches this rank finished (last stage; 0 elsewhere)."""
         actions = schedule[self.me]
-        self.split = any(a.kind == "W" for a in actions)      # zero bubble: B and W are two actions
+        self.split = any(a.kind == W for a in units(actions))     # zero bubble: B and W are two actions
         if self.split and self.store is None:
             self._split_weight_grads()
-        self.whole = whole_backwards(actions) if self.split else set()
         self.order = incoming_order(schedule, self.me, self.n)
         self.posted, self.local, self.sends = {}, {}, []
         self.in_flight: dict[tuple[int, int], InFlight] = {}  # (micro-batch, stage) -> its tensors
@@ -180,7 +177,9 @@ class PipelineExecutor:
         return self.loss
 
     def run_actions(self, actions, tokens: list, targets: list, on_stage_grads_ready) -> None:
-        """This rank's actions, one after the other. (Chapter 05 runs DualPipeV's pairs two at once.)"""
+        """This rank's actions, one after the other: a Pair as its F, then its BW. (Chapter 05 runs a
+        Pair's two at once.)"""
+        actions = units(actions)
         last_grad_action = last_grad_actions(actions)
         for i, a in enumerate(actions):
             if not self.post_all_at_start and i + 1 < len(actions):
@@ -231,13 +230,15 @@ class PipelineExecutor:
         for _, work in self.sends:                      # the buffers must outlive their isend
             work.wait()
 
-    # --- the three kinds of work ---------------------------------------------------------------------
+    # --- the four kinds of work ----------------------------------------------------------------------
     def compute(self, a, received, tokens: list, targets: list):
-        """Run action `a` on its input; returns the message to send on, (key, destination rank,
-        tensor), or None."""
-        if a.kind == "F":
+        """Run action `a` (F, B, BW or W) on its input; returns the message to send on, (key, destination
+        rank, tensor), or None."""
+        if a.kind == F:
             return self._forward(a, received, tokens[a.mb], targets[a.mb])
-        if a.kind == "B":
+        if a.kind == BW or (a.kind == B and not self.split):       # a plain backward is whole too
+            return self._whole_backward(a, received)
+        if a.kind == B:
             return self._backward(a, received)
         self._weights(a)
         return None                                     # W sends nothing
@@ -248,7 +249,8 @@ class PipelineExecutor:
             inp = tokens                                                   # (mb, S) token ids
         else:
             inp.requires_grad_(True)                                       # we want d loss / d input
-        whole = self.whole_forward() if (a.mb, a.stage) in self.whole else nullcontext()   # B+W in one pass
+        # its backward is one pass (a BW; on stage 0, the W): plain nn.Linear. Without W's, nothing is split.
+        whole = self.whole_forward() if self.split and (a.whole or spec.first) else nullcontext()
         with whole, torch.autocast(self.device.type, self.autocast_dtype or torch.float32,
                                    enabled=self.autocast_dtype is not None):
             out = pipeline_stages.stage_forward(self.model, spec, inp)     # (mb, S, D) or logits
@@ -267,23 +269,23 @@ class PipelineExecutor:
         with self.store.whole(), recompute.around_recomputation(self.store.whole):
             yield
 
-    def _backward(self, a, grad_out):
-        spec, held = self.specs[a.stage], self.in_flight[(a.mb, a.stage)]
-        held.grad_out = grad_out
-        if not self.split:                              # plain backward: input AND weight gradients
-            torch.autograd.backward(held.out, grad_out)
-            del self.in_flight[(a.mb, a.stage)]
-        elif spec.first:                                # nobody waits for d loss / d tokens: all in W
-            return None
-        elif (a.mb, a.stage) in self.whole:             # its W comes next: one pass, dW included
-            torch.autograd.backward(held.out, grad_out)
-            held.pending = []                           # nothing left for W
-        else:                                           # B of zero bubble: dW of linear layers waits
-            with self.store.deferring() as pending:
-                torch.autograd.backward(held.out, grad_out, inputs=[held.inp] + self.b_params[a.stage])
-            held.pending = pending    # the graph is freed; what stays until W is each linear layer's (x, dy)
+    def _whole_backward(self, a, grad_out):
+        """A plain backward (BW, or B without W's): input AND weight gradients, in one pass."""
+        spec, held = self.specs[a.stage], self.in_flight.pop((a.mb, a.stage))
+        torch.autograd.backward(held.out, grad_out)
         if spec.first:
             return None
+        return ("grad", a.mb, a.stage - 1), self.rank_of[a.stage - 1], held.inp.grad    # (mb, S, D)
+
+    def _backward(self, a, grad_out):
+        """Zero bubble's B: the input gradient now; the linear layers' dW waits for W."""
+        spec, held = self.specs[a.stage], self.in_flight[(a.mb, a.stage)]
+        held.grad_out = grad_out
+        if spec.first:                                  # nobody waits for d loss / d tokens: all in W
+            return None
+        with self.store.deferring() as pending:
+            torch.autograd.backward(held.out, grad_out, inputs=[held.inp] + self.b_params[a.stage])
+        held.pending = pending    # the graph is freed; what stays until W is each linear layer's (x, dy)
         return ("grad", a.mb, a.stage - 1), self.rank_of[a.stage - 1], held.inp.grad    # (mb, S, D)
 
     def _weights(self, a):

@@ -2,16 +2,17 @@
 
 A schedule answers one question for every pipeline rank: in what order do I run the forward (F)
 and backward (B) passes of my micro-batches? (And, for zero-bubble, the weight-gradient passes W.)
-Each function here returns `schedule[r]` = rank r's ordered list of `Action`s, nothing else: no
-processes, no tensors. So a schedule can be printed and checked on paper (schedule_simulator.py:
-`format_schedule`, `simulate` + the unit tests) and drawn (`plot_timeline.py --simulate`) on its own, and ONE
-executor (pipeline_executor.py) runs whichever list it is given.
+Each function here returns `schedule[r]` = rank r's ordered list of actions (pipeline_actions.py),
+nothing else: no processes, no tensors. So a schedule can be printed and checked on paper
+(schedule_simulator.py: `format_schedule`, `simulate` + the unit tests) and drawn (`plot_timeline.py
+--simulate`) on its own, and ONE executor (pipeline_executor.py) runs whichever list it is given.
 
 Vocabulary. p pipeline ranks, m micro-batches per step, v virtual stages (model chunks) per rank.
 The model is cut into p·v stages; stage s lives on rank s % p (rank r holds r, r+p, r+2p, ...).
     F(mb, s)  forward of micro-batch mb through stage s: needs F(mb, s-1)'s output
     B(mb, s)  backward of stage s: needs B(mb, s+1)'s input-gradient (and F(mb, s))
     W(mb, s)  (zero-bubble only) the weight-gradient half of B(mb, s), deferred to fill bubbles
+(and, in the V schedules, BW: B and W as one pass, and DualPipeV's Pair: pipeline_actions.py).
 
 The bubble. With equal costs per stage, the first micro-batch reaches the last rank after p-1
 forward slots, and the last backward leaves the first rank p-1 backward slots after the last rank
@@ -21,19 +22,21 @@ finished: every rank idles p-1 slots of (F+B) per step while doing m of them. Bu
     (p-1) / (6m + p-1)              ZB-V and DualPipeV (v_schedules.py), m ≥ 2p-1, F = B = W of a half-stage
 The V schedules place their 2p stages differently (rank r holds r and 2p-1-r): `stage_ranks` says
 where each stage lives, and the executor sends each message to the rank that holds its stage.
+
+The registry. `SCHEDULES` (at the end) maps each command-line name to its entry: the builder, where its
+stages live, its textbook bubble, whether it splits W. Every script, the planner (chapter 07) and the
+tests read it: a new schedule is one builder and one entry.
 """
 from functools import lru_cache
-from collections import namedtuple
+from typing import Callable, NamedTuple
 
-from common.errors import require
+from common.errors import ConfigError, require
 
-Action = namedtuple("Action", "kind mb stage")   # kind "F" | "B" | "W"; stage = global (virtual) stage index
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")      # stage s on rank s % p (a loop)
-V_SCHEDULES = ("zb-v", "dualpipev")                         # two stages per rank, in a V (v_schedules.py)
+from . import v_schedules
+from .pipeline_actions import Action, units
 
 
-def gpipe(p: int, m: int, v: int = 1) -> list[list[Action]]:
+def gpipe(p: int, m: int) -> list[list[Action]]:
     """GPipe: all forwards, then all backwards. m micro-batches' activations are alive at the peak."""
     out = []
     for r in range(p):
@@ -45,7 +48,7 @@ def gpipe(p: int, m: int, v: int = 1) -> list[list[Action]]:
     return out
 
 
-def one_f_one_b(p: int, m: int, v: int = 1) -> list[list[Action]]:
+def one_f_one_b(p: int, m: int) -> list[list[Action]]:
     """1F1B (PipeDream-Flush): start backwards as early as possible; at most p - r micro-batches in flight."""
     out = []
     for r in range(p):
@@ -109,7 +112,7 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> list[list[Action]]:
     return out
 
 
-def zb_h1(p: int, m: int, v: int = 1) -> list[list[Action]]:
+def zb_h1(p: int, m: int) -> list[list[Action]]:
     """ZB-H1 (zero bubble, Qi et al. 2023): 1F1B with each backward split in two.
 
     B computes only the gradient w.r.t. the stage input: that is all the previous rank waits for.
@@ -144,23 +147,105 @@ def zb_h1(p: int, m: int, v: int = 1) -> list[list[Action]]:
     return out
 
 
+# --- the bubble in theory, per schedule (equal F, B costs per stage; zero-bubble: B = W = F) --------------
+
+def loop_bubble(p: int, m: int) -> float:
+    """GPipe and 1F1B: p-1 idle slots of m + p-1."""
+    return (p - 1) / (m + p - 1)
+
+
+def interleaved_bubble(p: int, m: int, v: int) -> float:
+    """Interleaved 1F1B: each slot is 1/v as long."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def zb_h1_bubble(p: int, m: int) -> float:
+    """m ≥ p: rank 0 idles (p-1)·(F+B-W) = p-1 slots of a 3m + (p-1) slot step.
+    m < p: the pipe never fills. The last rank alternates F and B, so the backwards reach rank 0
+    one every two slots: its step is the first round trip (2p slots), two per further
+    micro-batch and its last W, 2m + 2p - 1 slots. Both: (p-1) + 2m + max(m, p)."""
+    return 1 - 3 * m / (2 * m + p - 1 + max(m, p))
+
+
+def v_bubble(p: int, m: int) -> float:
+    """ZB-V and DualPipeV. Unit = one F of a half-stage (a V stage holds half the layers of a 1F1B stage),
+    B = W = 1: a rank's work is 2 stages × m × (F + B + W) = 6m units. The only idle time left is the
+    ramp-up: the first micro-batch reaches rank r after r forwards, and every rank waits p-1
+    units in all (the tail is filled with W's). With fewer than 2p-1 micro-batches the V is
+    never full: 2 units more idle per missing micro-batch. Both, per rank: max(p-1, 2(2p-1-m))."""
+    idle = max(p - 1, 2 * (2 * p - 1 - m))
+    return idle / (6 * m + idle)
+
+
+# --- where the stages live, and what a schedule needs of (p, m) ----------------------------------------------
+
+def loop_placement(p: int, v: int) -> tuple[int, ...]:
+    """Stage s on rank s % p: rank r holds r, r+p, r+2p, ..."""
+    return tuple(s % p for s in range(p * v))
+
+
+def accepts(name: str, p: int, m: int, v: int = 1) -> bool:
+    """Whether check_schedule accepts (p, m, v): a sweep over micro-batch counts skips the others."""
+    try:
+        check_schedule(name, p, m, v)
+    except ConfigError:
+        return False
+    return True
+
+
+def _needs_whole_groups(p: int, m: int) -> None:
+    require(m % p == 0, f"the interleaved schedule needs --microbatches to be a multiple of --pp ({p}), "
+                        f"got {m}; use --microbatches {max(p, (m // p + 1) * p)}")
+
+
+def _needs_two_per_rank(p: int, m: int) -> None:
+    require(m >= 2 * p,
+            f"dualpipev needs --microbatches ≥ 2 × --pp ({2 * p}), got {m}; use --microbatches {2 * p}")
+
+
+# --- the registry ------------------------------------------------------------------------------------------
+
+class Schedule(NamedTuple):
+    """One schedule, everything the course asks of it by name."""
+    build: Callable            # (p, m) -> every rank's actions; (p, m, v) where `virtual`
+    stage_ranks: Callable      # (p, v) -> rank_of[stage]: where the schedule expects each stage to live; (p)
+                               # where it holds a fixed number of `stages` per rank
+    theory_bubble: Callable    # (p, m) -> the textbook bubble fraction; (p, m, v) where `virtual`
+    split_w: bool              # the backward split into B and W (zero bubble)
+    stages: int | None = None  # stages per rank it always holds (the V's 2); None: --virtual-stages says
+    virtual: bool = False      # takes --virtual-stages v > 1 (the interleaved schedule)
+    needs: Callable | None = None    # (p, m) -> None: refuses a micro-batch count it cannot run
+
+
+SCHEDULES: dict[str, Schedule] = {
+    "gpipe": Schedule(gpipe, loop_placement, loop_bubble, split_w=False),
+    "1f1b": Schedule(one_f_one_b, loop_placement, loop_bubble, split_w=False),
+    "interleaved": Schedule(interleaved_1f1b, loop_placement, interleaved_bubble, split_w=False, virtual=True,
+                            needs=_needs_whole_groups),
+    "zb-h1": Schedule(zb_h1, loop_placement, zb_h1_bubble, split_w=True),
+    "zb-v": Schedule(v_schedules.zb_v, v_schedules.v_placement, v_bubble, split_w=True, stages=2),
+    "dualpipev": Schedule(v_schedules.dualpipe_v, v_schedules.v_placement, v_bubble, split_w=True, stages=2,
+                          needs=_needs_two_per_rank),
+}
+
+
 def stages_per_rank(name: str, v: int = 1) -> int:
-    """How many stages each rank holds: 2 for a V schedule (whatever --virtual-stages says), else v."""
-    return 2 if name in V_SCHEDULES else v
+    """How many stages each rank holds: the schedule's own number (the V's 2, whatever --virtual-stages
+    says), else v (check_schedule refuses v > 1 for a schedule that is not `virtual`)."""
+    return SCHEDULES[name].stages or v
 
 
 def stage_ranks(name: str, p: int, v: int = 1) -> tuple[int, ...]:
     """rank_of[stage] for every stage of the pipeline: where the schedule expects each stage to live.
         loop (gpipe, 1f1b, interleaved, zb-h1)   stage s on rank s % p: rank r holds r, r+p, r+2p, ...
         V    (zb-v, dualpipev)                   rank r holds r and 2p-1-r (v_schedules.v_placement)"""
-    if name in V_SCHEDULES:
-        return v_schedules.v_placement(p)
-    return tuple(s % p for s in range(p * v))
+    entry = SCHEDULES[name]
+    return entry.stage_ranks(p) if entry.stages else entry.stage_ranks(p, v)
 
 
 def placement(schedule: list[list[Action]]) -> tuple[int, ...]:
     """rank_of[stage], read off a schedule: a stage lives on the rank whose list runs its actions."""
-    rank_of = {a.stage: r for r, acts in enumerate(schedule) for a in acts}
+    rank_of = {a.stage: r for r, acts in enumerate(schedule) for a in units(acts)}
     return tuple(rank_of[s] for s in range(len(rank_of)))
 
 
@@ -174,53 +259,29 @@ def check_schedule(name: str, p: int, m: int, v: int = 1) -> None:
     """Everything a schedule needs of (p, m, v), checked without building it: building one for thousands of
     micro-batches takes seconds, and chapter 07's planner asks this of hundreds of thousands of layouts.
     (A test builds every schedule this accepts on a grid of small p, m, v.)"""
-    names = SCHEDULES + V_SCHEDULES
-    require(name in names, f"unknown schedule {name!r}; choose one of {', '.join(names)}")
+    require(name in SCHEDULES, f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     require(m >= 1, "--microbatches must be at least 1")
-    if name in V_SCHEDULES:
-        require(v == 2, f"the {name} schedule holds two stages per rank (the V): pass v = 2, "
-                        f"stages_per_rank({name!r}) (on the command line: leave out --virtual-stages)")
-        require(name != "dualpipev" or m >= 2 * p,
-                f"dualpipev needs --microbatches ≥ 2 × --pp ({2 * p}), got {m}; use --microbatches {2 * p}")
-    else:
-        require(v == 1 or name == "interleaved",
-                f"--virtual-stages {v} only works with --schedule interleaved (the {name} schedule holds one "
-                "stage per rank); use --schedule interleaved or --virtual-stages 1")
-    if name == "interleaved":
-        _needs_whole_groups(p, m)
-
-
-def _needs_whole_groups(p: int, m: int) -> None:
-    require(m % p == 0, f"the interleaved schedule needs --microbatches to be a multiple of --pp ({p}), "
-                        f"got {m}; use --microbatches {max(p, (m // p + 1) * p)}")
+    entry = SCHEDULES[name]
+    if entry.stages:
+        require(v == entry.stages, f"the {name} schedule holds {entry.stages} stages per rank: pass v = "
+                                   f"{entry.stages}, stages_per_rank({name!r}) (on the command line: leave out "
+                                   "--virtual-stages)")
+    elif not entry.virtual:
+        virtual = ", ".join(n for n, e in SCHEDULES.items() if e.virtual)
+        require(v == 1, f"--virtual-stages {v} only works with --schedule {virtual} (the {name} schedule holds one "
+                        f"stage per rank); use --schedule {virtual} or --virtual-stages 1")
+    if entry.needs:
+        entry.needs(p, m)
 
 
 @lru_cache(maxsize=None)    # chapter 07's planner asks for the same schedules thousands of times
-def _built(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
-    fn = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb-h1": zb_h1,
-          "zb-v": v_schedules.zb_v, "dualpipev": v_schedules.dualpipe_v}[name]
-    return tuple(tuple(actions) for actions in fn(p, m, v))
+def _built(name: str, p: int, m: int, v: int) -> tuple[tuple, ...]:
+    entry = SCHEDULES[name]
+    built = entry.build(p, m, v) if entry.virtual else entry.build(p, m)
+    return tuple(tuple(actions) for actions in built)
 
 
 def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     """The textbook bubble fraction (equal F, B costs per stage; zero-bubble: B = W = F)."""
-    if name == "interleaved":
-        return (p - 1) / (v * m + p - 1)
-    if name in V_SCHEDULES:
-        # Unit = one F of a half-stage (a V stage holds half the layers of a 1F1B stage), B = W = 1:
-        # a rank's work is 2 stages × m × (F + B + W) = 6m units. The only idle time left is the
-        # ramp-up: the first micro-batch reaches rank r after r forwards, and every rank waits p-1
-        # units in all (the tail is filled with W's). With fewer than 2p-1 micro-batches the V is
-        # never full: 2 units more idle per missing micro-batch. Both, per rank: max(p-1, 2(2p-1-m)).
-        idle = max(p - 1, 2 * (2 * p - 1 - m))
-        return idle / (6 * m + idle)
-    if name == "zb-h1":
-        # m ≥ p: rank 0 idles (p-1)·(F+B-W) = p-1 slots of a 3m + (p-1) slot step.
-        # m < p: the pipe never fills. The last rank alternates F and B, so the backwards reach rank 0
-        # one every two slots: its step is the first round trip (2p slots), two per further
-        # micro-batch and its last W, 2m + 2p - 1 slots. Both: (p-1) + 2m + max(m, p).
-        return 1 - 3 * m / (2 * m + p - 1 + max(m, p))
-    return (p - 1) / (m + p - 1)
-
-
-from . import v_schedules  # noqa: E402  (the V schedules build on Action, above)
+    entry = SCHEDULES[name]
+    return entry.theory_bubble(p, m, v) if entry.virtual else entry.theory_bubble(p, m)

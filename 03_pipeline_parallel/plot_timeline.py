@@ -31,8 +31,8 @@ from common.timeline import COMPUTE, bubble_fraction, idle_events, load_trace  #
 
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
 schedule_simulator = import_module("03_pipeline_parallel.schedule_simulator")
-COLORS = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452", "idle": "#dddddd", "recv": "#c44e52", "send": "#8172b3"}
-LABELS = {"F": "forward F", "B": "backward B", "W": "weight-grad W", "idle": "idle",
+COLORS = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452", "BW": "#8c8c3c", "idle": "#dddddd", "recv": "#c44e52", "send": "#8172b3"}
+LABELS = {"F": "forward F", "B": "backward B", "W": "weight-grad W", "BW": "whole backward BW", "idle": "idle",
           "recv": "waiting for a recv", "send": "posting / waiting for sends"}
 MESSAGES = ("send", "recv")
 

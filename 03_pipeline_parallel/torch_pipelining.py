@@ -34,8 +34,7 @@ data_parallel = import_module("01_data_parallel.data_parallel")
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
                    "zb-h1": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble",
-                   "dualpipev": "ScheduleDualPipeV"}
-MULTI_STAGE = ("interleaved", "zb-h1", "zb-v", "dualpipev")      # these classes take a list of stages
+                   "dualpipev": "ScheduleDualPipeV"}       # our schedule's name -> torch's class (--impl torch)
 
 
 class ChunkModule(nn.Module):
@@ -78,7 +77,8 @@ class TorchPipelineTrainer(OptimizerVerbs):
         stages = [tpp.PipelineStage(ChunkModule(model, s), s.index, n_stages, device, group=pp_group)
                   for s in my_specs]
         cls = getattr(tpp, TORCH_SCHEDULES[schedule])
-        self.runtime = cls(stages if schedule in MULTI_STAGE else stages[0], m, loss_fn=loss_fn,
+        multi = issubclass(cls, tpp.schedules.PipelineScheduleMulti)     # takes a list of stages, not one
+        self.runtime = cls(stages if multi else stages[0], m, loss_fn=loss_fn,
                            scale_grads=False)
         self.dp_sync, self.replicated = data_parallel.AsyncGradAllReduce(dp_group), dist.get_world_size(dp_group) > 1
 

@@ -57,7 +57,7 @@ def parse_args(argv=None, schedule=None):
     p.add_argument("--pp", type=POSITIVE_INT, default=None,
                    help="pipeline stages (ranks) (default: the world size; 4 with --print-schedule)")
     if schedule is None:
-        p.add_argument("--schedule", default="1f1b", choices=pipeline_schedules.SCHEDULES + pipeline_schedules.V_SCHEDULES,
+        p.add_argument("--schedule", default="1f1b", choices=list(pipeline_schedules.SCHEDULES),
                        help="gpipe: all forwards, then all backwards; 1f1b: one forward, one backward; interleaved: "
                             "1f1b over --virtual-stages chunks per rank; zb-h1: backward split into B and W; "
                             "zb-v, dualpipev: two stages per rank placed in a V (rank r: stages r and 2p-1-r)")
@@ -83,12 +83,16 @@ def pipeline_layout(args, world: int) -> Layout:
             f"or launch with --nproc_per_node={pp}")
     dp = 1 if args.print_schedule else world // pp
     m = pipeline_microbatches(args, dp, pp)
+    schedule = pipeline_schedules.SCHEDULES[args.schedule]
     v = pipeline_schedules.stages_per_rank(args.schedule, args.virtual_stages)     # the V: always 2
-    require(args.schedule not in pipeline_schedules.V_SCHEDULES or args.virtual_stages in (1, 2),
-            f"the {args.schedule} schedule holds two stages per rank (the V); drop --virtual-stages")
-    check_common(args, dp=dp, microbatches=m)
+    require(not schedule.stages or args.virtual_stages in (1, schedule.stages),
+            f"the {args.schedule} schedule holds {schedule.stages} stages per rank; drop --virtual-stages")
+    check_common(args, dp=dp, microbatches=m, split_w=schedule.split_w)
     if args.impl == "torch":
-        require(m >= pp * v or args.schedule == "gpipe",
+        torch_class = torch_pipelining.TORCH_SCHEDULES.get(args.schedule)
+        require(torch_class is not None, f"--impl torch: torch.distributed.pipelining has no {args.schedule} "
+                                         f"schedule; use one of {', '.join(torch_pipelining.TORCH_SCHEDULES)}")
+        require(m >= pp * v or torch_class == "ScheduleGPipe",
                 f"torch.distributed.pipelining's {args.schedule} needs --microbatches ≥ the number of stages "
                 f"({pp * v}); use --microbatches {pp * v}")
     return Layout(dp, pp, m, v)

@@ -17,11 +17,10 @@ p..2p-1, so its loss is computed on rank 0, the rank that embedded it. Two conse
 The interleaved schedule's placement (rank r holds r, r+p, ...) would send every chunk's last stage
 to rank p-1 and its next one back to rank 0: the V is what makes the turn local.
 
-Vocabulary as in pipeline_schedules.py: F, B (input gradient only: zero bubble's split), W (weight
-gradient). A whole backward, input and weights in one pass, is written B immediately followed by
-the W of the same micro-batch and stage.
+Vocabulary (pipeline_actions.py): F, B (input gradient only: zero bubble's split), W (weight gradient),
+BW (a whole backward: input and weights in one pass), Pair (DualPipeV's forward beside a whole backward).
 """
-from .pipeline_schedules import Action
+from .pipeline_actions import B, BW, W, Action, Pair, mark_whole_forwards
 
 
 def v_placement(p: int) -> tuple[int, ...]:
@@ -45,8 +44,20 @@ class _Counters:
         self.next[(kind, stage)] = mb + 1
         return Action(kind, mb, stage)
 
+    def whole(self, stage: int) -> Action:
+        """The next B of `stage` and its W, as one whole backward (BW)."""
+        b = self.take(B, stage)
+        self.next[(W, stage)] = b.mb + 1
+        return Action(BW, b.mb, stage)
 
-def zb_v(p: int, m: int, v: int = 2) -> list[list[Action]]:
+    def b_then_a_w(self, stage: int) -> list[Action]:
+        """The next B of `stage`, then the oldest W it owes: one whole pass (BW) when that W is the B's own."""
+        if self.next.get((W, stage), 0) == self.next.get((B, stage), 0):
+            return [self.whole(stage)]
+        return [self.take(B, stage), self.take(W, stage)]
+
+
+def zb_v(p: int, m: int) -> list[list[Action]]:
     """ZB-V (zero bubble, V placement): rank r runs stages r (down) and 2p-1-r (up).
 
     Written for at least 2p-1 micro-batches, the number that fills the V; with fewer, the actions
@@ -64,33 +75,33 @@ def zb_v(p: int, m: int, v: int = 2) -> list[list[Action]]:
         acts += [c.take("F", down) for _ in range(2 * (p - r) - 1)]     # the deeper the rank, the fewer
         for _ in range(r):
             acts += [c.take("F", up), c.take("F", down)]
-        # the first backwards reach the up stage: F, B, W on it, p - r times
+        # the first backwards reach the up stage: F and a whole backward on it, p - r times
         for _ in range(p - r):
-            acts += [c.take("F", up), c.take("B", up), c.take("W", up)]
-        # === steady state ===  one F, B, W on the down stage, then on the up stage
+            acts += [c.take("F", up), c.whole(up)]
+        # === steady state ===  one F and a whole backward (BW) on the down stage, then on the up stage
         while c.next.get(("F", up), 0) < c.next.get(("F", down), 0) or c.next.get(("F", down), 0) < n:
             if c.next.get(("F", down), 0) < n:
                 acts.append(c.take("F", down))
-            acts += [c.take("B", down), c.take("W", down)]
-            acts += [c.take("F", up), c.take("B", up), c.take("W", up)]
+            acts += [c.whole(down)]
+            acts += [c.take("F", up), c.whole(up)]
         # === cooldown ===  backwards first (someone waits for them), weight gradients fill the gaps
         for _ in range(r):
             acts += [c.take("B", down), c.take("B", up)]
         for _ in range(p - r):
-            acts += [c.take("B", down), c.take("W", down)]
+            acts += c.b_then_a_w(down)
         # === flush ===  the W's still pending: up stage first, then down
         acts += [c.take("W", up) for _ in range(c.next[("B", up)] - c.next[("W", up)])]
         acts += [c.take("W", down) for _ in range(c.next[("B", down)] - c.next[("W", down)])]
         # <<< exercise 03.zbv
-        out.append([a for a in acts if a.mb < m])        # fewer than 2p-1 micro-batches: drop the rest
+        out.append(mark_whole_forwards([a for a in acts if a.mb < m]))   # fewer than 2p-1 micro-batches: drop the rest
     return out
 
 
-def dualpipe_v(p: int, m: int, v: int = 2) -> list[list[Action]]:
+def dualpipe_v(p: int, m: int) -> list[list[Action]]:
     """DualPipeV (DeepSeek-V3's DualPipe folded into a V): rank r runs stages r and 2p-1-r.
 
     Its heart is the steady state's PAIR: the forward of one micro-batch on one stage and the whole
-    backward of an older micro-batch on the other stage, issued back to back, so that a runtime
+    backward of an older micro-batch on the other stage, issued together (one Pair), so that a runtime
     can overlap one's communication (the experts' all-to-all) with the other's compute. Around it,
     zero bubble's split (B now, W later) fills the ramp-up and the drain. Needs m ≥ 2p.
     """
@@ -100,19 +111,21 @@ def dualpipe_v(p: int, m: int, v: int = 2) -> list[list[Action]]:
         c, acts, waiting_w = _Counters(), [], []
 
         def whole_backward(stage):                       # B and W at once: one backward pass
-            b = c.take("B", stage)
-            return [b, Action("W", b.mb, stage)]
+            return [c.whole(stage)]
 
         def split_b(stage):                              # B now, its W queued for a gap
             b = c.take("B", stage)
-            waiting_w.append(Action("W", b.mb, stage))
+            waiting_w.append(Action(W, b.mb, stage))
             return [b]
 
         def a_queued_w():                                # the oldest postponed W, if any
             return [waiting_w.pop(0)] if waiting_w else []
 
+        def b_then_a_queued_w(stage):                    # none queued: the W would be this B's own, one pass
+            return split_b(stage) + a_queued_w() if waiting_w else whole_backward(stage)
+
         def pair(f_stage, b_stage):                      # F of one micro-batch, whole B of another
-            return [c.take("F", f_stage)] + whole_backward(b_stage)
+            return [Pair(c.take("F", f_stage), c.whole(b_stage))]
 
         # === 1. warmup down ===  forwards on the down stage only
         acts += [c.take("F", down) for _ in range(2 * (p - r - 1))]
@@ -121,9 +134,9 @@ def dualpipe_v(p: int, m: int, v: int = 2) -> list[list[Action]]:
             acts += [c.take("F", down), c.take("F", up)]
         # === 3. first backwards ===  B of the up stage, a queued W, one more forward up (zero bubble)
         for _ in range(p - r - 1):
-            acts += split_b(up) + a_queued_w() + [c.take("F", up)]
+            acts += b_then_a_queued_w(up) + [c.take("F", up)]
         # === 4. steady state ===  pairs: (F down, whole B up), (F up, whole B down). (PyTorch leaves the
-        # very first pair of the last rank unpaired, run one after the other: as a list, the same actions.)
+        # very first pair of the last rank unpaired, an F then a BW: one at a time, the same actions.)
         for _ in range(m - 2 * p + r + 1):
             acts += pair(down, up) + pair(up, down)
         # === 5. drain up ===  whole B up, then a pair (F up, whole B down)
@@ -144,5 +157,5 @@ def dualpipe_v(p: int, m: int, v: int = 2) -> list[list[Action]]:
         # === 8. flush ===  the W's still queued
         for _ in range(r + 1):
             acts += a_queued_w()
-        out.append(acts)
+        out.append(mark_whole_forwards(acts))
     return out

@@ -25,6 +25,7 @@ class WeightGradStore:
     def __init__(self):
         self.pending = None       # None: compute dW at once (a plain backward)
         self.thread = threading.local()   # .native, per thread: chapter 05 runs a forward beside a backward
+                                          # (and a backward's recomputation runs forwards in its own thread)
 
     @property
     def native(self) -> bool:
@@ -42,9 +43,10 @@ class WeightGradStore:
 
     @contextmanager
     def whole(self):
-        """For a forward whose backward will be one whole pass (its B right before its W): inside,
-        SplitLinear runs as nn.Linear, whose forward and backward are PyTorch's own, a little faster
-        than this file's Python ones, and the same numbers (dx = dy W, dW = dyᵀ x)."""
+        """For a forward whose backward will be one whole pass (an F marked `whole`: its backward is a BW
+        action; or on stage 0, whose W is the whole backward): inside, SplitLinear runs as nn.Linear, whose
+        forward and backward are PyTorch's own, a little faster than this file's Python ones, and the same
+        numbers (dx = dy W, dW = dyᵀ x). The executor enters it for the action, on the thread that runs it."""
         before, self.thread.native = self.native, True
         try:
             yield

@@ -131,7 +131,7 @@ def add_layout_args(p) -> None:
     p.add_argument("--dp", type=POSITIVE_INT, default=None, help="data-parallel degree (default: what is left)")
     p.add_argument("--tp", type=POSITIVE_INT, default=None, help="tensor-parallel degree (default: 2 if possible)")
     p.add_argument("--pp", type=POSITIVE_INT, default=None, help="pipeline stages (default: 2 if possible)")
-    p.add_argument("--schedule", default="1f1b", choices=pipeline_schedules.SCHEDULES + pipeline_schedules.V_SCHEDULES,
+    p.add_argument("--schedule", default="1f1b", choices=list(pipeline_schedules.SCHEDULES),
                    help="pipeline schedule (zb-v, dualpipev: two stages per rank, placed in a V)")
     p.add_argument("--virtual-stages", type=POSITIVE_INT, default=1, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--sequence-parallel", action="store_true", help="TP with sequence parallelism")
@@ -166,7 +166,7 @@ def decide_layout(args, cfg, world: int, degrees=None) -> Layout:
     not given (default: the flags)."""
     dp, tp, pp = default_degrees(world, *(degrees or (args.dp, args.tp, args.pp)))
     m = pipeline_microbatches(args, dp, pp)
-    check_common(args, dp=dp, microbatches=m, cfg=cfg)
+    check_common(args, dp=dp, microbatches=m, cfg=cfg, split_w=pipeline_schedules.SCHEDULES[args.schedule].split_w)
     require(dp * tp * pp == world,
             f"--dp {dp} × --tp {tp} × --pp {pp} = {dp * tp * pp} must equal the world size {world}; "
             f"change the degrees or launch with --nproc_per_node={dp * tp * pp}")

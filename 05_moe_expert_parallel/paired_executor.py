@@ -1,14 +1,15 @@
 """DualPipeV's pairs run as pairs: one micro-batch's forward beside another's backward, on one rank.
 
 Chapter 03's DualPipeV (03_pipeline_parallel/v_schedules.py) issues, in its steady state, the forward of
-one micro-batch on one stage immediately followed by the whole backward of an older one on the other stage
-of the V. As a list that is only an order; chapter 03's executor runs the two one after the other. Its point
+one micro-batch on one stage together with the whole backward of an older one on the other stage of the V:
+one action, a Pair (03_pipeline_parallel/pipeline_actions.py); chapter 03's executor runs the two one after
+the other. Its point
 is for a runtime to run them TOGETHER, so that while one waits in an all-to-all (the experts' dispatch or
 combine, inside every MoE layer, forward and backward) the other computes. This executor does:
 
     F(i, s) ─ forward thread:  attention, route, [dispatch ~~wait~~], experts, [combine ~~wait~~], ...
-    B(j, t) ─ this thread:     ... backward of the experts, [a2a ~~wait~~], attention backward, ...
-                               (B and its W are one whole backward pass: chapter 03's whole_backwards)
+    BW(j, t) ─ this thread:    ... backward of the experts, [a2a ~~wait~~], attention backward, ...
+                               (one whole backward pass, input and weight gradients)
 
   - the pair's messages are received before it starts and sent after it ends, in the schedule's order
     (chapter 03's channels are matched in order: two threads sending would race);
@@ -37,16 +38,8 @@ from common import comm
 
 pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")     # chapter 03: the executor
 measured_executor = import_module("03_pipeline_parallel.measured_executor")     # and its measured form
+pipeline_actions = import_module("03_pipeline_parallel.pipeline_actions")       # the actions' kinds
 from common.timeline import COMPUTE, length, minus, union                        # noqa: E402
-
-
-def is_pair(actions, i: int) -> bool:
-    """Actions i, i+1, i+2 are a pair: F of one micro-batch, then B and W (one whole backward) of another
-    micro-batch on another stage."""
-    if i + 2 >= len(actions):
-        return False
-    f, b, w = actions[i:i + 3]
-    return (f.kind, b.kind, w.kind) == ("F", "B", "W") and (w.mb, w.stage) == (b.mb, b.stage) and b.stage != f.stage
 
 
 def twin_groups(mesh, dims: tuple) -> dict:
@@ -62,8 +55,8 @@ def twin_groups(mesh, dims: tuple) -> dict:
 
 
 class PairedExecutor(measured_executor.MeasuredExecutor):
-    """Chapter 03's measured executor, whose pairs (is_pair) run on two threads; `twins`: twin_groups'
-    map, the groups the backward of a pair talks on. Every other action runs as chapter 03 runs it."""
+    """Chapter 03's measured executor, whose Pairs run on two threads; `twins`: twin_groups' map, the
+    groups the backward of a pair talks on. Every other action runs as chapter 03 runs it."""
 
     def __init__(self, *args, twins: dict, **kwargs):
         super().__init__(*args, **kwargs)
@@ -74,31 +67,29 @@ class PairedExecutor(measured_executor.MeasuredExecutor):
 
     def run_actions(self, actions, tokens: list, targets: list, on_stage_grads_ready) -> None:
         last_grad_action = pipeline_executor.last_grad_actions(actions)
-        self.pairs_run, i = 0, 0
-        while i < len(actions):
-            n = 3 if is_pair(actions, i) else 1
-            if n == 3:
-                self.run_pair(*actions[i:i + 3], tokens, targets)
+        self.pairs_run = 0
+        for i, a in enumerate(actions):
+            if a.kind == pipeline_actions.OVERLAP:
+                self.run_pair(a, tokens, targets)
                 self.pairs_run += 1
             else:
-                outgoing = self.compute(actions[i], self.receive(actions[i]), tokens, targets)
+                outgoing = self.compute(a, self.receive(a), tokens, targets)
                 if outgoing is not None:
                     self.send(*outgoing)
-            for j in range(i, i + n):
-                if last_grad_action[actions[j].stage] == j:
-                    on_stage_grads_ready(actions[j].stage)
-            i += n
+            for stage in {u.stage for u in pipeline_actions.units([a])}:
+                if last_grad_action[stage] == i:
+                    on_stage_grads_ready(stage)
 
     def _count_activations(self, a, saved: list) -> None:
         with self.meter_lock:
             super()._count_activations(a, saved)
 
-    def run_pair(self, f, b, w, tokens: list, targets: list) -> None:
+    def run_pair(self, pair, tokens: list, targets: list) -> None:
+        f, b = pair.forward, pair.backward                            # an F, and a BW on another stage
         got_f, got_b = self.receive(f), self.receive(b)               # both inputs first (mb, S, D)
         forward = self.forward_thread.submit(self.compute, f, got_f, tokens, targets)
         with comm.on_twins(self.twins):                               # the backward on its own communicators
             out_b = self.compute(b, got_b, tokens, targets)
-            self.compute(w, None, tokens, targets)
         out_f = forward.result()                                      # (re-raises the forward's error)
         for outgoing in (out_f, out_b):                               # in the schedule's order: F's, then B's
             if outgoing is not None:

@@ -23,16 +23,18 @@ layout_costs = import_module("07_choosing_a_layout.layout_costs")      # this ch
 runnable = import_module("07_choosing_a_layout.runnable")              # this chapter: the scripts' own checks
 partial_recompute = import_module("07_choosing_a_layout.partial_recompute")  # this chapter: the fewest blocks
 published = import_module("07_choosing_a_layout.published")            # this chapter: published runs
+pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")   # chapter 03: the schedule registry
 
 
 def schedules(cfg, pp: int) -> list[tuple[str, int]]:
-    """(name, virtual stages) of every schedule the chapters run at `pp`: 1F1B, interleaved 1F1B (chunks_per_rank),
-    ZB-H1, and the V's two (ZB-V, DualPipeV: two stages per rank). GPipe is left out: it has 1F1B's bubble
-    and time and keeps all m micro-batches in flight instead of at most p, so it never ranks above 1F1B."""
+    """(name, virtual stages) of every schedule the chapters run at `pp` (chapter 03's registry): 1F1B,
+    interleaved 1F1B (chunks_per_rank), ZB-H1, and the V's two (ZB-V, DualPipeV: two stages per rank). GPipe is
+    left out: it has 1F1B's bubble and time and keeps all m micro-batches in flight instead of at most p, so it
+    never ranks above 1F1B."""
     if pp == 1:
         return [("1f1b", 1)]
-    return ([("1f1b", 1)] + [("interleaved", v) for v in chunks_per_rank(cfg.n_layers, pp)]
-            + [("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)])
+    return [(name, v) for name, s in pipeline_schedules.SCHEDULES.items() if name != "gpipe"
+            for v in (chunks_per_rank(cfg.n_layers, pp) if s.virtual else [s.stages or 1])]
 
 
 def chunks_per_rank(n_layers: int, pp: int) -> list[int]:

@@ -212,8 +212,10 @@ def predicted_bytes(cfg, args, mb_rows: int, tp: int = 1, sequence_parallel: boo
 def schedule_peak(actions, held: dict, deferred: dict) -> int:
     """The most bytes alive at once on a pipeline rank running `actions` (kind, mb, stage) in order,
     as the measurement counts them: F holds held[stage] until the micro-batch's last backward action
-    on that stage; a B that a W follows (zero bubble) keeps deferred[stage] until the W instead (on
-    stage 0 it does nothing: no stage waits for a token's gradient)."""
+    on that stage (B, W or BW); a B that a W follows (zero bubble) keeps deferred[stage] until the W
+    instead (on stage 0 it does nothing: no stage waits for a token's gradient). DualPipeV's Pair (kind
+    "F+BW", a tuple of its two actions: 03_pipeline_parallel/pipeline_actions.py) counts as its F, then its BW."""
+    actions = [u for a in actions for u in (a if a.kind == "F+BW" else (a,))]
     waits_for_w = {(a.mb, a.stage) for a in actions if a.kind == "W"}
     alive, live, peak = {}, 0, 0                  # live = sum(alive.values()), kept as it changes
     for a in actions:

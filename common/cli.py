@@ -121,10 +121,11 @@ def base_parser(description: str, pipeline: bool = False) -> Parser:
     return p
 
 
-def check_common(args, dp: int = 1, microbatches: int | None = None, cfg=None) -> None:
+def check_common(args, dp: int = 1, microbatches: int | None = None, cfg=None, split_w: bool = False) -> None:
     """Checks across flags that every script needs. `dp` is the data-parallel degree the batch is split
     over, `microbatches` the count each of its ranks cuts its rows into (default: --microbatches);
-    `cfg` the model's configuration (default: the --model preset's; the layout planner passes a published shape)."""
+    `cfg` the model's configuration (default: the --model preset's; the layout planner passes a published shape);
+    `split_w`: the pipeline schedule splits the backward into B and W (pipeline_schedules.SCHEDULES)."""
     m = microbatches or args.microbatches
     max_seq_len = (cfg or PRESETS[args.model]).max_seq_len
     require(args.seq_len <= max_seq_len,
@@ -139,7 +140,7 @@ def check_common(args, dp: int = 1, microbatches: int | None = None, cfg=None) -
     require(not args.no_activation_meter or getattr(args, "impl", None) != "torch",
             "--no-activation-meter is for the course's own --impl: PyTorch's (--impl torch) meters no "
             "activations; drop the flag")
-    check_compile(args)
+    check_compile(args, split_w)
     if args.checkpoint_dir and not args.resume:
         checkpoint.refuse_fresh_run_over(args.checkpoint_dir)     # another run's checkpoints are kept
     data = Path(args.data) if args.data else DEFAULT_CORPUS

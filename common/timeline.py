@@ -23,7 +23,7 @@ that `load_trace` reads back for plotting.
 
 Kinds used by the pipeline chapter: F, B, W (compute), send (posting an isend, and the wait for
 all sends at the end of the step), recv (time blocked waiting for a message), idle (gaps between
-compute inside a step, derived when writing). The bubble is idle = not inside F, B or W.
+compute inside a step, derived when writing). The bubble is idle = not inside F, B, W or BW.
 """
 import json
 import platform
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-COMPUTE = ("F", "B", "W")
+COMPUTE = ("F", "B", "W", "BW")        # BW: B and W in one pass (03_pipeline_parallel/pipeline_actions.py)
 CLOCK = "time.monotonic_ns (CLOCK_MONOTONIC on Linux: one clock per machine)"
 
 

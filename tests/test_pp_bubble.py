@@ -80,7 +80,8 @@ def test_fit_recovers_the_costs_of_a_synthetic_trace(name, v):
     into simulate they give the trace's bubble. (Gap = hand-over per rank here: when a message arrives
     within a gap of the rank becoming free, which of the two the rank paid cannot be told apart.)"""
     p, m = 2, 4
-    per_stage = {(k, s): 1.0 + 0.3 * s + {"F": 0.0, "B": 0.9, "W": 0.4}[k] for k in "FBW" for s in range(p * v)}
+    per_stage = {(k, s): 1.0 + 0.3 * s + {"F": 0.0, "B": 0.9, "W": 0.4, "BW": 1.6}[k] for k in ("F", "B", "W", "BW")
+                 for s in range(p * v)}
     overhead = {0: 0.05, 1: 0.2}
     sim, events = synthetic_trace(name, p, m, v, lambda r, a: per_stage[(a.kind, a.stage)],
                                   lambda r, a: overhead[r])

@@ -11,13 +11,16 @@ pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
 schedule_simulator = import_module("03_pipeline_parallel.schedule_simulator")
 pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")
+units = import_module("03_pipeline_parallel.pipeline_actions").units
+SCHEDULES = pipeline_schedules.SCHEDULES
+LOOPS = [name for name, s in SCHEDULES.items() if not s.stages]      # stage s on rank s % p
 
 
 def cases():
     for p in (1, 2, 3, 4):
         for m in (1, 2, 3, 4, 5, 8, 12):
-            for name in pipeline_schedules.SCHEDULES:
-                for v in ((1, 2, 3) if name == "interleaved" else (1,)):
+            for name in LOOPS:
+                for v in ((1, 2, 3) if SCHEDULES[name].virtual else (1,)):
                     if name == "interleaved" and m % p:
                         continue
                     yield name, p, m, v
@@ -48,17 +51,22 @@ def test_v_every_forward_has_its_backward_once(name, p, m, v):
 
 def every_forward_has_its_backward_once(name, p, m, v):
     sched = pipeline_schedules.build_schedule(name, p, m, v)
+    split = SCHEDULES[name].split_w
     for r, acts in enumerate(sched):
-        counts = Counter(acts)
+        one = units(acts)                            # a Pair: its F, then its BW
+        assert split or {a.kind for a in acts} <= {"F", "B"}, "BW, W and Pairs belong to split schedules"
+        whole = {(a.mb, a.stage) for a in one if a.kind == "BW"}
+        assert all(a.whole == ((a.mb, a.stage) in whole) for a in one if a.kind == "F"), "F says if its backward is a BW"
+        work = [(k, a.mb, a.stage) for a in one for k in (("B", "W") if a.kind == "BW" else (a.kind,))]
+        counts = Counter(work)
         assert all(c == 1 for c in counts.values()), f"rank {r} repeats an action"
         stages = [s for s, rank in enumerate(pipeline_schedules.stage_ranks(name, p, v)) if rank == r]
-        assert stages == ([r, 2 * p - 1 - r] if name in pipeline_schedules.V_SCHEDULES else stages)   # the V
-        kinds = ("F", "B", "W") if name in ("zb-h1", "zb-v", "dualpipev") else ("F", "B")
-        assert set(counts) == {pipeline_schedules.Action(k, mb, s) for k in kinds for mb in range(m) for s in stages}
-        for a in acts:                               # B after its F, W after its B, on this rank
-            if a.kind != "F":
-                before = pipeline_schedules.Action("F" if a.kind == "B" else "B", a.mb, a.stage)
-                assert acts.index(before) < acts.index(a)
+        assert stages == ([r, 2 * p - 1 - r] if SCHEDULES[name].stages == 2 else list(range(r, p * v, p)))  # V, loop
+        kinds = ("F", "B", "W") if split else ("F", "B")
+        assert set(counts) == {(k, mb, s) for k in kinds for mb in range(m) for s in stages}
+        for k, mb, s in work:                        # B after its F, W after its B, on this rank
+            if k != "F":
+                assert work.index(("F" if k == "B" else "B", mb, s)) < work.index((k, mb, s))
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
@@ -89,6 +97,7 @@ def run_protocol(sched, n: int, blocking_sends: bool) -> None:
     blocking_sends=True: a send completes only once the receiver posted its irecv (rendezvous)."""
     p, rank_of = len(sched), pipeline_schedules.placement(sched)
     orders = [pipeline_executor.incoming_order(sched, r, n) for r in range(p)]
+    sched = [units(acts) for acts in sched]                  # chapter 03's executor: a Pair's F, then its BW
     # Round-robin over the ranks; each advances when it can; nobody can -> deadlock.
     queues = [{src: list(keys) for src, keys in o.items()} for o in orders]
     posted, sent = [set() for _ in range(p)], set()
@@ -133,7 +142,7 @@ def executor_message_plan_matches_and_never_deadlocks(name, p, m, v):
     assert rank_of == pipeline_schedules.stage_ranks(name, p, v)     # the lists run where the stages live
     orders = [pipeline_executor.incoming_order(sched, r, n) for r in range(p)]
     for r in range(p):                               # every message sent is consumed exactly once
-        needed = Counter(pipeline_executor.needed_message(a, n, p, rank_of) for a in sched[r])
+        needed = Counter(pipeline_executor.needed_message(a, n, p, rank_of) for a in units(sched[r]))
         needed = Counter({k: c for k, c in needed.items() if k is not None and k[1] != r})
         expected = Counter((k, src) for src, keys in orders[r].items() for k in keys)
         assert needed == expected
@@ -155,7 +164,7 @@ def test_interleaved_needs_asynchronous_sends():
 
 def test_v_schedules_have_torch_s_order_rank_by_rank():
     """Our zb_v and dualpipe_v give every rank the very list of actions PyTorch's ScheduleZBVZeroBubble and
-    ScheduleDualPipeV compute (torch_order.py translates their vocabulary: full backward = B, W)."""
+    ScheduleDualPipeV compute, in the same order (torch_order.py translates their vocabulary: full backward = BW)."""
     torch_order = import_module("03_pipeline_parallel.torch_order")
     for p in (1, 2, 3, 4):
         for m in range(1, 17):
@@ -188,7 +197,7 @@ def test_what_check_schedule_accepts_is_built_whole():
     p, m, v every schedule it accepts builds whole (each action once, in order), and the grid's bad cases
     are refused."""
     accepted = 0
-    for name in pipeline_schedules.SCHEDULES + pipeline_schedules.V_SCHEDULES:
+    for name in SCHEDULES:
         for p in (1, 2, 3, 4):
             for m in range(1, 13):
                 for v in (1, 2, 3, 4):
@@ -212,7 +221,7 @@ def test_bad_schedules_say_how_to_fix():
         pipeline_stages.stage_specs(PRESETS["tiny"], 4, 4, 32)
     with pytest.raises(ConfigError, match="needs --microbatches ≥ 2 × --pp"):
         pipeline_schedules.build_schedule("dualpipev", 4, 7, 2)
-    with pytest.raises(ConfigError, match="two stages per rank"):
+    with pytest.raises(ConfigError, match="holds 2 stages per rank"):
         pipeline_schedules.build_schedule("zb-v", 4, 8, 1)
 
 

@@ -1,11 +1,9 @@
 """Chapter 03's zero-bubble split of a backward (zero_bubble.py), in one process: B and W together equal
-one plain backward, and a B right before its own W runs as one whole pass with the same gradients."""
+one plain backward, and a whole backward (a BW action) runs as one pass with the same gradients."""
 from importlib import import_module
 
 from common.model import PRESETS
 
-pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
-pipeline_executor = import_module("03_pipeline_parallel.pipeline_executor")
 
 
 def test_split_linear_defers_weight_grads_and_w_completes_them():
@@ -45,22 +43,22 @@ def test_split_linear_defers_weight_grads_and_w_completes_them():
             torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-6, atol=1e-9, msg=name)
 
 
-def test_a_b_right_before_its_w_is_one_whole_pass():
-    """DualPipeV's pairs and ZB-V's steady state write a whole backward as B then its W: the executor
-    runs those as one pass (whole_backwards), their forward with the linear layers as nn.Linear
-    (WeightGradStore.whole), and the gradients are the split's, bit for bit."""
+def test_a_whole_backward_is_one_pass_with_the_split_s_gradients():
+    """DualPipeV's pairs and ZB-V's steady state write a whole backward as a BW action: its F says so
+    (`whole`), the executor runs that forward with the linear layers as nn.Linear (WeightGradStore.whole)
+    and the BW as one pass, and the gradients are the split's, bit for bit."""
     import torch
     from common.model import build_model, loss_sum
     zero_bubble = import_module("03_pipeline_parallel.zero_bubble")
     v_schedules = import_module("03_pipeline_parallel.v_schedules")
-    A = pipeline_schedules.Action
-    acts = [A("F", 0, 1), A("B", 0, 1), A("W", 0, 1), A("B", 1, 1), A("F", 2, 1), A("W", 1, 1), A("B", 2, 1),
-            A("W", 3, 1)]
-    assert pipeline_executor.whole_backwards(acts) == {(0, 1)}     # not B(1) (an F between), not B(2) (W(3))
-    for rank in v_schedules.dualpipe_v(2, 8):                      # every pair's backward is whole
-        pairs = [i for i in range(len(rank) - 2) if [a.kind for a in rank[i:i + 3]] == ["F", "B", "W"]]
-        assert pairs and all((rank[i + 1].mb, rank[i + 1].stage) in pipeline_executor.whole_backwards(rank)
-                             for i in pairs)
+    actions = import_module("03_pipeline_parallel.pipeline_actions")
+    A = actions.Action
+    acts = [A("F", 0, 1), A("BW", 0, 1), A("F", 1, 1), A("B", 1, 1), A("W", 1, 1),
+            actions.Pair(A("F", 2, 1), A("BW", 0, 2)), A("BW", 2, 1)]
+    assert [a.whole for a in actions.units(actions.mark_whole_forwards(acts)) if a.kind == "F"] == [True, False, True]
+    for rank in v_schedules.dualpipe_v(2, 8):                      # every pair: an F, and a BW on the other stage
+        pairs = [a for a in rank if a.kind == actions.OVERLAP]
+        assert pairs and all((f.kind, b.kind) == ("F", "BW") and f.stage != b.stage for f, b in pairs)
     cfg = PRESETS["tiny"]
     models = [build_model(cfg, seed=3) for _ in range(2)]
     store = zero_bubble.WeightGradStore()

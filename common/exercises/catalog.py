@@ -144,10 +144,11 @@ EXERCISES = [
     Exercise("03.zbv", "03_pipeline_parallel/v_schedules.py",
              "zb_v: rank r's action list on its two stages of the V (warmup, steady state, cooldown, flush)",
              "The bubble, step by step — `pipeline_schedules.py`",
-             "c.take(kind, stage) issues the next micro-batch of that kind on that stage; warmup: 2(p-r)-1 F down, "
-             "r × (F up, F down), p-r × (F, B, W up); steady state, while forwards remain: F down (if any left), B, "
-             "W down, then F, B, W up; cooldown: r × (B down, B up), p-r × (B down, W down); flush the W's still "
-             "owed, up stage first (c.next[(kind, stage)] counts what was issued)",
+             "c.take(kind, stage) issues the next micro-batch of that kind on that stage, c.whole(stage) its B and W "
+             "as one whole backward (BW); warmup: 2(p-r)-1 F down, r × (F up, F down), p-r × (F up, BW up); steady "
+             "state, while forwards remain: F down (if any left), BW down, then F up, BW up; cooldown: r × (B down, "
+             "B up), p-r × c.b_then_a_w(down) (B, then the oldest W owed); flush the W's still owed, up stage first "
+             "(c.next[(kind, stage)] counts what was issued)",
              units=("tests/test_pp_schedules.py::test_v_schedules_have_torch_s_order_rank_by_rank",
                     "tests/test_pp_schedules.py::test_v_every_forward_has_its_backward_once",
                     "tests/test_pp_schedules.py::test_v_dependencies_and_in_flight_limit"),

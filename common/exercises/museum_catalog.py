@@ -143,8 +143,8 @@ EXHIBITS = (
         "zero-bubble (zb-h1) with data parallelism drifts from one device; 1F1B with DP, and zb-h1 alone, match",
         "gradients reduced before they are final (the all-reduce launched before zero bubble's W)",
         "03_pipeline_parallel/pipeline_executor.py",
-        "return {a.stage: i for i, a in enumerate(actions) if a.kind in (\"B\", \"W\")}",
-        "return {a.stage: i for i, a in enumerate(actions) if a.kind == \"B\"}",
+        "return {u.stage: i for i, a in enumerate(actions) for u in units([a]) if u.kind in GRADS_DONE}",
+        "return {u.stage: i for i, a in enumerate(actions) for u in units([a]) if u.kind in BACKWARDS}",
         ("tests/test_pp.py::test_world_4",),
         ("python 03_pipeline_parallel/train_pp.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
          "torchrun --nproc_per_node=4 03_pipeline_parallel/train_pp.py --pp 2 --schedule zb-h1 --microbatches 2 "

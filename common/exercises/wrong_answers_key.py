@@ -54,10 +54,10 @@ WRONG_EDITS = {
     },
     "03.zbv": {
         "warmup_too_long": ("for _ in range(2 * (p - r) - 1)]", "for _ in range(2 * (p - r))]"),
-        "steady_up_first": ("            acts += [c.take(\"B\", down), c.take(\"W\", down)]\n"
-                            "            acts += [c.take(\"F\", up), c.take(\"B\", up), c.take(\"W\", up)]\n",
-                            "            acts += [c.take(\"F\", up), c.take(\"B\", up), c.take(\"W\", up)]\n"
-                            "            acts += [c.take(\"B\", down), c.take(\"W\", down)]\n"),
+        "steady_up_first": ("            acts += [c.whole(down)]\n"
+                            "            acts += [c.take(\"F\", up), c.whole(up)]\n",
+                            "            acts += [c.take(\"F\", up), c.whole(up)]\n"
+                            "            acts += [c.whole(down)]\n"),
         "flush_down_first": ("        acts += [c.take(\"W\", up) for _ in range(c.next[(\"B\", up)] - c.next[(\"W\", up)])]\n"
                              "        acts += [c.take(\"W\", down) for _ in range(c.next[(\"B\", down)] - c.next[(\"W\", down)])]\n",
                              "        acts += [c.take(\"W\", down) for _ in range(c.next[(\"B\", down)] - c.next[(\"W\", down)])]\n"

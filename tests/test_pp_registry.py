@@ -1,0 +1,113 @@
+"""One schedule registry, and no import circle.
+
+A schedule is added to the course in one place, chapter 03's `pipeline_schedules.SCHEDULES`: in a copy of the
+course whose registry gains the one line `SCHEDULES["gpipe2"] = SCHEDULES["gpipe"]`, chapter 03's and chapter
+04's scripts train with `--schedule gpipe2` to the single-device losses, and chapter 07's planner explains a
+layout that runs it. And the course's own modules import each other without a circle (read from the source).
+"""
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from harness import ROOT, losses, max_rel_diff
+
+STEPS = ["--steps", "3", "--seq-len", "32", "--global-batch", "8", "--quiet"]
+
+
+def course_copy(tmp: Path) -> Path:
+    """The course's files (git's, tracked or not ignored, as they are in the working tree) copied under tmp, with
+    gpipe2 registered."""
+    tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+    for name in tracked:
+        if (ROOT / name).is_file():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, tmp / name)
+    with open(tmp / "03_pipeline_parallel" / "pipeline_schedules.py", "a") as f:
+        f.write('SCHEDULES["gpipe2"] = SCHEDULES["gpipe"]\n')
+    return tmp
+
+
+def train(course: Path, ranks: int, script: str, flags: list) -> list[float]:
+    """One launch of `script` on `ranks` ranks in the copy; its losses, step by step."""
+    metrics = course / f"{Path(script).stem}_{ranks}.jsonl"
+    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+                                   if ranks > 1 else [])
+    proc = subprocess.run(launcher + [script, *STEPS, *flags, "--metrics", str(metrics)], cwd=course,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return losses([json.loads(line) for line in metrics.read_text().splitlines()])
+
+
+def test_a_schedule_added_in_one_line_trains_and_is_planned(tmp_path):
+    course = course_copy(tmp_path)
+    one_device = train(course, 1, "03_pipeline_parallel/train_pp.py", [])
+    pipeline = train(course, 2, "03_pipeline_parallel/train_pp.py", ["--schedule", "gpipe2", "--microbatches", "2"])
+    grid = train(course, 2, "04_3d_combined/train_3d.py", ["--dp", "1", "--tp", "1", "--pp", "2", "--schedule",
+                                                           "gpipe2", "--microbatches", "2", "--sample-tokens", "0"])
+    assert len(one_device) == 3 and max_rel_diff(pipeline, one_device) <= 1e-6, (pipeline, one_device)
+    assert max_rel_diff(grid, one_device) <= 1e-6, (grid, one_device)
+    plan = subprocess.run([sys.executable, "07_choosing_a_layout/choose_layout.py", "--model", "tiny", "--world", "2",
+                           "--explain", "dp=1,tp=1,pp=2,schedule=gpipe2,m=2"], cwd=course, capture_output=True,
+                          text=True, timeout=600)
+    assert plan.returncode == 0 and "gpipe2" in plan.stdout, plan.stdout[-2000:] + plan.stderr[-2000:]
+
+
+def course_modules() -> dict[str, Path]:
+    """Every Python module of the course by its dotted name (03_pipeline_parallel.pipeline_schedules)."""
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in ROOT.glob("[0-9c]*/**/*.py")
+            if ".venv" not in p.parts and p.name != "__init__.py"}
+
+
+def imports_of(name: str, path: Path, known: set) -> set[str]:
+    """The course modules `name` imports: `import x`, `from x import y` (x.y where that is a module), relative
+    imports, and import_module("...") with a constant name; at any depth of the file (a function's too)."""
+    package, found = name.rpartition(".")[0], set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module" \
+                and node.args and isinstance(node.args[0], ast.Constant):
+            targets = [node.args[0].value]
+        found |= {t for t in targets if t in known}
+    return found - {name}
+
+
+def find_circle(graph: dict[str, set]) -> list[str] | None:
+    """A circle of imports in `graph` (module -> the modules it imports), or None: a depth-first search."""
+    state, path = {}, []                      # state: 1 on the current path, 2 done
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (circle := visit(nxt)):
+                return circle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (circle := visit(node)):
+            return circle
+    return None
+
+
+def test_no_module_of_the_course_imports_in_a_circle():
+    modules = course_modules()
+    graph = {name: imports_of(name, path, set(modules)) for name, path in modules.items()}
+    assert graph["03_pipeline_parallel.pipeline_schedules"] >= {"03_pipeline_parallel.v_schedules"}   # read at all
+    assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_circle(graph) is None, " -> ".join(find_circle(graph))
