@@ -9,9 +9,11 @@ trainers of plain data parallelism:
   ours and PyTorch's (torch_dp.py, zero_torch.py).
 - `ForwardBackward`: the `forward_backward` verb of our trainers (here and ZeRO's, zero_sharding.py
   and zero_stage3.py): a trainer says how the model runs (`forward`) and, if its backward
-  communicates, what holds that back while more micro-batches follow (`no_sync`).
-- `Replicas`: every rank holds the whole model, gradient and AdamW; `NaiveDP` and `BucketedDP` add
-  the gradient sync of data_parallel.py, the one thing in which they differ.
+  communicates, what holds that back while more micro-batches follow (`no_sync`); the optimizer's
+  verbs are its optimizer object's, passed in (common/step_protocol.py).
+- `Replicas`: every rank holds the whole model and gradient, and steps a replicated AdamW
+  (replicated_adamw.py); `NaiveDP` and `BucketedDP` add the gradient sync of data_parallel.py, the one
+  thing in which they differ.
 """
 from contextlib import nullcontext
 
@@ -20,9 +22,7 @@ import torch.nn as nn
 
 from common import comm
 from common.model import loss_sum
-from common.optim import build_adamw, clip_by_global_norm, optim_bytes
 from common.step_protocol import OptimizerVerbs
-from common.training import load_optim_state_by_name, optim_state_by_name
 
 from .data_parallel import BucketedDataParallel, allreduce_gradients, broadcast_parameters
 
@@ -42,11 +42,12 @@ def counted_comm_bytes() -> dict:
     return {"comm_bytes": comm.COUNTER.total(), "comm_bytes_sent": sum(comm.COUNTER.sent.values())}
 
 
-class ForwardBackward:
-    """`forward_backward` for our trainers, which run the whole model on this rank's rows."""
+class ForwardBackward(OptimizerVerbs):
+    """`forward_backward` for our trainers, which run the whole model on this rank's rows; `step`,
+    `zero_grad`, `set_lr`, the clipping and the bytes are `optimizer`'s (replicated AdamW or ZeRO)."""
 
-    def __init__(self, tokens_per_step: int, bf16: bool = False):
-        self.tokens_per_step, self.bf16 = tokens_per_step, bf16
+    def __init__(self, optimizer, tokens_per_step: int, bf16: bool = False):
+        self.optimizer, self.tokens_per_step, self.bf16 = optimizer, tokens_per_step, bf16
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, sync: bool = True) -> torch.Tensor:
         with nullcontext() if sync else self.no_sync():
@@ -60,46 +61,41 @@ class ForwardBackward:
     def comm_bytes(self) -> dict:
         return counted_comm_bytes()
 
+    def clip_grad_norm(self, max_norm: float) -> float:
+        # a replica holds the full gradient: its norm is already global; ZeRO sums its shards' over DP
+        return self.optimizer.clip_grad_norm(max_norm)
 
-class Replicas(OptimizerVerbs, ForwardBackward):
-    """Every rank holds the whole model, the whole gradient and the whole AdamW: M(1+1+α) bytes.
-    Everything but the gradient sync, which is what NaiveDP and BucketedDP do differently.
-    `module` is what forward runs: the model, or a wrapper around it that hooks its gradients."""
+    def memory(self) -> dict:
+        return self.optimizer.memory()
 
-    def __init__(self, model: nn.Module, module: nn.Module, lr: float, weight_decay: float, tokens_per_step: int,
-                 bf16: bool = False):
-        super().__init__(tokens_per_step, bf16)
+    def load_optim_state(self, states: dict) -> None:
+        self.optimizer.load_optim_state(states)
+
+
+class Replicas(ForwardBackward):
+    """Every rank holds the whole model, the whole gradient and the whole AdamW (`optimizer`, a
+    replicated_adamw.ReplicatedAdamW over the model's parameters): M(1+1+α) bytes. Everything but the
+    gradient sync, which is what NaiveDP and BucketedDP do differently. `module` is what forward runs:
+    the model, or a wrapper around it that hooks its gradients."""
+
+    def __init__(self, model: nn.Module, module: nn.Module, optimizer, tokens_per_step: int, bf16: bool = False):
+        super().__init__(optimizer, tokens_per_step, bf16)
         self.model, self.module = model, module
-        self.optimizer = build_adamw(model.named_parameters(), lr, weight_decay)
-        self.named = list(model.named_parameters())
 
     def forward(self, x):
         return self.module(x)                                            # (B, S) -> (B, S, V)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        # Every replica now holds the full gradient: its norm is already global, no collective needed.
-        return clip_by_global_norm([p.grad for p in self.model.parameters()], max_norm)
-
-    def memory(self) -> dict:
-        params = list(self.model.parameters())
-        return {"param_bytes": tensor_bytes(params),
-                "grad_bytes": tensor_bytes(p.grad for p in params if p.grad is not None),
-                "optim_bytes": optim_bytes(self.optimizer)}
-
     def full_state(self):
         """(model state, AdamW state by name): every replica holds it whole."""
-        return self.model.state_dict(), optim_state_by_name(self.optimizer, self.named)
-
-    def load_optim_state(self, states: dict) -> None:
-        load_optim_state_by_name(self.optimizer, self.named, states)
+        return self.model.state_dict(), self.optimizer.optim_state()
 
 
 class NaiveDP(Replicas):
     """`--impl naive`: backward runs undisturbed, then every gradient is all-reduced, one by one."""
 
-    def __init__(self, model, group, lr: float, weight_decay: float, tokens_per_step: int, bf16: bool = False):
+    def __init__(self, model, group, optimizer, tokens_per_step: int, bf16: bool = False):
         broadcast_parameters(model, group)
-        super().__init__(model, model, lr, weight_decay, tokens_per_step, bf16)
+        super().__init__(model, model, optimizer, tokens_per_step, bf16)
         self.group = group
 
     def sync_gradients(self) -> None:
@@ -109,10 +105,8 @@ class NaiveDP(Replicas):
 class BucketedDP(Replicas):
     """`--impl bucketed`: the all-reduce of each bucket starts during backward (BucketedDataParallel)."""
 
-    def __init__(self, model, group, lr: float, weight_decay: float, tokens_per_step: int, bf16: bool = False,
-                 bucket_mb: float = 25.0):
-        super().__init__(model, BucketedDataParallel(model, group, bucket_mb), lr, weight_decay, tokens_per_step,
-                         bf16)
+    def __init__(self, model, group, optimizer, tokens_per_step: int, bf16: bool = False, bucket_mb: float = 25.0):
+        super().__init__(model, BucketedDataParallel(model, group, bucket_mb), optimizer, tokens_per_step, bf16)
 
     def no_sync(self):
         return self.module.no_sync()              # only the last micro-batch's backward sends buckets
@@ -120,6 +114,3 @@ class BucketedDP(Replicas):
     def sync_gradients(self) -> None:
         self.module.sync_gradients()              # wait for the buckets' all-reduces, started in backward
 
-
-def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)

@@ -15,11 +15,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from common import comm
-from common.optim import clip_by_global_norm
 from common.step_protocol import OptimizerVerbs
-from common.training import load_optim_state_by_name, optim_state_by_name
 
-from .dp_trainer import counted_comm_bytes, forward_backward_rows, tensor_bytes
+from .dp_trainer import counted_comm_bytes, forward_backward_rows
+from .replicated_adamw import tensor_bytes
 
 
 def counted_allreduce_hook(group, bucket):
@@ -41,12 +40,12 @@ def counted_ddp(model, group, bucket_mb: float) -> DistributedDataParallel:
 
 class TorchDDP(OptimizerVerbs):
     """`train_dp.py --impl torch`: DistributedDataParallel behind the verbs of the step protocol, beside
-    NaiveDP and BucketedDP (dp_trainer.py). `optimizer` is built by the caller over `model`'s parameters:
-    AdamW here, ZeroRedundancyOptimizer for ZeRO stage 1 (zero_torch.py); `step`, `zero_grad` and
-    `set_lr` are its verbs (OptimizerVerbs)."""
+    NaiveDP and BucketedDP (dp_trainer.py). `optimizer` is the caller's replicated_adamw.ReplicatedAdamW
+    over `model`'s parameters, stepping AdamW here, ZeroRedundancyOptimizer for ZeRO stage 1
+    (zero_torch.py); `step`, `zero_grad` and `set_lr` are its verbs (OptimizerVerbs)."""
 
     def __init__(self, model, group, optimizer, tokens_per_step: int, bf16: bool = False, bucket_mb: float = 25.0):
-        self.model, self.optimizer, self.named = model, optimizer, list(model.named_parameters())
+        self.model, self.optimizer = model, optimizer
         self.ddp = counted_ddp(model, group, bucket_mb)
         self.tokens_per_step, self.bf16 = tokens_per_step, bf16
 
@@ -59,21 +58,20 @@ class TorchDDP(OptimizerVerbs):
         pass    # nothing left: DDP's last backward waited for every bucket's all-reduce before returning
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        # Every replica holds the full gradient: its norm is already global, no collective needed.
-        return clip_by_global_norm([p.grad for p in self.model.parameters()], max_norm)
+        return self.optimizer.clip_grad_norm(max_norm)    # every replica holds the full gradient: no collective
 
     def memory(self) -> dict:
-        return measured_memory(self.model, self.optimizer)
+        return measured_memory(self.model, self.optimizer.optimizer)
 
     def comm_bytes(self) -> dict:
         return counted_comm_bytes()      # DDP's all-reduce goes through the counting hook
 
     def full_state(self):
         """(model state, AdamW state by name): every replica holds it whole."""
-        return self.model.state_dict(), optim_state_by_name(self.optimizer, self.named)
+        return self.model.state_dict(), self.optimizer.optim_state()
 
     def load_optim_state(self, states: dict) -> None:
-        load_optim_state_by_name(self.optimizer, self.named, states)
+        self.optimizer.load_optim_state(states)
 
 
 def local(t):

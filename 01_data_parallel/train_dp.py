@@ -24,11 +24,12 @@ from common.errors import run_main
 from common.mesh import Mesh
 from common.metrics import RunLog, format_bytes
 from common.model import build_model, count_parameters, dense_preset
-from common.optim import build_adamw, lr_at
+from common.optim import lr_at
 from common.training import (StepTimer, global_sum, resume_state, run_identity, should_save, start_rng,
                              stop_if_not_finite)
 
 dp_trainer = import_module("01_data_parallel.dp_trainer")
+replicated_adamw = import_module("01_data_parallel.replicated_adamw")
 torch_dp = import_module("01_data_parallel.torch_dp")
 
 
@@ -125,11 +126,12 @@ def config_rows(args, cfg, model, rt, data: str, start: int) -> dict:
 def build_trainer(args, model, group):
     """The trainer of `--impl`, chosen once: ours (dp_trainer.py) or PyTorch's DDP (torch_dp.py)."""
     kw = dict(tokens_per_step=args.global_batch * args.seq_len, bf16=args.dtype == "bf16")
+    # the optimizer, passed in: AdamW on the whole model, on every replica (the trainer sums the gradients)
+    adamw = replicated_adamw.ReplicatedAdamW(model.named_parameters(), args.lr, args.weight_decay)
     if args.impl == "naive":
-        return dp_trainer.NaiveDP(model, group, args.lr, args.weight_decay, **kw)
+        return dp_trainer.NaiveDP(model, group, adamw, **kw)
     if args.impl == "bucketed":
-        return dp_trainer.BucketedDP(model, group, args.lr, args.weight_decay, bucket_mb=args.bucket_mb, **kw)
-    adamw = build_adamw(model.named_parameters(), args.lr, args.weight_decay)
+        return dp_trainer.BucketedDP(model, group, adamw, bucket_mb=args.bucket_mb, **kw)
     return torch_dp.TorchDDP(model, group, adamw, bucket_mb=args.bucket_mb, **kw)
 
 

@@ -164,7 +164,10 @@ def build_trainer(args, model, group, device):
     if args.zero_stage == 3:
         return zero_stage3.ZeroStage3(model, zero_sharding.model_units(model), group, prefetch=not args.no_prefetch,
                                       **kw)
-    return zero_sharding.ZeroDataParallel(model, group, stage=args.zero_stage, **kw)
+    # the optimizer, passed in: ZeRO 1 or 2 over the model's units on the DP group
+    zero = zero_sharding.ZeroOptimizer(list(model.named_parameters()), group, args.lr, args.weight_decay,
+                                       stage=args.zero_stage, units=zero_sharding.model_units(model))
+    return zero_sharding.ZeroDataParallel(model, zero, kw["tokens_per_step"], kw["bf16"])
 
 
 if __name__ == "__main__":

@@ -276,19 +276,23 @@ class ZeroOptimizer:
         load_optim_pieces(self.units, self.pieces, self.optimizer, states)
 
 
-class ZeroDataParallel(ZeroOptimizer, ForwardBackward):
-    """ZeRO 1 or 2 over a whole model, with every verb of the step protocol (train_zero.py): forward and
-    backward run the model as it is (its parameters now read the flat buffers); the rest is above."""
+class ZeroDataParallel(ForwardBackward):
+    """ZeRO 1 or 2 over a whole model (train_zero.py): forward and backward run the model as it is (its
+    parameters now read `optimizer`'s flat buffers: a ZeroOptimizer over model_units(model), passed in);
+    every other verb is the optimizer's, above."""
 
-    def __init__(self, model, group, lr: float, weight_decay: float, stage: int, tokens_per_step: int,
-                 bf16: bool = False):
-        ZeroOptimizer.__init__(self, list(model.named_parameters()), group, lr, weight_decay, stage=stage,
-                               units=model_units(model))
-        ForwardBackward.__init__(self, tokens_per_step, bf16)
+    def __init__(self, model, optimizer: ZeroOptimizer, tokens_per_step: int, bf16: bool = False):
+        super().__init__(optimizer, tokens_per_step, bf16)
         self.model = model
 
     def forward(self, x):
         return self.model(x)                                             # (B, S) -> (B, S, V)
+
+    def sync_gradients(self) -> None:
+        self.optimizer.sync_gradients()          # stage 1: all-reduce; stage 2: wait for the reduce-scatters
+
+    def full_state(self):
+        return self.optimizer.full_state()
 
 
 def _allocate(t: torch.Tensor) -> torch.Tensor:

@@ -66,11 +66,14 @@ class _Saved:
 
 class ZeroStage3(ForwardBackward):
     """ZeRO stage 3 over a model whose units are zero_sharding.model_units(model), with every verb of the
-    step protocol (train_zero.py). `prefetch`: start the next unit's all-gather before this one runs."""
+    step protocol (train_zero.py). `prefetch`: start the next unit's all-gather before this one runs.
+    Per unit, stage 3 is its own optimizer: the shards AdamW steps are the ones its forward gathers, so it
+    builds them (and their AdamW) itself rather than being handed an optimizer; under a pipeline, where the
+    weights are gathered once per step, it is an optimizer like the others (zero_sharding.ZeroOptimizer)."""
 
     def __init__(self, model, units, group, lr: float, weight_decay: float, tokens_per_step: int,
                  bf16: bool = False, prefetch: bool = True, name: str = "dp"):
-        super().__init__(tokens_per_step, bf16)
+        super().__init__(None, tokens_per_step, bf16)            # the optimizer: built below, on the shards
         self.model, self.group, self.prefetch, self.comm_name = model, group, prefetch, name
         world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
         self.alone = world == 1            # a group of one: each shard IS its whole unit (see _issue_gather)

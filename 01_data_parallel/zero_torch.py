@@ -31,6 +31,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from common.optim import build_adamw, clip_by_global_norm, decays, set_lr
 
 from .dp_trainer import forward_backward_rows
+from .replicated_adamw import ReplicatedAdamW
 from .torch_dp import TorchDDP, local, measured_memory
 
 
@@ -43,7 +44,7 @@ def torch_zero1(model, group, lr: float, weight_decay: float, tokens_per_step: i
                                         process_group=group, lr=lr, betas=(0.9, 0.95), eps=1e-8,
                                         weight_decay=weight_decay, foreach=False)
     optimizer.add_param_group({"params": [p for n, p in named if not decays(n)], "weight_decay": 0.0})
-    return TorchDDP(model, group, optimizer, tokens_per_step, bf16, bucket_mb)
+    return TorchDDP(model, group, ReplicatedAdamW(named, optimizer=optimizer), tokens_per_step, bf16, bucket_mb)
 
 
 class TorchFSDP2:

@@ -29,9 +29,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from common import comm
 from common.errors import require
 from common.model import loss_sum
-from common.optim import build_adamw
 from common.step_protocol import OptimizerVerbs, mark_replicated
-from common.training import load_optim_state_by_name
 
 from . import tp_trainer
 
@@ -49,7 +47,7 @@ class DTensorTrainer(OptimizerVerbs):
         self.model = parallelize_with_dtensor(model, mesh, sequence_parallel)
         self.named = list(self.model.named_parameters())
         self.params = dict(self.named)
-        self.optimizer = build_adamw(self.named, lr, weight_decay)
+        self.optimizer = tp_trainer.replicated_adamw.ReplicatedAdamW(self.named, lr, weight_decay)   # as TPTrainer's
 
     def forward_backward(self, x, y, sync: bool = True) -> torch.Tensor:
         """Forward and backward of one micro-batch (B, S); `sync` changes nothing, as in TPTrainer."""
@@ -72,7 +70,7 @@ class DTensorTrainer(OptimizerVerbs):
     def memory(self) -> dict:
         params = [p for _, p in self.named]
         return tp_trainer.held_bytes([local(p) for p in params], [local(p.grad) for p in params],
-                                     [local(t) for t in tp_trainer.adamw_moments(self.optimizer)])
+                                     [local(t) for t in tp_trainer.adamw_moments(self.optimizer.optimizer)])
 
     def comm_bytes(self) -> dict:
         """DTensor's collectives bypass common.comm: TP's bytes (and so the total) are not measured."""
@@ -91,10 +89,10 @@ class DTensorTrainer(OptimizerVerbs):
         return distribute_tensor(full.to(p.device_mesh.device_type), p.device_mesh, p.placements)
 
     def full_state(self) -> tuple[dict, dict]:
-        return tp_trainer.consolidated_state(self.named, self.optimizer, self.to_full)
+        return tp_trainer.consolidated_state(self.named, self.optimizer.optimizer, self.to_full)
 
     def load_optim_state(self, states: dict) -> None:
-        load_optim_state_by_name(self.optimizer, self.named, states, self.to_local)
+        self.optimizer.load_optim_state(states, self.to_local)
 
 
 def local(t):

@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 
 from common import comm
-from common.optim import build_adamw, clip_by_global_norm
+from common.optim import clip_by_global_norm
 from common.step_protocol import OptimizerVerbs, counted_here, replicas
-from common.training import load_optim_state_by_name, optim_state_by_name
+from common.training import optim_state_by_name
 
 from . import tensor_parallel
 
 data_parallel = import_module("01_data_parallel.data_parallel")
+replicated_adamw = import_module("01_data_parallel.replicated_adamw")
 
 
 class TPTrainer(OptimizerVerbs):
@@ -46,7 +47,9 @@ class TPTrainer(OptimizerVerbs):
         self.model = tensor_parallel.parallelize_model(model, tp_group, sequence_parallel,   # keeps my slices
                                                        overlap=tp_overlap)
         self.named = list(self.model.named_parameters())
-        self.optimizer = build_adamw(self.named, lr, weight_decay)
+        # the optimizer object (chapter 01's replicated AdamW), on the slices this rank keeps: they exist
+        # only now; the DP all-reduce stays this trainer's (`sync_gradients`, after TP's sums)
+        self.optimizer = replicated_adamw.ReplicatedAdamW(self.named, lr, weight_decay)
 
     # --- the step protocol ----------------------------------------------------------------------
 
@@ -79,7 +82,7 @@ class TPTrainer(OptimizerVerbs):
     def memory(self) -> dict:
         """Bytes held by this rank: its slices of the weights, their gradients, AdamW's two moments."""
         params = [p for _, p in self.named]
-        return held_bytes(params, [p.grad for p in params], adamw_moments(self.optimizer))
+        return held_bytes(params, [p.grad for p in params], adamw_moments(self.optimizer.optimizer))
 
     def comm_bytes(self) -> dict:
         return counted_bytes()
@@ -94,10 +97,10 @@ class TPTrainer(OptimizerVerbs):
 
     def full_state(self) -> tuple[dict, dict]:
         """(weights, AdamW state) as the single-device model names them. A collective in each TP group."""
-        return consolidated_state(self.named, self.optimizer, self.to_full)
+        return consolidated_state(self.named, self.optimizer.optimizer, self.to_full)
 
     def load_optim_state(self, states: dict) -> None:
-        load_optim_state_by_name(self.optimizer, self.named, states, self.to_local)
+        self.optimizer.load_optim_state(states, self.to_local)
 
 
 # --- what both trainers call (this file's and dtensor_tp.DTensorTrainer), on the tensors this rank holds ---

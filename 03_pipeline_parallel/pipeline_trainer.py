@@ -4,56 +4,55 @@
                             schedule in ONE call (`executor.run(schedule, ...)`): every F, B (and W)
                             of the step, with the sends and receives between stages. As soon as one
                             of this rank's stages has run its last backward, that stage's gradients
-                            are final: their data-parallel all-reduce starts in the background
-                            (chapter 01's AsyncGradAllReduce) while the schedule goes on (cool-down).
-    sync_gradients()        wait for those all-reduces: every replica of a stage holds the summed gradient
+                            are final: the trainer hands them to its optimizer (`grads_ready`), whose
+                            data-parallel all-reduce starts in the background (chapter 01's
+                            ReplicatedAdamW over the dp group) while the schedule goes on (cool-down)
+    sync_gradients()        the optimizer waits for those all-reduces: every replica of a stage holds the sum
     clip_grad_norm(max)     each stage holds different parameters: squared norms add up over the pipeline
-    step(), zero_grad(), set_lr(lr), memory()   AdamW's, on this rank's stages
+                            (`norm_groups`)
+    step(), zero_grad(), set_lr(lr), memory()   the optimizer's, on this rank's stages
 
-The comparison with PyTorch, torch_pipelining.TorchPipelineTrainer, implements the same verbs beside
-this class; what both do alike is written once, in the functions at the end of this file. Chapter 04
-extends this class with tensor parallelism (04_3d_combined/trainer_3d.py).
+The optimizer is an object passed in (common/step_protocol.py): replicated AdamW here; chapter 04 passes
+ZeRO (zero_3d.ShardedOptimizers) to the same trainer, whose `grads_ready` starts nothing (its gradients
+are reduced once, after the schedule). The comparison with PyTorch, torch_pipelining.TorchPipelineTrainer,
+implements the same verbs beside this class, with the same optimizer. Chapter 04 extends this class with
+tensor parallelism (04_3d_combined/trainer_3d.py).
 `step_stats` turns a step's timeline into what a pipeline step is about: its bubble and each stage's
 activation peak.
 """
 import math
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
 
 from common import activation_ledger
 from common.data import shard_rows
-from common.optim import clip_by_global_norm, optim_bytes
 from common.step_protocol import OptimizerVerbs
 from common.timeline import busy_seconds
 
-data_parallel = import_module("01_data_parallel.data_parallel")
-
 
 class PipelineTrainer(OptimizerVerbs):
-    """One pipeline rank's stages, replicated over `dp_group`, trained with AdamW.
+    """One pipeline rank's stages, trained by the optimizer it is given.
 
     executor   a MeasuredExecutor holding this rank's stage model (measured_executor.py): it offers
                `model`, `stage_params` ({stage: its parameters}), `run` and, after a step,
                `peak_activation_bytes`
     schedule   every rank's action list (pipeline_schedules.build_schedule); the executor runs ours
-    optimizer  AdamW over the stage model's parameters
-    dp_group   the ranks holding the same stages, each with its own rows: `dp_sync` sums the gradients
-               over it. The runs built on this one pass the group their layout names for it
+    optimizer  the step verbs over the stage model's parameters (common/step_protocol.Optimizer): chapter
+               01's ReplicatedAdamW over the ranks holding the same stages, each with its own rows, whose
+               gradients it sums. The runs built on this one name that group from their layout
                (04_3d_combined/parallel_3d.py, `Layout.gradient_groups()`: dp, or dp × cp with CP)
     predicted  each stage's activation peak as common/activation_ledger.py predicts it (None: it does
                not apply), reported by memory() beside the measured peak
     """
 
-    def __init__(self, executor, schedule, optimizer, microbatches: int, dp_group, pp_group, predicted=None):
+    def __init__(self, executor, schedule, optimizer, microbatches: int, pp_group, predicted=None):
         self.executor, self.schedule, self.optimizer, self.m = executor, schedule, optimizer, microbatches
         self.model, self.pp_group = executor.model, pp_group
-        self.dp_sync = data_parallel.AsyncGradAllReduce(dp_group)
-        # One replica (dp = 1): nothing to sum, so no callback; otherwise each stage's all-reduce is
-        # launched from inside the schedule, which covers every parameter only if each one is in a stage.
+        self.norm_groups = [pp_group]           # the ranks holding different parameters: the pipeline's
+        # The optimizer may sum each stage's gradients from inside the schedule (`grads_ready`), which
+        # covers every parameter only if each one is in a stage.
         check_every_parameter_in_a_stage(self.model, executor.stage_params)
-        self.on_stage_grads_ready = self._all_reduce_stage if dist.get_world_size(dp_group) > 1 else None
         self.peak_activation_bytes, self.predicted = None, predicted
 
     def forward_backward(self, x, y, sync: bool = True) -> torch.Tensor:
@@ -62,44 +61,32 @@ class PipelineTrainer(OptimizerVerbs):
         over the micro-batches its last stage finished (0 on the other ranks)."""
         xs = [shard_rows(x, i, self.m) for i in range(self.m)]                   # m × (mb, S)
         ys = [shard_rows(y, i, self.m) for i in range(self.m)]
-        loss = self.executor.run(self.schedule, xs, ys, on_stage_grads_ready=self.on_stage_grads_ready)
+        self.optimizer.begin_step()             # (ZeRO 2, 3 on the grid: the full buffers; 3: the weights)
+        loss = self.executor.run(self.schedule, xs, ys, on_stage_grads_ready=self.stage_grads_ready)
         self.peak_activation_bytes = self.executor.peak_activation_bytes
         return loss
 
-    def _all_reduce_stage(self, stage: int) -> None:
-        """Called by the executor after `stage`'s last B (or W) of the step: one flat buffer, one async
-        all-reduce over the stage's replicas (2(N-1)/N of its gradient bytes)."""
-        self.dp_sync.launch(self.executor.stage_params[stage])
+    def stage_grads_ready(self, stage: int) -> None:
+        """Called by the executor after `stage`'s last B (or W) of the step: its gradients are final, the
+        optimizer's to sum (replicated: one flat buffer, one async all-reduce over the stage's replicas,
+        2(N-1)/N of its gradient bytes)."""
+        self.optimizer.grads_ready(self.executor.stage_params[stage])
 
     def sync_gradients(self) -> None:
-        self.dp_sync.wait()
+        self.optimizer.sync_gradients()
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_over_stages(self.model, max_norm, self.pp_group)
+        return self.optimizer.clip_grad_norm(max_norm, self.norm_groups)
 
     def memory(self) -> dict:
-        return stage_memory(self.model, self.optimizer, self.peak_activation_bytes, self.predicted)
+        return {**self.optimizer.memory(), "peak_activation_bytes": self.peak_activation_bytes,
+                "activation_bytes_predicted": self.predicted}
 
 
 # --- what both pipeline trainers (ours and torch_pipelining's) do alike -------------------------------
 def check_every_parameter_in_a_stage(model, stage_params: dict) -> None:
     in_stages = {id(p) for params in stage_params.values() for p in params}
     assert all(id(p) in in_stages for p in model.parameters() if p.requires_grad), "a parameter in no stage"
-
-
-def clip_over_stages(model, max_norm: float, pp_group) -> float:
-    """Each stage holds different parameters: the squared norms add up over the pipeline group."""
-    return clip_by_global_norm([p.grad for p in model.parameters()], max_norm, groups=[pp_group])
-
-
-def stage_memory(model, optimizer, peak_activation_bytes: int | None, predicted=None) -> dict:
-    """Bytes on this rank: its stages' parameters, gradients, AdamW moments, and the most activation
-    bytes alive at once during the last step (the schedule's footprint; None: not measured), beside
-    every stage's predicted peak."""
-    params = list(model.parameters())
-    return {"param_bytes": _tensor_bytes(params), "grad_bytes": _tensor_bytes(p.grad for p in params),
-            "optim_bytes": optim_bytes(optimizer), "peak_activation_bytes": peak_activation_bytes,
-            "activation_bytes_predicted": predicted}
 
 
 def predicted_peaks(cfg, args, plan, specs, mb_rows: int, tp: int = 1, sequence_parallel: bool = False,
@@ -111,10 +98,6 @@ def predicted_peaks(cfg, args, plan, specs, mb_rows: int, tp: int = 1, sequence_
         return None
     return activation_ledger.pipeline_peaks(cfg, args.recompute, plan, specs, mb_rows, args.seq_len // cp, tp,
                                             sequence_parallel, cp, gathered_kv, recomputed=args.recompute_layers)
-
-
-def _tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def step_stats(timeline, peak: int | None, pp_group, pp: int, device) -> dict:

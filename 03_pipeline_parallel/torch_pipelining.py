@@ -13,15 +13,12 @@ Its messages do not go through common/comm.py, so its pp bytes are not counted, 
 timeline, so its bubble is not measured.
 
 `TorchPipelineTrainer` gives train_pp.py's loop the same verbs as ours, beside our PipelineTrainer
-(pipeline_trainer.py) rather than inside it: clipping and memory are the functions both call. Only
-forward_backward differs: torch's runtime cuts the rows into micro-batches itself, and tells nobody
-when a stage's gradients are final, so each stage's data-parallel all-reduce starts after the whole
-schedule.
+(pipeline_trainer.py) rather than inside it, stepping the same optimizer object (clipping, memory and the
+all-reduce are its verbs). Only forward_backward differs: torch's runtime cuts the rows into micro-batches
+itself, and tells nobody when a stage's gradients are final, so each stage is handed to the optimizer
+(`grads_ready`: its data-parallel all-reduce) after the whole schedule.
 """
-from importlib import import_module
-
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import pipelining as tpp
 
@@ -29,8 +26,6 @@ from common.model import Transformer
 from common.step_protocol import OptimizerVerbs
 
 from . import pipeline_executor, pipeline_stages, pipeline_trainer
-
-data_parallel = import_module("01_data_parallel.data_parallel")
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
                    "zb-h1": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble",
@@ -65,11 +60,12 @@ class TorchPipelineTrainer(OptimizerVerbs):
     schedule   the schedule's name (TORCH_SCHEDULES picks torch's class)
     model      the pruned stage model; my_specs its StageSpecs, n_stages the pipeline's p·v
     m          micro-batches per step; loss_fn(logits, y) -> this micro-batch's scaled loss sum
-    optimizer  AdamW over the stage model's parameters, as for ours
+    optimizer  the same as ours: chapter 01's ReplicatedAdamW over the stage model's parameters, summing
+               their gradients over the data-parallel group
     """
 
-    def __init__(self, schedule: str, model, my_specs, n_stages: int, m: int, loss_fn, optimizer, dp_group,
-                 pp_group, device):
+    def __init__(self, schedule: str, model, my_specs, n_stages: int, m: int, loss_fn, optimizer, pp_group,
+                 device):
         self.model, self.optimizer, self.pp_group = model, optimizer, pp_group
         self.stage_params = {s.index: pipeline_executor.stage_parameters(model, s) for s in my_specs}
         pipeline_trainer.check_every_parameter_in_a_stage(model, self.stage_params)
@@ -80,23 +76,22 @@ class TorchPipelineTrainer(OptimizerVerbs):
         multi = issubclass(cls, tpp.schedules.PipelineScheduleMulti)     # takes a list of stages, not one
         self.runtime = cls(stages if multi else stages[0], m, loss_fn=loss_fn,
                            scale_grads=False)
-        self.dp_sync, self.replicated = data_parallel.AsyncGradAllReduce(dp_group), dist.get_world_size(dp_group) > 1
 
     def forward_backward(self, x, y, sync: bool = True) -> torch.Tensor:
         """x, y: (B/dp, S); torch cuts them into the m micro-batches itself. Returns the loss sum of
         the micro-batches this rank's last stage finished (0 elsewhere)."""
         losses = []
         self.runtime.step(*([x] if self.first else []), **({"target": y, "losses": losses} if self.last else {}))
-        if self.replicated:                 # every stage's gradients are final only now
-            for params in self.stage_params.values():
-                self.dp_sync.launch(params)
+        for params in self.stage_params.values():      # every stage's gradients are final only now
+            self.optimizer.grads_ready(params)
         return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=x.device)
 
     def sync_gradients(self) -> None:
-        self.dp_sync.wait()
+        self.optimizer.sync_gradients()
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return pipeline_trainer.clip_over_stages(self.model, max_norm, self.pp_group)
+        return self.optimizer.clip_grad_norm(max_norm, [self.pp_group])     # stages: different parameters
 
     def memory(self) -> dict:
-        return pipeline_trainer.stage_memory(self.model, self.optimizer, None)   # activations: not measured
+        return {**self.optimizer.memory(), "peak_activation_bytes": None,     # activations: not measured
+                "activation_bytes_predicted": None}

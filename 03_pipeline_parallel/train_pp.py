@@ -42,6 +42,7 @@ pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")         
 measured_executor = import_module("03_pipeline_parallel.measured_executor")     # runs a schedule, measured
 pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")       # the loop's verbs
 torch_pipelining = import_module("03_pipeline_parallel.torch_pipelining")       # --impl torch
+replicated_adamw = import_module("01_data_parallel.replicated_adamw")           # chapter 01: the optimizer
 
 
 class Layout(NamedTuple):
@@ -180,20 +181,23 @@ def load_stage_state(model, optimizer, named, resume) -> int:
 
 def build_trainer(args, layout, model, optimizer, specs, my_specs, plan, mesh, act_shape, device, timeline):
     """Our executor or PyTorch's pipeline runtime, chosen once: the loop drives either through the same
-    verbs. The loss: summed cross-entropy over the global token count (common/model.loss_sum)."""
-    pp_group, dp_group = mesh.group("pp"), mesh.group("dp")
+    verbs, with the same optimizer object: `optimizer` (AdamW on this rank's stages) replicated over dp,
+    each stage's gradients summed there as soon as they are final (chapter 01's ReplicatedAdamW). The
+    loss: summed cross-entropy over the global token count (common/model.loss_sum)."""
+    pp_group = mesh.group("pp")
+    optimizer = replicated_adamw.ReplicatedAdamW(model.named_parameters(), optimizer=optimizer, group=mesh.group("dp"))
     tokens_per_step = args.global_batch * args.seq_len
     if args.impl == "torch":
         scaled_loss = lambda logits, y: loss_sum(logits, y) / tokens_per_step     # noqa: E731
         return torch_pipelining.TorchPipelineTrainer(args.schedule, model, my_specs, len(specs), layout.m, scaled_loss,
-                                                     optimizer, dp_group, pp_group, device)
+                                                     optimizer, pp_group, device)
     executor = measured_executor.MeasuredExecutor(
         model, specs, mesh.coord("pp"), mesh.group_ranks["pp"], pp_group, act_shape=act_shape,   # (mb, S, D)
         loss_fn=loss_sum, loss_scale=tokens_per_step, device=device,
         autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline,
         meter_activations=not args.no_activation_meter)
     predicted = pipeline_trainer.predicted_peaks(PRESETS[args.model], args, plan, specs, act_shape[0])
-    return pipeline_trainer.PipelineTrainer(executor, plan, optimizer, layout.m, dp_group, pp_group, predicted)
+    return pipeline_trainer.PipelineTrainer(executor, plan, optimizer, layout.m, pp_group, predicted)
 
 
 # --- what the run prints ---------------------------------------------------------------------------

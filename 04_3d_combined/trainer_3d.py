@@ -4,48 +4,51 @@ Each verb of train_3d.py's loop is one call away from a chapter's collective:
 
     forward_backward(x, y)  chapter 03: the schedule runs every micro-batch (`executor.run`); TP talks
                             inside each layer (chapter 02's f and g); as soon as one of this rank's
-                            stages has its last gradient, its DP all-reduce starts (chapter 01)
-    sync_gradients()        DP: wait for those all-reduces; then TP: sum the partial gradients of the
-                            tensors replicated over the TP group (`sync_tp_gradients`: norm gains under
-                            sequence parallelism, KV heads shared by several ranks)
+                            stages has its last gradient, the optimizer is told (`grads_ready`: a
+                            replicated one starts that stage's DP all-reduce, chapter 01)
+    sync_gradients()        DP, the optimizer's: every gradient summed over the ranks holding the same
+                            piece; and TP, this chapter's: the partial gradients of the tensors
+                            replicated over the TP group summed (`sync_tp_gradients`: norm gains under
+                            sequence parallelism, KV heads shared by several ranks), which the optimizer
+                            runs where the whole gradient is on this rank
     clip_grad_norm(max)     the norm of the whole model's gradient: TP shards and pipeline stages hold
                             different parts (squares summed over `norm_groups`), a replicated tensor is
                             counted by one holder (common.step_protocol.counted_here), DP replicas not
                             summed at all
-    step, zero_grad, set_lr, memory   AdamW on this rank's piece
+    step, zero_grad, set_lr, memory   the optimizer's, on this rank's piece
 
-With --zero-stage 1, 2 or 3, `ZeroTrainer3D`: the same verbs, with chapter 01's ZeRO over the group that
-sums each kind of gradient as the optimizer (zero_3d.py; the gradients reduced once, after the
-schedule). `build_trainer` chooses, once, before the loop, and hands the trainer the group its
-gradients are summed over, `dense_group`, by name from the layout (`Layout.gradient_groups()`: dp). A
-later chapter extends `Trainer3D` with its dimension (chapter 05: some gradients sum over a group of
-their own) and builds it from the same `build_executor` and `build_optimizer`.
+The optimizer is passed in, chosen once before the loop by `build_optimizer`: replicated AdamW
+(replicated_3d.py: each stage's gradients all-reduced during the schedule) or, with --zero-stage 1, 2 or
+3, chapter 01's ZeRO (zero_3d.py: the gradients reduced once, after the schedule), each over the groups
+the layout names for each kind of gradient (`Layout.gradient_groups()`: dp). One trainer class for both.
+A later chapter extends `Trainer3D` with its dimension (chapter 05: the router's statistics) and builds it
+from the same `build_executor` and `build_optimizer`.
 """
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from importlib import import_module
 
 import torch
 
 from common import comm
 from common.data import shard_rows
-from common.optim import build_adamw, clip_by_global_norm
-from common.step_protocol import counted_here, replicas
-from common.training import global_sum, load_optim_state_by_name, optim_state_by_name
+from common.optim import build_adamw
+from common.step_protocol import counted_here
+from common.training import global_sum, load_optim_state_by_name
 
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")     # chapter 02: TP gradients, loss
 pipeline_validation = import_module("03_pipeline_parallel.pipeline_validation")  # chapter 03: forward-only pass
 measured_executor = import_module("03_pipeline_parallel.measured_executor")  # chapter 03: runs a schedule, measured
 pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")    # chapter 03: the pipeline's verbs
-zero_accounting = import_module("01_data_parallel.zero_accounting")       # chapter 01: ZeRO's formulas
 zero_3d = import_module("04_3d_combined.zero_3d")                            # this chapter: ZeRO on the grid
+replicated_3d = import_module("04_3d_combined.replicated_3d")                # this chapter: AdamW on the grid
 
 
 class Trainer3D(pipeline_trainer.PipelineTrainer):
-    """One rank of the grid: its pipeline stage(s), TP-sharded, replicated over `dense_group` (the ranks
-    holding the same piece, whose gradients are summed: dp here); AdamW."""
+    """One rank of the grid: its pipeline stage(s), TP-sharded, stepped by `optimizer` (replicated AdamW or
+    ZeRO over the ranks holding the same piece: build_optimizer)."""
 
-    def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, dense_group, predicted=None):
-        super().__init__(executor, schedule, optimizer, microbatches, dense_group, mesh.group("pp"), predicted)
+    def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, predicted=None):
+        super().__init__(executor, schedule, optimizer, microbatches, mesh.group("pp"), predicted)
         self.named, self.tp_group, self.mesh = named, mesh.group("tp"), mesh
         # The norm sums squares over the groups whose ranks hold different parts of the model.
         self.norm_groups = [self.tp_group, self.pp_group]
@@ -56,82 +59,34 @@ class Trainer3D(pipeline_trainer.PipelineTrainer):
         return loss if counted_here({"tp": self.mesh.size("tp")}, self.mesh.coords) else torch.zeros_like(loss)
 
     def sync_gradients(self) -> None:
+        # TP, this chapter's: the sums of the tensors replicated over TP (each rank's gradient a partial
+        # sum); DP, the optimizer's (replicated: wait for the per-stage all-reduces; ZeRO: its collectives
+        # now), which runs the TP sums where the whole gradient is here. All are sums, in either order.
         # >>> exercise 04.grad_sync
-        super().sync_gradients()                                       # DP: the per-stage all-reduces
-        tensor_parallel.sync_tp_gradients(self.model, self.tp_group)   # TP: all are sums, in any order
+        def tp_sums():                                      # TP: chapter 02's sums of the partial gradients
+            tensor_parallel.sync_tp_gradients(self.model, self.tp_group)
+        self.optimizer.sync_gradients(partial_sums=tp_sums)   # DP: the optimizer's, around them
         # <<< exercise 04.grad_sync
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        # Each tensor counted once: a tensor replicated over TP (a norm gain, a shared KV head) by its
-        # first holder (common.step_protocol.counted_here); DP replicas are never summed.
-        # >>> exercise 04.clip_norm
-        grads = [p.grad for p in self.model.parameters()]
-        counted = [p.grad for p in self.model.parameters() if counted_here(replicas(p), self.mesh.coords)]
-        return clip_by_global_norm(counted, max_norm, groups=self.norm_groups, all_grads=grads)
-        # <<< exercise 04.clip_norm
-
     def optim_state(self) -> dict:
-        """AdamW's moments by reference name, of this rank's (TP-local) tensors: for the checkpoint."""
-        return optim_state_by_name(self.optimizer, self.named)
-
-    def full_weights(self):
-        """A context in which the model's weights are whole on this rank (they always are here)."""
-        return nullcontext()
-
-    def memory_formula(self) -> dict:
-        """Bytes this rank should hold between steps, by component: M, M, αM for AdamW on its piece."""
-        M = sum(p.numel() * p.element_size() for _, p in self.named)
-        return zero_accounting.zero_memory_components(0, M, 1)
-
-
-class ZeroTrainer3D(Trainer3D):
-    """--zero-stage 1, 2 or 3: chapter 01's ZeRO on each kind of state, over the ranks holding it
-    (zero_3d.ShardedOptimizers: AdamW's moments, from stage 2 the gradients, at 3 the parameters between
-    steps). Nothing starts during the schedule: the gradients are reduced once, after it."""
-
-    def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, dense_group, predicted=None):
-        super().__init__(executor, schedule, named, optimizer, mesh, microbatches, dense_group, predicted)
-        self.on_stage_grads_ready = None
-
-    def forward_backward(self, x, y, sync: bool = True) -> torch.Tensor:
-        self.optimizer.begin_step()             # stages 2 and 3: the full gradient buffers; 3: the weights
-        return super().forward_backward(x, y, sync)
-
-    def sync_gradients(self) -> None:
-        # TP first, on the full gradients (sums commute), then ZeRO: all-reduce (stage 1) or reduce-scatter
-        # into my shard and free the full buffers (2, 3), over each kind's group
-        tensor_parallel.sync_tp_gradients(self.model, self.tp_group)
-        self.optimizer.sync_gradients()
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        # squares of my shards, summed over each kind's group (inside), then over TP and PP
-        return self.optimizer.clip_grad_norm(max_norm, self.norm_groups)
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad()
-
-    def set_lr(self, lr: float) -> None:
-        self.optimizer.set_lr(lr)
-
-    def memory(self) -> dict:
-        return {**self.optimizer.memory(), "peak_activation_bytes": self.peak_activation_bytes,
-                "activation_bytes_predicted": self.predicted}
-
-    def optim_state(self) -> dict:
-        """The full (TP-local) moments: each kind's shards all-gathered over its group (a collective)."""
+        """AdamW's moments by reference name, of this rank's (TP-local) tensors: for the checkpoint (ZeRO:
+        each kind's shards all-gathered over its group, a collective)."""
         return self.optimizer.optim_state()
-
-    def memory_formula(self) -> dict:
-        return self.optimizer.formula()
 
     @contextmanager
     def full_weights(self):
-        """Stage 3: the weights gathered for a forward outside the step (validation, a checkpoint)."""
+        """A context in which the model's weights are whole on this rank: always with AdamW; ZeRO-3 gathers
+        them for a forward outside the step (validation, a checkpoint), then frees them."""
         self.optimizer.gather()
         try:
             yield
         finally:
             self.optimizer.release()
+
+    def memory_formula(self) -> dict:
+        """Bytes this rank should hold between steps, by component (chapter 01's formulas): M, M, αM for
+        AdamW on its piece; ZeRO's each kind's M over its group's N."""
+        return self.optimizer.formula()
 
 
 def local_optim_state(full_optim, mesh, layout, cfg):
@@ -153,14 +108,16 @@ def build_adamw_for(named, args, local_optim=None):
 
 
 def build_optimizer(named, mesh, layout, args, cfg, full_optim=None, kind_of=lambda name: "dense"):
-    """This rank's optimizer, chosen once: AdamW on its piece, or ZeRO (--zero-stage 1-3) on each kind of
-    state (`kind_of(name)`: chapter 05 tells the experts apart) over the group the layout names for that
-    kind. `full_optim`: a checkpoint's single-device AdamW state, cut here to this rank's TP shards."""
+    """This rank's optimizer, chosen once: replicated AdamW on its piece, or ZeRO (--zero-stage 1-3) on each
+    kind of state; either sums each kind (`kind_of(name)`: chapter 05 tells the experts apart) over the
+    group the layout names for that kind. `full_optim`: a checkpoint's single-device AdamW state, cut here
+    to this rank's TP shards."""
     local = local_optim_state(full_optim, mesh, layout, cfg)
-    if not args.zero_stage:
-        return build_adamw_for(named, args, local)
     groups = layout.gradient_groups()                               # {"dense": "dp", ...}: the mesh's names
     by_kind = {kind: ([(n, p) for n, p in named if kind_of(n) == kind], group) for kind, group in groups.items()}
+    if not args.zero_stage:
+        return replicated_3d.ReplicatedOptimizer(named, by_kind, mesh, args.lr, args.weight_decay,
+                                                 optimizer=build_adamw_for(named, args, local))
     optimizer = zero_3d.ShardedOptimizers(by_kind, mesh, args.zero_stage, args.lr, args.weight_decay)
     if local is not None:
         optimizer.load_optim_state(local)
@@ -186,13 +143,11 @@ def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shap
     (--zero-stage 1-3) over the group its layout names. `full_optim`: a checkpoint's single-device AdamW
     state, cut here to this rank's TP shards."""
     named = list(model.named_parameters())
-    dense_group = mesh.group(layout.gradient_groups()["dense"])     # dp: the ranks holding the same piece
     optimizer = build_optimizer(named, mesh, layout, args, cfg, full_optim)
-    trainer_class = ZeroTrainer3D if args.zero_stage else Trainer3D
     executor = build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timeline)
     predicted = pipeline_trainer.predicted_peaks(cfg, args, plan, specs, act_shape[0], layout.tp,
                                                  args.sequence_parallel)                 # each stage's peak
-    return trainer_class(executor, plan, named, optimizer, mesh, layout.microbatches, dense_group, predicted)
+    return Trainer3D(executor, plan, named, optimizer, mesh, layout.microbatches, predicted)
 
 
 def step_metrics(memory: dict, timeline, mesh, layout, device, groups: tuple, counted_as: dict | None = None) -> dict:

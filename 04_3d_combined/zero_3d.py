@@ -41,7 +41,8 @@ zero_accounting = import_module("01_data_parallel.zero_accounting")   # chapter 
 
 class ShardedOptimizers:
     """One ZeroOptimizer per kind of state ({kind: (named parameters, mesh group name)}), with the verbs
-    of one optimizer. Bytes are counted under `name` (chapter 04 counts every gradient collective as dp)."""
+    of one optimizer: those of replicated_3d.ReplicatedOptimizer, its sibling, which any grid trainer takes
+    in its place. Bytes are counted under `name` (chapter 04 counts every gradient collective as dp)."""
 
     def __init__(self, by_kind: dict, mesh, stage: int, lr: float, weight_decay: float, name: str = "dp"):
         self.mesh, self.stage, self.kinds, self.group_of = mesh, stage, {}, {}
@@ -69,7 +70,15 @@ class ShardedOptimizers:
     def begin_step(self) -> None:
         self._every("begin_step")
 
-    def sync_gradients(self) -> None:
+    def grads_ready(self, params) -> None:
+        pass            # nothing starts during the schedule: the gradients are reduced once, after it
+
+    def sync_gradients(self, partial_sums=None) -> None:
+        """`partial_sums()` first (the trainer's sums inside the piece, TP's: on the full gradients, sums
+        commute), then each kind's ZeRO collective: all-reduce (stage 1) or reduce-scatter into my shard,
+        freeing the full buffers (2, 3), over its group."""
+        if partial_sums is not None:
+            partial_sums()
         self._every("sync_gradients")
 
     def clip_grad_norm(self, max_norm: float, norm_groups) -> float:

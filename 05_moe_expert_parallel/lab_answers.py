@@ -216,7 +216,7 @@ def part_four(key: Key) -> None:
     key.run(f"{M13_SMALL} --resume --dp 4 --ep 4 --tp 1 --pp 2 --metrics /tmp/m13_b.jsonl")
     resumed = key.run("python -m common.compare_metrics /tmp/m13_a.jsonl /tmp/m13_b.jsonl", check=False)
     steps = [r["step"] for r in key.rows("/tmp/m13_b.jsonl")]
-    key.names(f"{CH}/trainer_4d.py", "def _all_reduce_stage")
+    key.names("04_3d_combined/replicated_3d.py", "def grads_ready")
     key.names(f"{CH}/expert_parallel.py", 'mark_replicated(p, "ep", ep)')
     key.section("M13 — experts on chapter 04's grid", f"""
 Rank 5 in the ranks table and the groups table:
@@ -235,7 +235,8 @@ routes the same rows through them: its expert gradients come out identical and a
 - Dense gradients (embedding, attention, norms, routers, head) are summed over **dp**: every dp rank
   holds them and saw its own rows. An expert's gradient is summed over **edp** only: the other dp
   ranks hold other experts, and the all-to-all already brought every row routed to an expert to its
-  holder, so its holders' gradients are the only partial sums there are (`Trainer4D._all_reduce_stage`).
+  holder, so its holders' gradients are the only partial sums there are (chapter 04's
+  `ReplicatedOptimizer.grads_ready`, each kind over the group `Layout4D.gradient_groups()` names).
   In the clipping norm the squares are summed over ep (its ranks hold different experts); a dense
   weight is the same on every ep rank, and `mark_replicated(p, "ep", ep)` makes `counted_here` count
   it on ep rank 0 only; an expert lives on one ep rank, which counts it.

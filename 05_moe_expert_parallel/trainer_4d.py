@@ -6,20 +6,21 @@ What the experts change in chapter 04's verbs, and nothing else:
                             ep); its balancing terms join that stage's backward (AddRouterLoss), so
                             their gradient starts on the stage that computed them, inside the same B
                             (or W) as the micro-batch's other gradients
-                            when a stage's gradients are final: dense ones all-reduced over
-                            `dense_group` (dp: every data-parallel rank saw its own rows), an expert's
-                            over `expert_group` (edp: the dp ranks holding that expert, each of which saw
-                            its EP group's rows); build_trainer takes both groups, by name, from the
-                            layout (`Layout4D.gradient_groups()`), the one place that names them
-    sync_gradients()        wait for both, then chapter 04's TP sums
+    sync_gradients()        chapter 04's: the optimizer sums the dense gradients over the dense group (dp:
+                            every data-parallel rank saw its own rows) and an expert's over the expert
+                            group (edp: the dp ranks holding that expert, each of which saw its EP
+                            group's rows); then TP's sums
     clip_grad_norm(max)     the squares summed over ep too (its ranks hold different experts); a dense
                             tensor, the same on every ep rank, counted once (parallelize_experts marks it)
     step()                  the router statistics summed over every rank (router_statistics.py: loads,
-                            aux and z terms, the bias update), then AdamW
+                            aux and z terms, the bias update), then the optimizer's step
 
-With --zero-stage 1-3, `ZeroTrainer4D`: the same verbs over chapter 04's ZeRO (zero_3d.py), two sharded
-optimizers, the dense state over the dense group and the experts' over the expert group: DeepSeek-V3's
-"ZeRO-1 with EP" in miniature. Their gradients are reduced once, after the schedule.
+The optimizer is chapter 04's, passed in (trainer_3d.build_optimizer), told which names are experts
+(`kind_of`): the groups of each kind come by name from the layout (`Layout4D.gradient_groups()`, the one
+place that names them). Replicated AdamW all-reduces each kind over its group as soon as a stage's
+gradients are final; with --zero-stage 1-3 two sharded optimizers, the dense state over the dense group
+and the experts' over the expert group (DeepSeek-V3's "ZeRO-1 with EP" in miniature), reduced once, after
+the schedule. One trainer class for both.
 """
 from importlib import import_module
 
@@ -32,54 +33,32 @@ from . import paired_executor
 from .expert_parallel import is_expert_param
 from .router_statistics import RouterStatistics
 
-data_parallel = import_module("01_data_parallel.data_parallel")      # chapter 01: async all-reduce
 pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")    # chapter 03: the ledger's peaks
 trainer_3d = import_module("04_3d_combined.trainer_3d")              # chapter 04: the 3D verbs
 
 
 class Trainer4D(trainer_3d.Trainer3D):
-    """Chapter 04's rank of the grid, whose MoE layers hold E/ep experts; AdamW. Dense gradients are summed
-    over `dense_group`, an expert's over `expert_group` (the ranks holding the same experts)."""
+    """Chapter 04's rank of the grid, whose MoE layers hold E/ep experts, stepped by `optimizer` (chapter
+    04's, which sums dense gradients over the dense group and an expert's over the ranks holding the same
+    experts). What the experts add: the ep group in the norm, the router's statistics around the step."""
 
-    def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, dense_group, expert_group,
-                 router: RouterStatistics, predicted=None):
-        super().__init__(executor, schedule, named, optimizer, mesh, microbatches, dense_group, predicted)
-        self.experts = {id(p) for n, p in named if is_expert_param(n)}     # (none if dense)
-        self.expert_sync = data_parallel.AsyncGradAllReduce(expert_group)
+    def __init__(self, executor, schedule, named, optimizer, mesh, microbatches: int, router: RouterStatistics,
+                 predicted=None):
+        super().__init__(executor, schedule, named, optimizer, mesh, microbatches, predicted)
         self.norm_groups.append(mesh.group("ep"))       # ep ranks hold different experts: their squares add up
         self.router = router                            # this rank's MoE layers' statistics
-
-    def _all_reduce_stage(self, stage: int) -> None:
-        """A stage's gradients are final: dense ones are summed over `dense_group`, all its replicas (dp:
-        each saw its own rows), an expert's over `expert_group`, the ranks holding that expert (edp: each
-        saw its EP group's rows)."""
-        params = self.executor.stage_params[stage]
-        self.dp_sync.launch([p for p in params if id(p) not in self.experts])   # chapter 03's, over dense_group
-        experts = [p for p in params if id(p) in self.experts]
-        if experts:
-            self.expert_sync.launch(experts)
 
     def forward_backward(self, x, y, sync: bool = True) -> torch.Tensor:
         self.router.reset()                    # this step's routing only (validation routes too)
         return super().forward_backward(x, y, sync)
 
-    def sync_gradients(self) -> None:
-        self.expert_sync.wait()                # expert_group: the experts' all-reduces
-        super().sync_gradients()               # dense_group: the dense all-reduces; then TP's sums
-
     def step(self) -> None:
         self.router.sum_over_ranks()           # the step's expert loads, aux and z terms; router biases
-        self.optimizer.step()
+        super().step()                         # the optimizer's
 
     def router_metrics(self) -> dict:
         """aux_loss, z_loss, dropped_fraction, expert_load, max_over_mean_load ({} if dense)."""
         return self.router.metrics()
-
-
-class ZeroTrainer4D(Trainer4D, trainer_3d.ZeroTrainer3D):
-    """--zero-stage 1-3: Trainer4D's verbs (the router's statistics, the experts' norm over ep) with chapter
-    04's ZeRO verbs (trainer_3d.ZeroTrainer3D) underneath: two sharded optimizers, the dense state over
-    dp, the experts' over edp (zero_3d.py), each kind's gradients reduced once after the schedule."""
 
 
 def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shape, device, timeline,
@@ -88,7 +67,8 @@ def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shap
     and the groups its gradients are summed over, named by the layout. `twins` (--pair-overlap): the twin
     groups DualPipeV's pairs run their backward on (paired_executor.py)."""
     named = list(model.named_parameters())
-    # AdamW, or ZeRO on each kind of state over its own group: dense over dp, experts over edp (chapter 04)
+    # AdamW, or ZeRO, on each kind of state over its own group, named by the layout (`gradient_groups()`:
+    # dense over dp, experts over edp; chapter 04)
     optimizer = trainer_3d.build_optimizer(named, mesh, layout, args, cfg, full_optim,
                                            kind_of=lambda name: "experts" if is_expert_param(name) else "dense")
     paired = {"executor_class": paired_executor.PairedExecutor, "twins": twins} if twins is not None else {}
@@ -105,12 +85,9 @@ def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shap
     options.sequence_group, options.sequence_name = composed.sequence_group, composed.sequence_name
     router = RouterStatistics(layers, cfg.n_layers, cfg.n_experts, options, args.router_bias_rate, device,
                               counted=args.sequence_parallel or counted_here({"tp": layout.tp}, mesh.coords))
-    groups = layout.gradient_groups()                  # {"dense": "dp", "experts": "edp"}: the mesh's names
     # a dense model's activations, predicted by the ledger (None with experts: routed rows); chapter 06's
     # layout splits each sequence over cp ranks
     cp = getattr(layout, "cp", 1)
     predicted = pipeline_trainer.predicted_peaks(cfg, args, plan, specs, act_shape[0], layout.tp, args.sequence_parallel,
                                                  cp, cp > 1 and args.cp_attention == "allgather")
-    trainer_class = ZeroTrainer4D if args.zero_stage else Trainer4D
-    return trainer_class(executor, plan, named, optimizer, mesh, layout.microbatches, mesh.group(groups["dense"]),
-                         mesh.group(groups["experts"]), router, predicted)
+    return Trainer4D(executor, plan, named, optimizer, mesh, layout.microbatches, router, predicted)

@@ -34,12 +34,17 @@ The names, written down once:
 - `memory() -> dict`: bytes this rank holds, at least `param_bytes`, `grad_bytes`, `optim_bytes`.
 - `counted_here(replicas(t), coords) -> bool`: the one predicate for "this rank counts this tensor" in a
   norm or a byte count, so a tensor replicated over several ranks is counted once (defined below).
+
+The optimizer is an object of its own, passed to the trainer, with the same verbs whichever it is
+(`Optimizer` below): replicated AdamW (01_data_parallel/replicated_adamw.py; on the grid,
+04_3d_combined/replicated_3d.py) or ZeRO of any stage over the groups that sum each gradient
+(01_data_parallel/zero_sharding.ZeroOptimizer; on the grid, one per kind, 04_3d_combined/zero_3d.py).
+The trainer shows what its own dimension adds to the step (a pipeline's schedule, TP's partial sums, the
+router's statistics) and hands the rest to its optimizer: no trainer subclass per optimizer.
 """
 from typing import Protocol
 
 import torch
-
-from .optim import set_lr, zero_grads
 
 
 def mark_replicated(t: torch.Tensor, dim: str, copies: int) -> torch.Tensor:
@@ -79,16 +84,42 @@ class Trainer(Protocol):
     def memory(self) -> dict: ...
 
 
+class Optimizer(Protocol):
+    """The optimizer a trainer is given. `begin_step` before the step's first forward; `grads_ready(params)`
+    when those gradients are final for the step (a pipeline stage's: a replicated optimizer starts their
+    all-reduce, ZeRO waits for the end); `sync_gradients(partial_sums)` sums every gradient over its
+    replicas, running `partial_sums()` (the trainer's sums inside the piece, TP's) where the whole gradient
+    is here; `clip_grad_norm(max_norm, groups)`: the norm summed over `groups`, the ranks holding
+    different parts; then the update's verbs, the bytes held (`memory`, `formula`), the checkpoint's
+    moments by name, and `gather`/`release` of the weights outside a step (ZeRO-3)."""
+
+    def begin_step(self) -> None: ...
+
+    def grads_ready(self, params) -> None: ...
+
+    def sync_gradients(self, partial_sums=None) -> None: ...
+
+    def clip_grad_norm(self, max_norm: float, groups=()) -> float: ...
+
+    def step(self) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def memory(self) -> dict: ...
+
+
 class OptimizerVerbs:
-    """`step`, `zero_grad` and `set_lr` for a trainer whose `self.optimizer` is one plain torch
-    optimizer over every tensor this rank updates (the replicas of chapter 01, TP, the pipeline).
-    Gradients are zeroed in place, not set to None: the flat buffers and hooks that hold them stay."""
+    """`step`, `zero_grad` and `set_lr` for a trainer: its optimizer's (`self.optimizer`, an `Optimizer`
+    it was given), unchanged. A trainer adds to them only what its own dimension needs (chapter 05: the
+    router's statistics before the step)."""
 
     def step(self) -> None:
         self.optimizer.step()
 
     def zero_grad(self) -> None:
-        zero_grads(self.optimizer)
+        self.optimizer.zero_grad()
 
     def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
+        self.optimizer.set_lr(lr)

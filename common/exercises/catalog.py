@@ -158,25 +158,26 @@ EXERCISES = [
                     ('flush_down_first', "flushes the down stage's W's before the up stage's"),
                     ('torch_reference', "returns rank r's list of the course's PyTorch order (torch_order.torch_schedule)"))),
     Exercise("04.grad_sync", "04_3d_combined/trainer_3d.py",
-             "Trainer3D.sync_gradients: the DP all-reduces, then the TP sums of the replicated tensors",
+             "Trainer3D.sync_gradients: the DP sums (the optimizer's) and the TP sums of the replicated tensors",
              "One step, one batch, through the grid (`main` in `train_3d.py`, the verbs in `trainer_3d.py`)",
-             "chapter 03's PipelineTrainer.sync_gradients waits for the per-stage DP all-reduces; chapter 02's "
+             "the optimizer's sync_gradients(partial_sums=f) sums over DP (replicated: waits for the per-stage "
+             "all-reduces) and calls f where the whole gradient is here; chapter 02's "
              "tensor_parallel.sync_tp_gradients(model, tp_group) sums the gradients of TP-replicated tensors",
              units=("tests/test_3d.py::test_sync_gradients_gives_the_single_device_gradients",),
              layout="tests/test_3d.py::test_four_rank_layouts_and_resume_in_another_layout",
              wrong=(('dp_only', 'the DP all-reduces only: TP-replicated gradients stay partial'),
                     ('tp_only', 'the TP sums only: no DP all-reduce'),
                     ('tp_sum_on_pp_group', 'the TP sums over the pipeline group'))),
-    Exercise("04.clip_norm", "04_3d_combined/trainer_3d.py",
-             "Trainer3D.clip_grad_norm: the whole model's gradient norm, each tensor counted once",
+    Exercise("04.clip_norm", "04_3d_combined/replicated_3d.py",
+             "ReplicatedOptimizer.clip_grad_norm: the whole model's gradient norm, each tensor counted once",
              "One step, one batch, through the grid (`main` in `train_3d.py`, the verbs in `trainer_3d.py`)",
              "counted_here(replicas(p), self.mesh.coords) picks one holder of a TP-replicated tensor; "
-             "clip_by_global_norm(counted, max_norm, groups=self.norm_groups, all_grads=every grad) sums the "
-             "squares over TP and PP and scales every gradient",
+             "clip_by_global_norm(counted, max_norm, groups=groups, all_grads=every grad) sums the squares over "
+             "`groups` (the trainer's norm_groups: TP and PP) and scales every gradient",
              units=("tests/test_3d.py::test_clip_grad_norm_is_the_single_device_norm",),
              layout="tests/test_3d.py::test_four_rank_layouts_and_resume_in_another_layout",
              wrong=(('every_replica_counted', 'counts every TP replica of a replicated tensor in the norm'),
-                    ('no_tp_group', 'sums the squares over the pipeline group only'),
+                    ('no_groups', 'sums the squares over no group: each rank clips by its own piece'),
                     ('only_counted_scaled', 'scales only the counted gradients, not the replicas'))),
     Exercise("05.all_to_all", "05_moe_expert_parallel/moe_dispatch.py",
              "AllToAll forward and backward: rows out by input_splits, in by output_splits; gradients go home",

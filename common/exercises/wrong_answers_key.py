@@ -67,16 +67,15 @@ WRONG_EDITS = {
                             ".torch_schedule(\"zb-v\", p, m)[r]\n"),
     },
     "04.grad_sync": {
-        "dp_only": ("tensor_parallel.sync_tp_gradients(self.model, self.tp_group)   # TP", "pass   # TP"),
-        "tp_only": ("        super().sync_gradients()  ", "        pass  "),
-        "tp_sum_on_pp_group": ("sync_tp_gradients(self.model, self.tp_group)   # TP",
-                               "sync_tp_gradients(self.model, self.pp_group)   # TP"),
+        "dp_only": ("self.optimizer.sync_gradients(partial_sums=tp_sums)", "self.optimizer.sync_gradients()"),
+        "tp_only": ("        self.optimizer.sync_gradients(partial_sums=tp_sums)", "        tp_sums()"),
+        "tp_sum_on_pp_group": ("sync_tp_gradients(self.model, self.tp_group)", "sync_tp_gradients(self.model, self.pp_group)"),
     },
     "04.clip_norm": {
-        "every_replica_counted": ("counted = [p.grad for p in self.model.parameters() if counted_here(replicas(p), "
+        "every_replica_counted": ("counted = [p.grad for _, p in self.named if counted_here(replicas(p), "
                                   "self.mesh.coords)]", "counted = grads"),
-        "no_tp_group": ("groups=self.norm_groups, all_grads=grads", "groups=[self.pp_group], all_grads=grads"),
-        "only_counted_scaled": ("groups=self.norm_groups, all_grads=grads", "groups=self.norm_groups, all_grads=counted"),
+        "no_groups": ("groups=groups, all_grads=grads", "groups=(), all_grads=grads"),
+        "only_counted_scaled": ("groups=groups, all_grads=grads", "groups=groups, all_grads=counted"),
     },
     "05.all_to_all": {
         "forward_splits_swapped": ("comm.all_to_all_single(out, rows.contiguous(), output_splits, input_splits,",
