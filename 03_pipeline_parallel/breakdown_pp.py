@@ -11,8 +11,9 @@ pipeline_executor.py, "When to post"), and PyTorch's.
 
 A stopwatch wraps the functions that do each kind of work and charges each call its OWN time (its
 callees' time subtracted), so the parts add up to the time of the step's forward_backward:
-  F, B, W      the stage's compute (ours: the executor's _forward/_backward/_weights; torch's: the
-               stage module's forward and loss, and its stage_backward / _input / _weight)
+  F, B, W      the stage's compute (ours: the executor's _forward/_backward (and _whole_backward: a BW is
+               counted as B)/_weights; torch's: the stage module's forward and loss, and its stage_backward /
+               _input / _weight)
   waiting      blocked until a message has arrived (ours: receive and wait_sends, less the posting
                done inside them; torch's: _wait_batch_p2p)
   posting      handing an isend or irecv to the backend (ours: common.comm.send / recv; torch's:

@@ -3,7 +3,7 @@
 `PipelineExecutor` (pipeline_executor.py) is the algorithm and measures nothing. `MeasuredExecutor`
 runs it unchanged and records, around the same four methods (receive, compute, send, wait_sends):
 
-  - a timeline (common/timeline.py) of each rank's step: an F, B or W span per action (compute
+  - a timeline (common/timeline.py) of each rank's step: an F, B, W or BW span per action (compute
     only), a "recv" span for the time an action waited for its message, a "send" span for posting
     each isend and one for the wait, at the end of the step, until every send is done. The
     measured bubble is computed from these spans (pipeline_trainer.step_stats), and

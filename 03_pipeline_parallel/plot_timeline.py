@@ -8,7 +8,7 @@
     python 03_pipeline_parallel/plot_timeline.py --simulate 1f1b:4:8 zb-h1:4:8 zb-v:4:8 dualpipev:4:8 --out v.png
 
 Each box is one action with its micro-batch number (F blue, B green, W orange); grey is idle time
-inside the step (no F, B or W running). Real runs also show, as thin strips under the boxes, the
+inside the step (no F, B, W or BW running). Real runs also show, as thin strips under the boxes, the
 time a rank was blocked waiting for a message (recv, red) and spent posting sends (send, purple).
 The legend lists only the kinds the figure shows (no W without zero bubble). Stacked panels share
 one time axis, so a schedule with a shorter step is visibly shorter. The title of each panel gives
