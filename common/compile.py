@@ -18,7 +18,7 @@ EP's all-to-all) is a call into the process group that the compiler does not tra
 there, the compiler compiles the pieces before and after it, and the call itself runs as in eager
 mode (common/comm.py marks every collective so). A tensor-parallel block is then a few compiled pieces
 around its f and g; chapter 06's context-parallel attention and chapter 05's MoE layers are marked to
-run eagerly as a whole (the ring's bookkeeping, the routing's row counts that only the data decide),
+run eagerly as a whole (the ring's hops and its work count, the routing's row counts that only the data decide),
 with the rest of their block compiled. The losses are the same either way; only the speed-up shrinks
 with each break.
 
@@ -29,9 +29,9 @@ Backends (`--compile BACKEND`):
              kernels: no speed-up, but it compiles in seconds, so it checks on a laptop that a chapter's
              blocks compile and give the eager losses (the tests use it)
 """
+import functools
 import importlib.util
 import shutil
-import sys
 
 import torch
 
@@ -42,33 +42,22 @@ BACKENDS = ("none", "inductor", "aot_eager")
 
 # What runs eagerly. `@eager` marks a function the compiler must not trace (a collective of common/comm.py,
 # the MoE layer's forward, the ring's attention): under --compile the graph is cut at its call, and the call
-# runs as written. torch.compiler.disable would do that at once, but it imports the compiler (about 1.5 s
-# of CPU per process), and most processes never compile: a rank that refuses its flags, the planner, a
-# notebook's kernel. So the mark is applied when the first model is compiled (`compile_blocks`).
-_marked = []           # functions marked so far, not yet disabled
-_compiling = False     # True once a model was compiled: a function marked later is disabled at once
+# runs as written. torch.compiler.disable does exactly that, but applied at import it imports the compiler
+# (about 1.5 s of CPU per process), and many processes never compile: a rank that refuses its flags, the
+# planner, a notebook's kernel. So the mark asks at each call whether the compiler is tracing it: in eager
+# mode (`torch.compiler.is_compiling()` is False, a flag read, the compiler not imported) it calls `fn`;
+# while the compiler traces a block, it hands the call to `fn`'s compiler-disabled twin, and the compiler
+# cuts the graph there. The mark holds all it does: nothing is installed later.
 
 
 def eager(fn):
-    """Mark `fn`, a module's function or a class's method, to run eagerly between compiled pieces."""
-    if _compiling:
-        return torch.compiler.disable(fn)
-    _marked.append(fn)
-    return fn
-
-
-def _disable_marked() -> None:
-    """Replace every marked function, where its module or class holds it, by its compiler-disabled twin
-    (callers look it up there at each call: `comm.all_reduce(...)`, `self.forward`)."""
-    global _compiling
-    for fn in _marked:
-        *owner_path, name = fn.__qualname__.split(".")
-        owner = sys.modules[fn.__module__]
-        for part in owner_path:
-            owner = getattr(owner, part)
-        setattr(owner, name, torch.compiler.disable(fn))
-    _marked.clear()
-    _compiling = True
+    """`fn`, a module's function or a class's method, run as written between compiled pieces."""
+    @functools.wraps(fn)
+    def as_written(*args, **kwargs):
+        if torch.compiler.is_compiling():                   # traced: cut the graph, run fn eagerly
+            return torch.compiler.disable(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return as_written
 
 
 def compile_blocks(model, backend: str):
@@ -81,7 +70,6 @@ def compile_blocks(model, backend: str):
     compiler inside it."""
     if backend == "none":
         return model
-    _disable_marked()
     for block in model.layers:
         if block.recompute_mode == "full":
             block.body = torch.compile(block.body, backend=backend)     # forward: recomputed(self.body, ...)
@@ -90,17 +78,19 @@ def compile_blocks(model, backend: str):
     return model
 
 
-def check_compile(args, split_w: bool = False) -> None:
-    """Refuse, in one line, a --compile that cannot work here (before any process group exists).
-    split_w: the run's pipeline schedule splits the backward in two, B now, W later, by giving each linear
-    layer a backward of its own that postpones dW (03_pipeline_parallel/zero_bubble.py; the schedule's
-    `split_w` in pipeline_schedules.SCHEDULES). A compiled block has one backward for the whole block,
-    computed by the compiler's own code, which knows nothing of that split."""
+# Zero bubble's schedules split a block's backward in two: B now, W later, by giving each linear layer
+# a backward of its own that postpones dW (03_pipeline_parallel/zero_bubble.py). A compiled block has one
+# backward for the whole block, computed by the compiler's own code, which knows nothing of that split.
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-v", "dualpipev")
+
+
+def check_compile(args) -> None:
+    """Refuse, in one line, a --compile that cannot work here (before any process group exists)."""
     backend, device, recompute = args.compile, args.device, args.recompute
     if backend == "none":
         return
     schedule = getattr(args, "schedule", None)
-    require(not split_w,
+    require(schedule not in SPLIT_BACKWARD_SCHEDULES,
             f"--compile {backend} with --schedule {schedule}: a compiled block's backward cannot be split into "
             "zero bubble's B and W; use --schedule 1f1b (or gpipe, interleaved) with --compile")
     require(torch._dynamo.is_dynamo_supported(),

@@ -7,7 +7,7 @@ tensor parallelism (f and g inside every block) and ring attention (the ring ins
 each eager and compiled, and tensor parallelism once more with its first block recomputed in full (the
 block's body compiled inside its recomputation). The refusals run in this process, stopped before any
 process group exists; a fresh process checks that importing the course's layers leaves the compiler
-unloaded (what runs eagerly is marked, and disabled only when a model is compiled).
+unloaded (what runs eagerly is marked, and the mark reaches for the compiler only while it traces).
 """
 import subprocess
 import sys
@@ -83,8 +83,8 @@ def test_a_recomputed_block_compiles_its_body_and_reruns_it_eagerly():
 
 
 def test_a_process_that_never_compiles_does_not_import_the_compiler():
-    """The marks of what runs eagerly wait for the first compiled model (common/compile.py's `eager`): a run
-    that refuses its flags, the planner or a notebook's kernel imports every chapter's layers and not the
+    """The marks of what runs eagerly ask for the compiler only while it traces (common/compile.py's `eager`):
+    a run that refuses its flags, the planner or a notebook's kernel imports every chapter's layers and not the
     compiler (torch._dynamo: about 1.5 s of CPU in every such process)."""
     code = ("import sys, importlib\n"
             "for m in ('common.comm', 'common.model', '05_moe_expert_parallel.expert_parallel',\n"
