@@ -78,19 +78,17 @@ def compile_blocks(model, backend: str):
     return model
 
 
-# Zero bubble's schedules split a block's backward in two: B now, W later, by giving each linear layer
-# a backward of its own that postpones dW (03_pipeline_parallel/zero_bubble.py). A compiled block has one
-# backward for the whole block, computed by the compiler's own code, which knows nothing of that split.
-SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-v", "dualpipev")
-
-
-def check_compile(args) -> None:
-    """Refuse, in one line, a --compile that cannot work here (before any process group exists)."""
+def check_compile(args, split_w: bool = False) -> None:
+    """Refuse, in one line, a --compile that cannot work here (before any process group exists).
+    split_w: the run's pipeline schedule splits the backward in two, B now, W later, by giving each linear
+    layer a backward of its own that postpones dW (03_pipeline_parallel/zero_bubble.py; the schedule's
+    `split_w` in pipeline_schedules.SCHEDULES). A compiled block has one backward for the whole block,
+    computed by the compiler's own code, which knows nothing of that split."""
     backend, device, recompute = args.compile, args.device, args.recompute
     if backend == "none":
         return
     schedule = getattr(args, "schedule", None)
-    require(schedule not in SPLIT_BACKWARD_SCHEDULES,
+    require(not split_w,
             f"--compile {backend} with --schedule {schedule}: a compiled block's backward cannot be split into "
             "zero bubble's B and W; use --schedule 1f1b (or gpipe, interleaved) with --compile")
     require(torch._dynamo.is_dynamo_supported(),
