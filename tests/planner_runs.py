@@ -19,9 +19,9 @@ def run_counting_messages(script: str, argv: list, measure: bool = False) -> tup
     calls, read, counter = Counter(), {}, comm.COUNTER
     add, reset, total, build = counter.add, counter.reset, counter.total, trainer_4d.build_trainer
 
-    def counted(name, sent, received):
+    def counted(name, sent, received, *call):
         calls[name] += 1
-        add(name, sent, received)
+        add(name, sent, received, *call)
 
     def restart():                          # the scripts reset the counter at the start of every step
         calls.clear()
