@@ -23,6 +23,7 @@ from common.model import count_parameters
 from common.recompute import MODES
 
 published = import_module("07_choosing_a_layout.published")
+pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")     # chapter 03: the schedules
 
 FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero": "zero_stage", "recompute": "recompute",
           "layers": "recompute_layers", "schedule": "schedule", "v": "virtual_stages", "m": "microbatches"}
@@ -49,8 +50,9 @@ def _layout(domain: Domain, text: str) -> dict:
     return out
 
 
-# The fields whose values are few: ZeRO's stages (0: none), the recomputation modes (common/recompute.py).
-CHOICES = {"zero": ("0", "1", "2", "3"), "recompute": MODES}
+# The fields whose values are few: ZeRO's stages (0: none), the recomputation modes (common/recompute.py), the
+# schedules (chapter 03's registry).
+CHOICES = {"zero": ("0", "1", "2", "3"), "recompute": MODES, "schedule": tuple(pipeline_schedules.SCHEDULES)}
 
 
 def _value(key: str, value: str):
@@ -59,7 +61,7 @@ def _value(key: str, value: str):
         if value not in CHOICES[key]:
             raise Refused(f"{key}={value} is not one of {', '.join(CHOICES[key])}", f"e.g. {key}={CHOICES[key][1]}")
         return int(value) if key == "zero" else value
-    return value if key == "schedule" else _whole(value, key)
+    return _whole(value, key)
 
 
 def _whole(value: str, key: str) -> int:

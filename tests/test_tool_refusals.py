@@ -36,6 +36,8 @@ def test_a_copy_where_the_system_refuses_is_one_line_and_exit_2(capsys):
     ("zero=5", "--explain zero=5: zero=5 is not one of 0, 1, 2, 3; e.g. zero=1"),
     ("dp=2,recompute=most", "--explain dp=2,recompute=most: recompute=most is not one of none, selective, full"),
     ("tp=0", "--explain tp=0: tp=0 is not a whole number ≥ 1; e.g. tp=2"),
+    ("pp=2,schedule=zb-w", "--explain pp=2,schedule=zb-w: schedule=zb-w is not one of gpipe, 1f1b, interleaved, zb-h1, "
+                           "zb-v, dualpipev"),
     ("zero", "--explain zero: 'zero' is not a layout field"),
 ])
 def test_an_explain_field_outside_its_domain_is_refused_naming_it(field, message):
@@ -45,4 +47,5 @@ def test_an_explain_field_outside_its_domain_is_refused_naming_it(field, message
     with pytest.raises(ConfigError) as refused:
         choose_layout.parse_args(["--model", "tiny", "--explain", field])
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value), str(refused.value)
-    assert choose_layout.parse_args(["--model", "tiny", "--explain", "zero=0,dp=8"]).explain == {"zero_stage": 0, "dp": 8}
+    assert choose_layout.parse_args(["--model", "tiny", "--explain", "zero=0,dp=8,schedule=zb-v"]).explain == \
+        {"zero_stage": 0, "dp": 8, "schedule": "zb-v"}
