@@ -18,7 +18,6 @@ mid-span, which the wall clock counts and the CPU seconds do not. What a CPU can
 the bytes with CPU threads, the same cores the matmuls need (the GPU's copy engines and NVLink are free of
 the SMs), so here a hidden hop still costs a core some time.
 """
-import argparse
 import json
 import os
 import sys
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `com
 import torch
 import torch.distributed as dist
 
+from common.cli import measurement_parser
 from common.data import TextData
 from common.distributed import init_distributed, shutdown
 from common.errors import run_main
@@ -43,10 +43,7 @@ VARIANTS = {"plain": False, "overlap": True}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="the JSON file written by rank 0")
-    p.add_argument("--model", default="small", choices=sorted(PRESETS), help="preset (default small)")
-    p.add_argument("--rows", type=int, default=4, help="sequences per step (default 4)")
+    p = measurement_parser(__doc__.splitlines()[0], rows=4, rows_help="sequences per step", model_help="preset")
     p.add_argument("--seq-len", type=int, default=256, help="positions per sequence (default 256)")
     p.add_argument("--steps", type=int, default=3, help="timed steps of each variant (default 3)")
     return p.parse_args(argv)

@@ -19,7 +19,6 @@ ring forwards (zig-zag, cp 2, S = 2c) record each ring step's posting, compute a
 (attention_bookkeeping.RingSpans, handed to the ring): the wait is the part of the hop that did not hide under
 the compute.
 """
-import argparse
 import json
 import math
 import sys
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from common import comm
+from common.cli import measurement_parser
 from common.distributed import env_world_size, init_distributed, shutdown
 from common.errors import require, run_main
 from common.model import PRESETS
@@ -47,10 +47,8 @@ MIN_SECONDS = 0.1                            # time each measurement for about t
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="the JSON file written by rank 0")
-    p.add_argument("--model", default="small", choices=sorted(PRESETS), help="whose heads (default small)")
-    p.add_argument("--rows", type=int, default=2, help="sequences in the batch (default 2)")
+    p = measurement_parser(__doc__.splitlines()[0], rows=2, rows_help="sequences in the batch",
+                           model_help="whose heads")
     p.add_argument("--layers", type=int, default=6, help="ring forwards in each timeline (default 6)")
     return p.parse_args(argv)
 

@@ -121,6 +121,16 @@ def base_parser(description: str, pipeline: bool = False) -> Parser:
     return p
 
 
+def measurement_parser(description: str, rows: int, rows_help: str, model_help: str) -> argparse.ArgumentParser:
+    """The flags of a script that measures on a few ranks and writes one JSON file (chapter 02's overlap_tp.py,
+    chapter 06's overlap_cp.py): the file rank 0 writes, the model preset, the batch's rows. Each adds its own."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", required=True, help="the JSON file written by rank 0")
+    p.add_argument("--model", default="small", choices=sorted(PRESETS), help=f"{model_help} (default small)")
+    p.add_argument("--rows", type=int, default=rows, help=f"{rows_help} (default {rows})")
+    return p
+
+
 def check_common(args, dp: int = 1, microbatches: int | None = None, cfg=None, split_w: bool = False) -> None:
     """Checks across flags that every script needs. `dp` is the data-parallel degree the batch is split
     over, `microbatches` the count each of its ranks cuts its rows into (default: --microbatches);
