@@ -256,3 +256,6 @@ def test_a_later_exercise_waits_on_an_earlier_one_whose_own_tests_fail():
     assert grader.verdict(ranking, ROOT, failed, False).status == "wrong"
     assert grader.verdict(refusal, ROOT, failed | {n: failed[ranking.units[0]] for n in refusal.node_ids()},
                           False, {ranking.id}).status == "wrong"              # a later one is never waited on
+    merge, one_f_one_b = catalog.BY_ID["06.merge"], catalog.BY_ID["03.one_f_one_b"]
+    assert grader.verdict(merge, ROOT, {n: failed[ranking.units[0]] for n in merge.node_ids()}, False,
+                          {one_f_one_b.id}).status == "wrong"                 # another chapter's answer: its own

@@ -4,7 +4,7 @@
                               its layout run is left for later while an exercise sharing it is not written
     not done                  its stub is still in the file, or its own NotImplementedError stopped a test
     waits on 02.f_g           its tests fail only where another exercise's NotImplementedError stopped them,
-                              or they fail and an exercise before it (the catalog's, the LABs' order) graded in
+                              or they fail and an exercise before it in its chapter (the LAB's order) graded in
                               the same run fails its own tests: that answer may break this one's tests
     wrong: <test>: <line>     a test failed on its own: the first failing comparison, in one line, and a hint
                               of where to look when the line tells (`hint`)
@@ -137,8 +137,9 @@ def verdict(ex: Exercise, repo: Path, outcomes: dict, quick: bool, units_wrong=f
     if not waits and [node for node, _ in failed] == [ex.layout]:
         waits = sorted(other.id for other in BY_ID.values()
                        if other.id in units_wrong and other.id != ex.id and other.layout == ex.layout)
-    if not waits:               # an earlier exercise's wrong answer may be what fails this one's tests
-        waits = [other.id for other in EXERCISES[:EXERCISES.index(ex)] if other.id in units_wrong]
+    if not waits:               # an earlier exercise of its chapter, answered wrong, may be what fails its tests
+        waits = [other.id for other in EXERCISES[:EXERCISES.index(ex)]
+                 if other.chapter == ex.chapter and other.id in units_wrong]
     if waits:
         return Verdict(ex, "waits on", ", ".join(waits))
     node, rec = failed[0]
