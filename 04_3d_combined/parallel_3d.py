@@ -110,6 +110,17 @@ class Layout:
         """A rank's part of `experts` parameters of a mixture's experts: all of them (no EP here)."""
         return experts
 
+    def positions(self, seq_len: int) -> int:
+        """Positions of each sequence a rank holds: all of them here (chapter 06's Layout5D: S/cp)."""
+        return seq_len
+
+    def message_shape(self, cfg, global_batch: int, seq_len: int, sequence_parallel: bool) -> tuple[int, int, int]:
+        """One pipeline message: a micro-batch's hidden states at this rank's positions, split again over tp
+        under sequence parallelism."""
+        positions = self.positions(seq_len)
+        seq = positions // self.tp if sequence_parallel else positions
+        return (global_batch // self.dp // self.microbatches, seq, cfg.dim)           # (mb, S or S/tp, D)
+
 
 @lru_cache(maxsize=None)
 def tp_shard_parameters(cfg, piece: str, tp: int) -> tuple[int, int]:
@@ -216,7 +227,6 @@ def consolidated_state(trainer, mesh, layout: Layout, cfg, replica_dims=("dp",))
 
 
 def act_shape(args, cfg, layout: Layout) -> tuple[int, int, int]:
-    """The shape of one pipeline message: a micro-batch's hidden states, sequence-sharded under SP."""
-    mb_rows = args.global_batch // layout.dp // layout.microbatches
-    seq = args.seq_len // layout.tp if args.sequence_parallel else args.seq_len
-    return (mb_rows, seq, cfg.dim)                                        # (mb, S or S/tp, D)
+    """The shape of one pipeline message (Layout.message_shape): (mb, S or S/tp, D); under CP (mb, S/cp or
+    S/cp/tp, D)."""
+    return layout.message_shape(cfg, args.global_batch, args.seq_len, args.sequence_parallel)

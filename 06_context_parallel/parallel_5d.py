@@ -75,6 +75,10 @@ class Layout5D(parallel_4d.Layout4D):
         README (section 7); trainer_4d.build_trainer takes the groups from here, by name."""
         return {"dense": "dp_cp", "experts": "edp_cp"}
 
+    def positions(self, seq_len: int) -> int:
+        """Positions of each sequence a rank holds: its S/cp (cp_split.py says which)."""
+        return seq_len // self.cp
+
 
 def add_5d_args(p) -> None:
     parallel_4d.add_4d_args(p)
@@ -125,14 +129,6 @@ def then_experts_and_cp(args, layout: Layout5D):
 
 def sequence_split(args, layout: Layout5D) -> SequenceSplit:
     return cp_sequence_split(args, layout.cp)
-
-
-def act_shape(args, cfg, layout: Layout5D) -> tuple[int, int, int]:
-    """One pipeline message: a micro-batch's hidden states at this rank's S/cp positions, split again over
-    tp under sequence parallelism."""
-    positions = args.seq_len // layout.cp
-    seq = positions // layout.tp if args.sequence_parallel else positions
-    return (args.global_batch // layout.dp // layout.microbatches, seq, cfg.dim)      # (mb, S/cp or S/cp/tp, D)
 
 
 def console_rows(cfg, args, layout: Layout5D) -> tuple[dict, dict]:

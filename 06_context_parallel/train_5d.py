@@ -72,7 +72,7 @@ def main(argv=None) -> list[dict]:
     model, my_specs = parallel_3d.build_local_model(cfg, args, layout, specs, mesh, rt.device, resume and resume["model"],
                                                     then=parallel_5d.then_experts_and_cp(args, layout))
     loss_fn = (lambda logits, y: tensor_parallel.tp_loss_sum(logits, y, tp_group)) if layout.tp > 1 else loss_sum
-    shape = parallel_5d.act_shape(args, cfg, layout)                           # (mb, S/cp, D); S/cp/tp under SP
+    shape = parallel_3d.act_shape(args, cfg, layout)                           # (mb, S/cp, D); S/cp/tp under SP
     timeline = Timeline(rt.rank)
     # chapter 05's verbs as they are; the gradients are summed over the groups Layout5D.gradient_groups() names:
     # dense over dp × cp (the mesh's "dp_cp"), experts over edp × cp ("edp_cp")

@@ -19,6 +19,7 @@ the measured one. → results/cpu_working_set.json
 """
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 from importlib import import_module
@@ -73,13 +74,14 @@ def parts(layout: dict) -> tuple[float, tuple, float]:
     mode = layout.get("recompute", "none")
     c = layout_costs.Candidate(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], zero_stage=layout.get("zero", 0),
                                recompute=mode, microbatches=layout["m"])
-    rows = 16 // layout["dp"] // layout["m"]
+    message = c.layout().message_shape(run.cfg, 16, 128, False)                 # (rows, S, D): one pipeline message
+    rows, e = message[0], c.layout().element_size
     peaks = dict(schedule_costs.activation_peaks(run.cfg, mode, "1f1b", c.pp, c.microbatches, 1, rows, 128, 128,
                                                  c.tp, False, "fp32", None))
     memory = layout_costs.rank_memory(run, c, schedule_costs.specs_for(run.cfg, c.pp, 1, 128, "1f1b"), 0, peaks[0],
                                       gloo=True)
-    widths = working_set.terms(run.cfg, rows, 128, layout["tp"], 4)
-    received = working_set.receives(rows * 128 * run.cfg.dim * 4, layout["m"], layout["pp"] == 1, gloo=True)
+    widths = working_set.terms(run.cfg, rows, 128, layout["tp"], e)
+    received = working_set.receives(math.prod(message) * e, layout["m"], layout["pp"] == 1, gloo=True)
     return memory["total"] - memory["working"] + working_set.recomputed(run, c, rows, 128), widths, received
 
 

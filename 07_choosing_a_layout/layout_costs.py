@@ -34,6 +34,7 @@ that decides whether a layout fits. The step time is a model, stated:
               computes; the ring's hops hide behind attention's own compute; TP, PP and EP sit on the
               critical path
 """
+import math
 from collections import Counter
 from dataclasses import dataclass, fields
 from functools import lru_cache
@@ -168,9 +169,9 @@ def rank_memory(run: Run, c: Candidate, specs, pp_rank: int, peak_activation: in
 
 def rank0_traffic(run: Run, c: Candidate, specs) -> tuple[dict, dict]:
     """({group: bytes}, {group: messages}) global rank 0 sends + receives in one step."""
-    cfg, m, v = run.cfg, c.microbatches, c.virtual_stages
-    rows, positions = run.global_batch // c.dp // m, run.seq_len // c.cp
-    e = c.layout(run.dtype).element_size
+    cfg, m, v, layout = run.cfg, c.microbatches, c.virtual_stages, c.layout(run.dtype)
+    message = layout.message_shape(cfg, run.global_batch, run.seq_len, c.sequence_parallel)   # (rows, S/cp[/tp], D)
+    rows, positions, e = message[0], layout.positions(run.seq_len), layout.element_size
     mine = pipeline_stages.rank_stages(specs, c.pp, 0)
     layers = sum(len(s.layers) for s in mine)
     # full recomputation reruns the forward's exchanges in the blocks it recomputes: (blocks, forward runs)
@@ -194,7 +195,7 @@ def rank0_traffic(run: Run, c: Candidate, specs) -> tuple[dict, dict]:
             msgs["tp"] += m * n_micro + n_grads
     if c.pp > 1:
         msgs["pp"] = schedule_costs.rank0_messages(c.schedule, c.pp, m, v)
-        nbytes["pp"] = msgs["pp"] * rows * (positions // c.tp if c.sequence_parallel else positions) * cfg.dim * e
+        nbytes["pp"] = msgs["pp"] * math.prod(message) * e
     if c.ep > 1 and cfg.n_experts:
         nbytes["ep"] = sum(int(expert_parallel.expected_ep_bytes(n, rows * m * positions, cfg.top_k, cfg.dim,
                                                                  cfg.n_experts, c.ep, e, r)) for n, r in runs if n)

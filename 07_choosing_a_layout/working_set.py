@@ -25,6 +25,7 @@ t = rows × positions of one micro-batch on the rank (positions: S / cp); D the 
 (a mixture: the k experts a token visits); V the vocabulary.
 """
 import json
+import math
 from functools import lru_cache
 from importlib import import_module
 from pathlib import Path
@@ -67,11 +68,12 @@ def of_rank(run, c, stages, pp_rank: int, gloo: bool, coef=None) -> float:
     """Pipeline rank `pp_rank`'s working set in bytes, for layout `c` of `run` (layout_costs' Run and
     Candidate), `stages` the stages it holds (the module docstring)."""
     a, b, h = coef or load()
-    rows, positions = run.global_batch // c.dp // c.microbatches, run.seq_len // c.cp
-    e = c.layout(run.dtype).element_size                                  # bytes of one activation element
+    layout = c.layout(run.dtype)
+    message = layout.message_shape(run.cfg, run.global_batch, run.seq_len, c.sequence_parallel)   # (rows, S/cp[/tp], D)
+    rows, positions, e = message[0], layout.positions(run.seq_len), layout.element_size
     td, tf = terms(run.cfg, rows, positions, c.tp, e)
     peak = max(a * td + b * tf, h * logits(run.cfg, rows, positions, c.tp) if any(s.last for s in stages) else 0)
-    boundary = rows * (positions // c.tp if c.sequence_parallel else positions) * run.cfg.dim * e
+    boundary = math.prod(message) * e                                     # one pipeline message
     last = c.pp == 1 or (pp_rank == c.pp - 1 and c.virtual_stages == 1)
     return peak + recomputed(run, c, rows, positions) + receives(boundary, c.microbatches, last, gloo)
 

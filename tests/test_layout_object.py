@@ -56,6 +56,15 @@ def test_each_kind_of_state_sums_over_the_ranks_holding_it():
     assert parallel_3d.Layout(2, 1, 1, 1, dtype="bf16").element_size == 2 and parallel_3d.Layout(2, 1, 1, 1).element_size == 4
 
 
+def test_a_pipeline_message_is_a_micro_batch_at_the_rank_s_positions():
+    """(rows of a micro-batch, positions: S, S/cp, and over tp too under SP, D), as the executor allocates it."""
+    cfg = PRESETS["tiny"]
+    assert parallel_3d.Layout(2, 2, 2, 4).message_shape(cfg, 16, 128, False) == (2, 128, cfg.dim)
+    assert parallel_3d.Layout(2, 2, 2, 4).message_shape(cfg, 16, 128, True) == (2, 64, cfg.dim)
+    assert parallel_5d.Layout5D(2, 2, 2, 2, cp=4).message_shape(cfg, 16, 128, False) == (4, 32, cfg.dim)
+    assert parallel_5d.Layout5D(2, 2, 2, 2, cp=4).message_shape(cfg, 16, 128, True) == (4, 16, cfg.dim)
+
+
 @pytest.mark.parametrize("model, tp, ep", [("tiny", 1, 1), ("tiny", 2, 1), ("tiny", 8, 1), ("tiny-moe", 2, 4)])
 def test_a_rank_s_parameters_are_the_model_s_tensors_cut_as_the_chapters_cut_them(model, tp, ep):
     """Every stage's parameters on rank 0 of its TP and EP groups: the built model's tensors, each through
