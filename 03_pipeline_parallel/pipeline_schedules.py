@@ -235,6 +235,15 @@ def stages_per_rank(name: str, v: int = 1) -> int:
     return SCHEDULES[name].stages or v
 
 
+def stages_from_flag(name: str, virtual_stages: int) -> int:
+    """stages_per_rank for the command line's --virtual-stages: a V schedule holds its own number, so any
+    other value the user passes is refused in one line rather than ignored."""
+    stages = SCHEDULES[name].stages
+    require(not stages or virtual_stages in (1, stages),
+            f"the {name} schedule holds {stages} stages per rank; drop --virtual-stages")
+    return stages_per_rank(name, virtual_stages)
+
+
 def stage_ranks(name: str, p: int, v: int = 1) -> tuple[int, ...]:
     """rank_of[stage] for every stage of the pipeline: where the schedule expects each stage to live.
         loop (gpipe, 1f1b, interleaved, zb-h1)   stage s on rank s % p: rank r holds r, r+p, r+2p, ...

@@ -85,9 +85,7 @@ def pipeline_layout(args, world: int) -> Layout:
     dp = 1 if args.print_schedule else world // pp
     m = pipeline_microbatches(args, dp, pp)
     schedule = pipeline_schedules.SCHEDULES[args.schedule]
-    v = pipeline_schedules.stages_per_rank(args.schedule, args.virtual_stages)     # the V: always 2
-    require(not schedule.stages or args.virtual_stages in (1, schedule.stages),
-            f"the {args.schedule} schedule holds {schedule.stages} stages per rank; drop --virtual-stages")
+    v = pipeline_schedules.stages_from_flag(args.schedule, args.virtual_stages)     # the V: always 2
     check_common(args, dp=dp, microbatches=m, split_w=schedule.split_w)
     if args.impl == "torch":
         torch_class = torch_pipelining.TORCH_SCHEDULES.get(args.schedule)

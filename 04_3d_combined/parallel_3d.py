@@ -189,7 +189,7 @@ def plan_pipeline(args, cfg, layout: Layout, build: bool = True) -> tuple[list, 
     """Chapter 03's plan for this layout: all p·v stages (stage_specs, which checks the model has
     enough layers) and every rank's actions (build_schedule); with `build` False the schedule's checks
     alone, and None for the actions."""
-    v = pipeline_schedules.stages_per_rank(args.schedule, args.virtual_stages)          # the V schedules: 2
+    v = pipeline_schedules.stages_from_flag(args.schedule, args.virtual_stages)         # the V schedules: 2
     rank_of = pipeline_schedules.stage_ranks(args.schedule, layout.pp, v)                # a loop, or a V
     specs = pipeline_stages.stage_specs(cfg, layout.pp, v, args.seq_len, rank_of)
     if not build:

@@ -58,8 +58,6 @@ def test_each_flag_is_refused_in_one_line(case):
     assert refusal(script, world, argv).startswith(message)
 
 
-@pytest.mark.xfail(strict=True, reason="chapters 04-06 read the V's two stages per rank and ignore --virtual-stages "
-                                       "(parallel_3d.plan_pipeline); chapter 03's train_pp.py refuses it")
 @pytest.mark.parametrize("script, world, argv", [
     (GRID, 2, ["--dp", "1", "--tp", "1", "--pp", "2", "--schedule", "zb-v", "--virtual-stages", "3"]),
     (EXPERTS, 4, ["--dp", "2", "--ep", "2", "--pp", "2", "--tp", "1", "--schedule", "dualpipev", "--virtual-stages",
