@@ -156,7 +156,8 @@ def main(argv=None) -> list[dict]:
         print("\n".join(["", *explain_layout.explain_one(args.explain, rows, dev, describe,
                                                           partial(planner.refusal_of, args, dev),
                                                           lambda r: run_it(r, cfg, args))]))
-        print("\n".join(framework_flags.explained(args.explain, rows, cfg, args.global_batch, args.seq_len)))
+        flags = framework_flags.explained(args.explain, rows, cfg, args.global_batch, args.seq_len)
+        print("\n".join(x for line in flags for x in explain_layout.wrap(line.strip(), "  ")))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([{k: r[k] for k in SCHEMA} for r in rows], indent=1))
