@@ -48,13 +48,15 @@ overhead: $(STAMP)
 	$(PY) -m common.bench_overhead
 
 # Every script on one GPU (fp32, bf16), then MFU with and without --compile: results/gpu_check.md. Needs no
-# setup (a GPU machine's own Python with PyTorch and rich will do); without CUDA it says so and exits 0.
+# setup (a GPU machine's own Python with PyTorch and rich will do); without CUDA it says so and exits 0,
+# without PyTorch it says so in one line and exits 1.
 GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) common/gpu_check.py
 
 # A GPU's own device file for chapter 07's planner (its matmul rate by size, fused attention, copy bandwidth):
-# 07_choosing_a_layout/devices/<gpu>-measured.json. Without CUDA it says so and exits 0.
+# 07_choosing_a_layout/devices/<gpu>-measured.json. Without CUDA it says so and exits 0; without PyTorch it
+# says so in one line and exits 1.
 gpu-efficiency:
 	$(GPU_PY) 07_choosing_a_layout/gpu_efficiency.py
 

@@ -17,7 +17,7 @@ runs on, what the planner's step time reads (and copies the rest from the descri
                           the operation it timed, so the two are not added again
 
 A measured file replaces a described one with no other change. Without CUDA the command says so in one
-line and exits 0.
+line and exits 0; without PyTorch (a Python before `make setup`) it says so in one line and exits 1.
 """
 import argparse
 import json
@@ -120,7 +120,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=0.2, help="timing per shape")
     args = p.parse_args(argv)
-    import torch
+    from common.gpu_check import import_torch
+    torch = import_torch("gpu-efficiency", "07_choosing_a_layout/gpu_efficiency.py")
+    if torch is None:
+        return 1
     if not torch.cuda.is_available():
         print("gpu_efficiency: no CUDA device here, nothing measured; the planner keeps the described devices/*.json")
         return 0

@@ -114,16 +114,25 @@ def gib(n) -> str:
     return f"{n / 2**30:.2f} GiB" if n else "-"
 
 
+def import_torch(tool: str, script: str):
+    """PyTorch, or None after one line on stderr saying this Python has none (a GPU tool run before
+    `make setup`, by a Python without it): the caller exits 1."""
+    try:
+        import torch
+    except ModuleNotFoundError:
+        print(f"{tool}: this Python ({sys.executable}) has no PyTorch; run `make setup`, or run "
+              f"{script} with a Python that has PyTorch and CUDA", file=sys.stderr)
+        return None
+    return torch
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="every script only (part 1), not the MFU runs")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    try:
-        import torch                    # (after --help: importing torch takes seconds)
-    except ModuleNotFoundError:
-        print(f"gpu-check: this Python ({sys.executable}) has no PyTorch; run `make setup`, or run "
-              "common/gpu_check.py with a Python that has PyTorch and CUDA", file=sys.stderr)
+    torch = import_torch("gpu-check", "common/gpu_check.py")        # (after --help: importing takes seconds)
+    if torch is None:
         return 1
     if not torch.cuda.is_available():
         print(f"gpu-check: no CUDA device on this machine (PyTorch {torch.__version__}); nothing to check")

@@ -1,5 +1,5 @@
-"""The course's tools, refused in one line: without their dependencies (`make gpu-check` before `make setup`:
-a Python without PyTorch), at a place the system refuses (exercise mode's --out under /proc), and with a
+"""The course's tools, refused in one line: without their dependencies (`make gpu-check` or `make gpu-efficiency`
+before `make setup`: a Python without PyTorch), at a place the system refuses (exercise mode's --out under /proc), and with a
 value outside a field's domain (the planner's --explain). Each runs in this process (no training starts)."""
 import sys
 from importlib import import_module
@@ -22,6 +22,14 @@ def test_gpu_check_without_pytorch_says_so_in_one_line(monkeypatch, capsys):
     out = capsys.readouterr()
     said = one_line(out.out + out.err)
     assert said.startswith("gpu-check: this Python") and "has no PyTorch" in said and "make setup" in said, said
+
+
+def test_gpu_efficiency_without_pytorch_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    assert import_module("07_choosing_a_layout.gpu_efficiency").main([]) == 1
+    out = capsys.readouterr()
+    said = one_line(out.out + out.err)
+    assert said.startswith("gpu-efficiency: this Python") and "has no PyTorch" in said and "make setup" in said, said
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: a place Linux refuses to create in")
