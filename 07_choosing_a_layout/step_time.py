@@ -96,36 +96,3 @@ def gpu_time_parts(run, c, dev, gpus_per_node: int, nbytes: dict, msgs: dict, bu
         exposed["dp"] = per_unit_zero.exposed(seconds["dp"], matmul + memory, units)
     return {"compute": matmul, "memory": memory, "bubble": idle, **{f"comm_{g}": t for g, t in exposed.items()},
             "optimizer": optimizer_seconds(run, c, dev, *params)}
-
-
-# The published runs (published.py) in the forms results/layouts_published.md ranks best, the levers their
-# papers leave to the planner filled in as that table has them: `python -m 07_choosing_a_layout.step_time`
-# prints each one's step by part, without planning the whole cluster again (check_layouts.py --published does).
-FORMS = {"llama3-405b-8k-8192gpu": dict(recompute="full", virtual_stages=7, microbatches=32),
-         "llama3-405b-8k-16384gpu": dict(recompute="full", recompute_layers=1, virtual_stages=7, microbatches=16),
-         "llama3-405b-131k": dict(recompute="full", recompute_layers=1, virtual_stages=7, microbatches=16),
-         "gpt3-175b-selective": {}, "gpt3-175b-full": {}}
-
-
-def main() -> None:
-    choose_layout = import_module("07_choosing_a_layout.choose_layout")
-    layout_costs = import_module("07_choosing_a_layout.layout_costs")
-    layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
-    published = import_module("07_choosing_a_layout.published")
-    for name, levers in FORMS.items():
-        run = published.BY_NAME[name]
-        args = choose_layout.parse_args(list(run.argv))
-        given = {"ep": 1, "zero_stage": 0, "recompute": "none", "recompute_layers": None, **run.layout, **levers}
-        c = layout_costs.Candidate(**{k: given[k] for k in ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute",
-                                                           "sequence_parallel", "schedule", "microbatches",
-                                                           "virtual_stages", "recompute_layers")})
-        cfg = layout_inputs.model_for(args.model)
-        r = layout_costs.predict(layout_costs.Run(cfg, args.global_batch, args.seq_len, args.dtype, args.attention),
-                                 c, layout_inputs.device_for(args.device, args.dtype, args.world), args.gpus_per_node)
-        said = ", ".join(f"{k} {v:.3g}" for k, v in r["time_parts_s"].items() if v)
-        print(f"{name}: {choose_layout.describe(r)}: step {r['step_time_s']:.2f} s, MFU {r['mfu']:.1%} "
-              f"(published {run.measured}); {said}")
-
-
-if __name__ == "__main__":
-    main()
