@@ -6,11 +6,13 @@
 Writes 03_pipeline_parallel/results/pp_breakdown.md (--v-schedules: pp_breakdown_v.md). Every schedule runs four times on the same
 configuration as bench_pp.py's throughput table (m = 8, 16 × 128 tokens per step): ours as the
 chapter runs it (timeline and activation meter on), ours with --no-activation-meter, ours posting
-each irecv one action ahead as it does with NCCL (instead of all at the step's start, as with gloo:
-pipeline_executor.py, "When to post"), and PyTorch's.
+each irecv one action ahead as it does with NCCL (train_pp.py's hidden --irecv-one-ahead, instead of all
+at the step's start, as with gloo: pipeline_executor.py, "When to post"), and PyTorch's.
 
-A stopwatch wraps the functions that do each kind of work and charges each call its OWN time (its
-callees' time subtracted), so the parts add up to the time of the step's forward_backward:
+A stopwatch watches the calls of the functions that do each kind of work (sys.settrace: Python tells it
+where each call of this thread begins and, for the named functions, where it ends; nothing is replaced)
+and charges each call its OWN time (its named callees' time subtracted), so the parts add up to the time
+of the step's forward_backward:
   F, B, W      the stage's compute (ours: the executor's _forward/_backward (and _whole_backward: a BW is
                counted as B)/_weights; torch's: the stage module's forward and loss, and its stage_backward /
                _input / _weight)
@@ -24,9 +26,11 @@ callees' time subtracted), so the parts add up to the time of the step's forward
   runtime      the rest: the executor's (or torch's runtime's) own Python between the pieces above,
                cutting the batch into micro-batches included
 Each value is ms per step: the mean over the ranks of the median over steps 3..8 of two runs (alternated rounds). The
-stopwatch costs about a microsecond per call it times, a few hundred calls per step.
+stopwatch's cost is spread over the parts: its trace function runs at every Python call of the step (one
+dictionary look-up for a call it does not time), and at the start and end of the few hundred it times.
 """
 import argparse
+import inspect
 import json
 import statistics
 import sys
@@ -58,50 +62,62 @@ OUT = HERE / "results"
 SCHEDS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
 V_SCHEDS = [("zb-v", 2), ("dualpipev", 2)]                                    # --v-schedules
 RUNS = {"ours": ["--impl", "ours"], "ours, no meter": ["--impl", "ours", "--no-activation-meter"],
-        "ours, irecv one ahead": ["--impl", "ours"], "torch": ["--impl", "torch"]}
+        "ours, irecv one ahead": ["--impl", "ours", "--irecv-one-ahead"], "torch": ["--impl", "torch"]}
 PARTS = ("F", "B", "W", "waiting", "posting", "measurement", "runtime")      # F: with torch's "loss"
 SKIP = 2                                       # steps 1..2: warm-up (allocations, the zero-bubble split)
 ROUNDS = 2                                     # every run twice, the rounds alternated; their steps pooled
 
 
-class Stopwatch:
-    """Exclusive time per part, per step. `wrap(fn, part)` returns fn timed; a call's callees that are
-    timed too are subtracted from it. The outermost timed call (forward_backward) ends a step."""
+def code_of(owner, name: str):
+    """The code object of the function `name` defined on `owner` (a class or a module), under its decorators:
+    what a frame running it holds as f_code."""
+    fn = owner.__dict__[name]
+    return inspect.unwrap(getattr(fn, "__func__", fn)).__code__
 
-    def __init__(self):
-        self.stack: list[float] = []           # time spent in timed callees of each open call
+
+class Stopwatch:
+    """Exclusive time per part, per step, of the functions in `targets` ((owner, attribute name, part)),
+    watched inside `with watch.timing():` through sys.settrace; nothing is replaced. A call's callees that
+    are timed too are subtracted from it. The outermost timed call (forward_backward) ends a step."""
+
+    def __init__(self, targets):
+        self.parts = {code_of(owner, name): part for owner, name, part in targets}
+        self.stack: list[list] = []            # each open timed call: [part, start, time in timed callees]
         self.now: dict = defaultdict(float)    # this step so far: part -> seconds (and "n F" -> calls)
         self.steps: list[dict] = []
 
-    def wrap(self, fn, part: str):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            self.stack.append(0.0)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                inner, took = self.stack.pop(), time.perf_counter() - start
-                self.now[part] += took - inner
-                self.now[f"n {part}"] += 1
-                if self.stack:
-                    self.stack[-1] += took
-                else:                           # forward_backward returned: one step
-                    self.now["step"] = took
-                    self.steps.append(dict(self.now))
-                    self.now.clear()
-        return timed
+    def _call(self, frame, event, arg):
+        """Python calls this at the start of every call of this thread: a timed function's frame gets
+        `_end` as its own tracer (its return), any other none (no more events from it)."""
+        part = self.parts.get(frame.f_code)
+        if part is None:
+            return None
+        frame.f_trace_lines = False
+        self.stack.append([part, time.perf_counter(), 0.0])
+        return self._end
+
+    def _end(self, frame, event, arg):
+        if event != "return":                  # (an exception passing through: its return follows)
+            return self._end
+        part, start, inner = self.stack.pop()
+        took = time.perf_counter() - start
+        self.now[part] += took - inner
+        self.now[f"n {part}"] += 1
+        if self.stack:
+            self.stack[-1][2] += took
+        else:                                  # forward_backward returned: one step
+            self.now["step"] = took
+            self.steps.append(dict(self.now))
+            self.now.clear()
+        return None
 
     @contextmanager
-    def timing(self, targets):
-        """targets: (owner, attribute name, part); each replaced by its timed self inside the block."""
-        saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in targets]
-        for owner, name, part in targets:
-            setattr(owner, name, self.wrap(getattr(owner, name), part))
+    def timing(self):
+        sys.settrace(self._call)
         try:
             yield self
         finally:
-            for owner, name, fn in saved:
-                setattr(owner, name, fn)
+            sys.settrace(None)
 
 
 def timed_functions():
@@ -122,21 +138,6 @@ def timed_functions():
     return ours + theirs
 
 
-@contextmanager
-def posting(one_ahead: bool):
-    """Inside: executors post each irecv one action ahead (NCCL's rule) even with gloo."""
-    init = pipeline_executor.PipelineExecutor.__init__
-
-    def init_one_ahead(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.post_all_at_start = False
-    pipeline_executor.PipelineExecutor.__init__ = init_one_ahead if one_ahead else init
-    try:
-        yield
-    finally:
-        pipeline_executor.PipelineExecutor.__init__ = init
-
-
 def worker(p: int, tmp: Path, scheds: list) -> None:
     """Runs inside torchrun: every schedule × run, timed; rank 0 writes every rank's steps."""
     init_distributed()
@@ -144,7 +145,7 @@ def worker(p: int, tmp: Path, scheds: list) -> None:
     for _, (name, v), (run, flags) in product(range(ROUNDS), scheds, RUNS.items()):
         argv = ["--seq-len", "128", "--quiet", "--warmup", "2", "--schedule", name, "--virtual-stages", str(v),
                 "--microbatches", "8", "--global-batch", "16", "--steps", "8"] + flags
-        with Stopwatch().timing(timed_functions()) as watch, posting(one_ahead="one ahead" in run):
+        with Stopwatch(timed_functions()).timing() as watch:
             train_pp.main(argv)
         every = [None] * p if dist.get_rank() == 0 else None
         dist.gather_object(watch.steps[SKIP:], every, dst=0)

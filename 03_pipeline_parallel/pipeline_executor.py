@@ -135,7 +135,7 @@ class PipelineExecutor:
     """
 
     def __init__(self, model, specs, pp_rank: int, pp_ranks: list[int], group, act_shape, loss_fn, loss_scale,
-                 dtype=torch.float32, device="cpu", autocast_dtype=None):
+                 dtype=torch.float32, device="cpu", autocast_dtype=None, post_all_at_start=None):
         self.model, self.specs, self.me, self.ranks, self.group = model, specs, pp_rank, pp_ranks, group
         self.p, self.n = len(pp_ranks), len(specs)
         self.act_shape, self.dtype, self.device = tuple(act_shape), dtype, torch.device(device)
@@ -143,7 +143,8 @@ class PipelineExecutor:
         self.rank_of = [s.rank for s in specs]    # where each stage lives: a loop (s % p) or a V
         self.stage_params = {s.index: stage_parameters(model, s) for s in specs if s.rank == pp_rank}
         self.store, self.b_params = None, None    # set up by the first schedule with W actions
-        self.post_all_at_start = dist.get_backend(group) == "gloo"     # see "When to post" above
+        # see "When to post" above; post_all_at_start=False: NCCL's rule on gloo too (breakdown_pp.py)
+        self.post_all_at_start = dist.get_backend(group) == "gloo" if post_all_at_start is None else post_all_at_start
 
     def _split_weight_grads(self) -> None:
         """Zero bubble: linear layers postpone dW to W; B computes the other parameters' gradients."""

@@ -10,6 +10,7 @@
 --pp defaults to the world size; with fewer, the remaining factor is data parallelism
 (Mesh dp × pp; each stage's gradients all-reduced over dp as soon as they are final, see pipeline_trainer.py).
 """
+import argparse
 import sys
 from importlib import import_module
 from pathlib import Path
@@ -72,6 +73,7 @@ def parse_args(argv=None, schedule=None):
     p.add_argument("--timeline", type=OUTPUT_FILE, default=None,
                    help="write every rank's events as a Chrome trace JSON here (default: none)")
     p.add_argument("--print-schedule", action="store_true", help="draw the per-rank schedule as text and exit")
+    p.add_argument("--irecv-one-ahead", action="store_true", help=argparse.SUPPRESS)   # breakdown_pp.py's NCCL rule
     return p.parse_args(argv)
 
 
@@ -193,7 +195,8 @@ def build_trainer(args, layout, model, optimizer, specs, my_specs, plan, mesh, a
         model, specs, mesh.coord("pp"), mesh.group_ranks["pp"], pp_group, act_shape=act_shape,   # (mb, S, D)
         loss_fn=loss_sum, loss_scale=tokens_per_step, device=device,
         autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline,
-        meter_activations=not args.no_activation_meter)
+        meter_activations=not args.no_activation_meter,
+        post_all_at_start=False if args.irecv_one_ahead else None)     # None: gloo's rule, all at the start
     predicted = pipeline_trainer.predicted_peaks(PRESETS[args.model], args, plan, specs, act_shape[0])
     return pipeline_trainer.PipelineTrainer(executor, plan, optimizer, layout.m, pp_group, predicted)
 

@@ -1,8 +1,9 @@
 """Nothing in the course is patched at run time: what a reader sees called is what runs.
 
 Read statically (ast) over every .py file of the course outside tests/: no `mock` (unittest.mock, pytest's
-monkeypatch) imported, no `setattr` on an imported module, and no assignment to (or deletion of) an attribute
-of an imported module. A module that must behave differently is handed what differs (a span, a recorder, a
+monkeypatch) imported, no `setattr` on an imported module, no assignment to (or deletion of) an attribute
+of an imported module, and neither on a class, function or module reached through one (`setattr(m.C, ...)`,
+`m.C.f = g`: the module's source says what C is; an object it holds, `m.COUNTER.calls = []`, may change). A module that must behave differently is handed what differs (a span, a recorder, a
 callback) or offers a function that changes its own state (common/comm.time_all_to_alls); a test may patch.
 """
 import ast
@@ -25,13 +26,38 @@ def course_files() -> list[Path]:
 
 
 @functools.cache
-def _is_module(name: str) -> bool:
-    """`name` (dotted) is a module: a file or package of the course, or of an installed package (looked up
-    on disk, nothing imported)."""
+def _module_file(name: str) -> Path | None:
+    """The source file of the module `name` (dotted): a file or package of the course, or of an installed
+    package (looked up on disk, nothing imported); None if it is none."""
     top, *rest = name.split(".")
     for base in [ROOT / top] + _installed(top):
         path = base.joinpath(*rest)
-        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file() or (not rest and base.is_file()):
+        for file in (path.with_suffix(".py"), path / "__init__.py"):
+            if file.is_file():
+                return file
+        if not rest and base.is_file():
+            return base
+    return None
+
+
+def _is_module(name: str) -> bool:
+    return _module_file(name) is not None
+
+
+@functools.cache
+def _defines(module: str, name: str) -> bool:
+    """Is `name` a class, a function or a module in the module `module` (its own `class`, `def` or import,
+    or a submodule), read from its source? A name bound by `=` (an object it holds) is not."""
+    if _is_module(f"{module}.{name}"):
+        return True
+    file = _module_file(module)
+    if file is None or file.suffix != ".py":
+        return False
+    for node in ast.parse(file.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
+            return True
+        if isinstance(node, ast.Import | ast.ImportFrom) and name in {
+                a.asname or a.name.split(".")[0] for a in node.names}:
             return True
     return False
 
@@ -50,21 +76,25 @@ def _installed(top: str) -> list[Path]:
     return [Path(spec.origin)] if spec.origin and spec.origin not in ("built-in", "frozen") else [Path(top)]
 
 
-def module_names(tree: ast.AST, package: str) -> set[str]:
-    """The names a file binds to modules: `import x [as y]`, `from p import m` (m a module), and
-    `y = import_module("x")`."""
-    names = set()
+def module_names(tree: ast.AST, package: str) -> dict[str, str | None]:
+    """The names a file binds to modules, each with the module's dotted name (None where the source does not
+    say it): `import x [as y]`, `from p import m` (m a module), and `y = import_module("x")`."""
+    names = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {a.asname or a.name.split(".")[0] for a in node.names}
+            names |= {a.asname or a.name.split(".")[0]: a.name if a.asname else a.name.split(".")[0]
+                      for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:                                          # relative: from .x import y
                 base = ".".join(filter(None, [package, base]))
-            names |= {a.asname or a.name for a in node.names if _is_module(f"{base}.{a.name}".strip("."))}
+            names |= {a.asname or a.name: f"{base}.{a.name}".strip(".") for a in node.names
+                      if _is_module(f"{base}.{a.name}".strip("."))}
         elif (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
               and getattr(node.value.func, "id", getattr(node.value.func, "attr", None)) == "import_module"):
-            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            arg = node.value.args[0] if node.value.args else None
+            dotted = arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
+            names |= {t.id: dotted for t in node.targets if isinstance(t, ast.Name)}
     return names
 
 
@@ -77,6 +107,16 @@ def patches(source: str, package: str = "") -> list[str]:
     def on_module(node) -> bool:
         return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
 
+    def through_module(node) -> str | None:
+        """`m.C` or `m.C.D…` with C a class, function or module of the module m: its text, else None."""
+        attrs = []
+        while isinstance(node, ast.Attribute):
+            attrs.insert(0, node.attr)
+            node = node.value
+        if attrs and isinstance(node, ast.Name) and modules.get(node.id) and _defines(modules[node.id], attrs[0]):
+            return ".".join([node.id] + attrs)
+        return None
+
     for node in ast.walk(tree):
         if isinstance(node, ast.Import | ast.ImportFrom):
             imported = [getattr(node, "module", None) or ""] + [a.name for a in node.names]
@@ -86,13 +126,19 @@ def patches(source: str, package: str = "") -> list[str]:
             target = node.args[0]
             if isinstance(target, ast.Name) and target.id in modules:
                 found.append(f"line {node.lineno}: setattr on module {target.id}")
+            elif through_module(target):
+                found.append(f"line {node.lineno}: setattr on {through_module(target)}")
         elif isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.Delete):
             targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
             for t in targets:
                 for part in ast.walk(t):
-                    if on_module(part) and isinstance(part.ctx, ast.Store | ast.Del):
+                    if not (isinstance(part, ast.Attribute) and isinstance(part.ctx, ast.Store | ast.Del)):
+                        continue
+                    if on_module(part):
                         found.append(f"line {node.lineno}: assigns {part.value.id}.{part.attr}")
-    return found
+                    elif through_module(part.value):
+                        found.append(f"line {node.lineno}: assigns {through_module(part.value)}.{part.attr}")
+    return sorted(found, key=lambda line: int(line.split()[1].rstrip(":")))     # in the file's order
 
 
 def test_no_module_of_the_course_is_patched_at_run_time():
@@ -119,3 +165,19 @@ def test_the_check_sees_each_kind_of_patch():
     assert patches("from importlib import import_module\nc = import_module('common.comm')\nc.COUNTER = 1") \
         == ["line 3: assigns c.COUNTER"]
     assert patches("from common import comm\ncomm.COUNTER.calls = []\nblock.body = f\ncomm.time_all_to_alls(f)") == []
+
+
+def test_the_check_sees_a_patch_through_a_module():
+    """A class's or function's attribute reached through a module (how breakdown_pp.py once timed the
+    executor and torch's pipelining): flagged by assignment, deletion or setattr, wherever it sits; an
+    object the module holds (common/comm.COUNTER) is not."""
+    assert patches("from importlib import import_module\npe = import_module('03_pipeline_parallel.pipeline_executor')\n"
+                   "def f():\n    pe.PipelineExecutor.__init__ = g") == ["line 4: assigns pe.PipelineExecutor.__init__"]
+    assert patches("from torch.distributed.pipelining import schedules\n"
+                   "setattr(schedules._PipelineSchedule, '_compute_loss', g)\n"
+                   "del schedules._PipelineSchedule.step") == [
+        "line 2: setattr on schedules._PipelineSchedule", "line 3: assigns schedules._PipelineSchedule.step"]
+    assert patches("import torch\ntorch.nn.Linear.forward = g") == ["line 2: assigns torch.nn.Linear.forward"]
+    assert patches("from . import measured_executor\nmeasured_executor.pipeline_executor.PipelineExecutor.run = g",
+                   "03_pipeline_parallel") == ["line 2: assigns measured_executor.pipeline_executor.PipelineExecutor.run"]
+    assert patches("from common import comm\ncomm.COUNTER.calls = []\nsetattr(comm.COUNTER, 'calls', [])") == []
