@@ -6,8 +6,12 @@ JSON row for dp 4 × pp 2 against the bytes a 2-step run of that layout measures
 asked about layouts the chapters refuse.
 """
 import json
+import re
+from importlib import import_module
 
 from common.lab_key import ROOT
+
+explain_layout = import_module("07_choosing_a_layout.explain_layout")   # the planner's lines, wrapped and joined back
 
 PLAN = ("python 07_choosing_a_layout/choose_layout.py --model tiny --world 8 --device cpu --global-batch 16 "
         "--seq-len 128 --json runs/lab07/layouts.json")
@@ -47,11 +51,14 @@ cool-down (the bubble), where the pipeline's messages sit on the critical path o
 def scale_section(key) -> None:
     out = key.run(AT_SCALE).out
     rows = json.loads((ROOT / "runs/lab07/405b.json").read_text())
-    pub = {r["recompute"]: r for r in reversed(rows) if (r["dp"], r["tp"], r["pp"], r["cp"], r["zero_stage"],
-                                                         r["sequence_parallel"], r["schedule"]) ==
-           (128, 8, 16, 1, 2, True, "interleaved") and r["recompute_layers"] is None}   # ranked: the last kept is the best
-    line = next((x for x in out.splitlines() if "layouts have the fields asked" in x), "")
+    shape = ("dp", "tp", "pp", "cp", "zero_stage", "sequence_parallel", "schedule", "virtual_stages", "microbatches")
+    explained = next(r for r in rows if (r["dp"], r["tp"], r["pp"], r["cp"], r["zero_stage"], r["sequence_parallel"],
+                                         r["schedule"]) == (128, 8, 16, 1, 2, True, "interleaved"))  # ranked: the first
+    pub = {r["recompute"]: r for r in rows if r["recompute_layers"] is None
+           and all(r[k] == explained[k] for k in shape)}     # the explained row's v and m, each recompute mode
+    line = next((x for x in explain_layout.unwrapped(out) if "layouts have the fields asked" in x), "")
     parts = {mode: pub[mode]["memory_bytes"] for mode in ("none", "full") if mode in pub}
+    vm = f"v={explained['virtual_stages']} m={explained['microbatches']}"
     words = "; ".join(f"recompute {mode}: weights {gib(m['params'])}, gradients {gib(m['grads'])}, AdamW "
                       f"{gib(m['optim_bytes'])}, activations {gib(m['peak_activation_bytes'])}, total {gib(m['total'])}"
                       for mode, m in parts.items())
@@ -60,27 +67,44 @@ Plain data parallelism holds the whole model's state on every GPU: 16 bytes per 
 gradients and AdamW's two moments) × 405.9B ≈ 6 TiB against 80 GiB, whatever the batch. The planner's
 line for the published layout: `{line.strip()}`
 
-By component, its fullest pipeline rank at the peak of a step — {words}. Recomputation shrinks only the
+By component, its fullest pipeline rank at the peak of a step, at the same {vm} — {words}. Recomputation shrinks only the
 activations; ZeRO-2 shards AdamW's moments (and, between steps, the gradients), but during a step the
 grid's trainers keep the full gradients until the reduce-scatter after the schedule, so the weights and
 the gradients stay whole: TP 8 × PP 16 is what divides them (by 128).
 """)
 
 
+def refusals_by_rule(world: int) -> list[tuple[int, str]]:
+    """(how many, the message of the first) for each rule the scripts refuse the tiny plan's candidates by
+    on `world` CPU ranks (16 × 128 tokens, the lab's plan): runnable.refusal asked of every candidate."""
+    planner = import_module("07_choosing_a_layout.planner")
+    runnable = import_module("07_choosing_a_layout.runnable")
+    cfg = import_module("07_choosing_a_layout.layout_inputs").model_for("tiny")
+    rules = {}
+    for c in planner.candidates(cfg, world, 16, world):
+        if why := runnable.refusal(c, "tiny", cfg, 16, 128, "fp32"):
+            count, first = rules.get(re.sub(r"[0-9]+", "N", why), (0, why))
+            rules[re.sub(r"[0-9]+", "N", why)] = (count + 1, first)
+    return sorted(rules.values(), reverse=True)
+
+
 def refusals_section(key) -> None:
     outs = [key.run(cmd).out for cmd in REFUSED]
-    first = [next((x for x in out.splitlines() if "refused by their checks" in x), "") for out in outs]
-    said = [next((x for x in out.splitlines() if x.startswith("--explain")), "") for out in outs]
+    first = [next((x for x in explain_layout.unwrapped(out) if "refused by their checks" in x), "") for out in outs]
+    said = [next((x for x in explain_layout.unwrapped(out) if x.startswith("--explain")), "") for out in outs]
+    rules = refusals_by_rule(16)
     key.section("L3 — ask the chapters", f"""
 `--explain tp=16`: `{said[0].strip()}` — the heads do not split over 16 ranks (chapter 02's check).
-`--explain pp=8,schedule=interleaved,v=2`: `{said[1].strip()}` — 8 ranks × 2 chunks are 16 stages for
-8 layers (chapter 03's partition).
+`--explain pp=8,schedule=interleaved,v=2`: `{said[1].strip()}` — the planner never proposes it:
+the interleaved schedule's v runs from 2 to layers ÷ pp (planner.chunks_per_rank), 1 at pp 8 on 8
+layers, because 8 ranks × 2 chunks would be 16 stages for 8 layers, which chapter 03's partition refuses.
 
 The plans' first lines: `{first[0].strip()}` (16 ranks) and `{first[1].strip()}` (8 ranks). The refusals
 are the scripts' own messages (runnable.refusal asks `checked_layout`, the function each script's `main`
-runs before any communication); on 16 ranks they are the two above, more pipeline stages than layers and
-more TP ranks than heads.
-""")
+runs before any communication); on 16 ranks {len(rules)} rules give them, asked of every candidate
+(lab_layout.refusals_by_rule):
+
+""" + "\n".join(f"- {count} × `{why}`" for count, why in rules) + "\n")
 
 
 def broken_section(key, skip) -> None:
