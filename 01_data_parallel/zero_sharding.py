@@ -43,6 +43,9 @@ from .flat_buffers import FlatLayout, groups_by_size
 from .zero_accounting import gather_optim_state, load_optim_pieces
 
 
+UNIT_MB = 25.0      # a unit's size where the model gives none: each unit's buffers take one collective
+
+
 def model_units(model) -> list[tuple[str, list]]:
     """The units of the Transformer: embedding, each block, final norm + head (forward order)."""
     units = [("embed", [("tok_emb." + n, p) for n, p in model.tok_emb.named_parameters()])]
@@ -110,7 +113,7 @@ class ZeroOptimizer:
         self.hooked = stage == 2 and per_microbatch        # reduce-scatter inside backward, per micro-batch
         world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
         if units is None:       # no natural layers (a pipeline stage's TP shards): units of ~25 MB
-            units = [(f"unit{i}", g) for i, g in enumerate(groups_by_size(named_params, 25.0))]
+            units = [(f"unit{i}", g) for i, g in enumerate(groups_by_size(named_params, UNIT_MB))]
         self.units, self.params, self.flat_params, self.flat_grads, self.shard_grads = [], [], [], [], []
         self.shards = []                   # this rank's (padded/N,) slice of each unit's parameters
         self.pieces = []                   # (name, nn.Parameter viewing a slice of my shard), for AdamW

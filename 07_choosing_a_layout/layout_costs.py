@@ -45,6 +45,7 @@ from common.mfu import attention_flops_per_token, flops_per_token, recompute_flo
 from common.recompute import recomputed_of
 
 zero_accounting = import_module("01_data_parallel.zero_accounting")         # chapter 01: ZeRO memory and bytes
+zero_sharding = import_module("01_data_parallel.zero_sharding")             # chapter 01: ZeRO's units
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")       # chapter 02: TP collectives
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")     # chapter 03: stages
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: the bubble
@@ -186,25 +187,37 @@ def rank0_traffic(run: Run, c: Candidate, specs) -> tuple[dict, dict]:
             if N > 1 and M and not unit_by_unit:
                 nbytes["dp"] += (collective_bytes("all_reduce", M, N) if c.zero_stage == 0 else
                                  int(2 * zero_accounting.zero_sent_share(c.zero_stage, N, per_microbatch=False) * M))
-                msgs["dp"] += 1 if c.zero_stage == 0 else (len(s.layers) + 2) * (2 + (c.zero_stage == 3))
+                msgs["dp"] += 1 if c.zero_stage == 0 else 0
         if c.tp > 1:
             micro, n_micro, grads, n_grads = stage_tp_traffic(cfg, rows, positions, c.tp, c.sequence_parallel,
                                                               len(s.layers), s.first, s.last, e, c.cp == 1,
                                                               c.recompute, c.ep, c.recompute_layers)
             nbytes["tp"] += m * micro + grads
             msgs["tp"] += m * n_micro + n_grads
+    if c.zero_stage and not unit_by_unit:
+        # chapter 04's ZeRO: one optimizer per kind of state over all the rank's stages, its units of
+        # ~UNIT_MB (zero_sharding), two collectives each a step (1: all-reduce, all-gather; 2: reduce-scatter,
+        # all-gather; 3: all-gather, reduce-scatter)
+        msgs["dp"] += sum(2 * math.ceil(M / (zero_sharding.UNIT_MB * 2**20))
+                          for M, N in state_groups(run, c, *rank_parameters(run, c, mine)) if N > 1 and M)
     if c.pp > 1:
         msgs["pp"] = schedule_costs.rank0_messages(c.schedule, c.pp, m, v)
         nbytes["pp"] = msgs["pp"] * math.prod(message) * e
     if c.ep > 1 and cfg.n_experts:
         nbytes["ep"] = sum(int(expert_parallel.expected_ep_bytes(n, rows * m * positions, cfg.top_k, cfg.dim,
                                                                  cfg.n_experts, c.ep, e, r)) for n, r in runs if n)
-        msgs["ep"] = sum(n * m * (4 + 2 * r) for n, r in runs)  # dispatch, combine, forward and back; the counts
-    if c.cp > 1:
+        msgs["ep"] = sum(n * m * (3 * r + 2) for n, r in runs)  # each forward: counts, dispatch, combine; backward:
+    if c.cp > 1:                                                # dispatch, combine
         kv = cfg.kv_heads_per_rank(c.tp)
         nbytes["cp"] = sum(n * m * attention_bookkeeping.cp_bytes("ring", rows, run.seq_len, c.cp, kv, cfg.head_dim,
                                                                   e, forward_runs=r) for n, r in runs)
-        msgs["cp"] = sum(n * m * (1 + r) * (c.cp - 1) for n, r in runs)   # one exchange per hop, forward(s), backward
+        # per hop: each forward's K/V; the backward's K/V and the partial sums of their gradients
+        msgs["cp"] = sum(n * m * (r + 2) * (c.cp - 1) for n, r in runs)
+        if cfg.n_experts:       # each forward's routers sum their (rows, E) int64 counts over cp (× tp under SP)
+            group = c.cp * (c.tp if c.sequence_parallel else 1)
+            nbytes["cp"] += sum(n * m * r for n, r in runs) * collective_bytes("all_reduce", rows * cfg.n_experts * 8,
+                                                                               group)
+            msgs["cp"] += sum(n * m * r for n, r in runs)
     return nbytes, msgs
 
 

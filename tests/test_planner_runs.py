@@ -106,8 +106,20 @@ def test_each_group_s_bytes_and_the_ring_s_messages_grow_with_cp_as_the_runs(run
     assert messages["cp"] == 3 * (cp - 1) * 2 * PRESETS[model].n_layers
 
 
-@pytest.mark.xfail(strict=True, reason="the planner counts 2 (cp − 1) ring messages per layer and micro-batch: the "
-                                       "K/V hops of the forward and the backward, not the backward's partial sums")
 def test_the_planner_counts_the_ring_s_messages_of_a_run(runs):
+    """3 (cp − 1) per layer and micro-batch, as the run at cp 4 sends them."""
     model, layout, _, _ = RUNS["cp 4"]
     assert planner_messages(model, planner_row(model, layout))["cp"] == runs["cp 4"][1]["cp"]
+
+
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_the_planner_counts_the_messages_of_experts_runs(runs, stage):
+    """dp: ZeRO's two collectives per unit of each kind's state a step; ep: per layer and micro-batch the
+    forward's counts, dispatch and combine, the backward's dispatch and combine; cp: the ring's and each
+    router's all-reduce of its expert counts over cp (messages and bytes)."""
+    model, layout, _, _ = RUNS[f"experts ZeRO-{stage}"]
+    rows, messages = runs[f"experts ZeRO-{stage}"]
+    row = planner_row(model, layout)
+    predicted = planner_messages(model, row)
+    assert {g: predicted[g] for g in ("dp", "ep", "cp")} == {g: messages.get(g, 0) for g in ("dp", "ep", "cp")}
+    assert row["comm_bytes"]["cp"] == rows[-1].get("comm_bytes_cp", 0)
