@@ -56,19 +56,32 @@ def rank_work(run, c, dev) -> tuple[float, float, float, int]:
     shape = block_time.Shape(rows * run.seq_len // c.cp, run.seq_len, c.tp, c.sequence_parallel, c.ep,
                              c.layout(run.dtype).element_size, run.attention)
     best = (0.0, 0.0, 0.0)
+    same_run = (repr(cfg), repr(dev.spec), shape, c.recompute)
     for r in range(c.pp):
         matmul = memory = attention = 0.0
         for s in pipeline_stages.rank_stages(specs, c.pp, r):
             blocks = len(s.layers)
             again = {"none": 0, "selective": blocks, "full": recomputed_of(blocks, c.recompute_layers)}[c.recompute]
-            ops = block_time.microbatch_ops(cfg, shape, blocks, again, c.recompute, s.first, s.last)
-            mm, mem = block_time.seconds(ops, dev.spec, split=True)
-            matmul, memory = matmul + mm, memory + mem
-            attention += block_time.attention_seconds(cfg, shape, dev.spec, blocks)
+            mm, mem, att = stage_seconds(cfg, shape, dev.spec, blocks, again, c.recompute, s.first, s.last,
+                                         key=same_run + (blocks, again, s.first, s.last))
+            matmul, memory, attention = matmul + mm, memory + mem, attention + att
         if matmul + memory > sum(best[:2]):
             best = (matmul, memory, attention)
     m = c.microbatches
     return m * best[0], m * best[1], m * best[2]
+
+
+_STAGE_SECONDS: dict = {}     # a plan asks the same stage of the same model on the same device many times
+
+
+def stage_seconds(cfg, shape, spec, blocks: int, again: int, mode: str, first: bool, last: bool, key: tuple):
+    """(matmul s, memory s, attention s) of one stage's micro-batch: `blocks` blocks, `again` of them rerun
+    (`mode`), the embedding and the head where they live; computed once per `key` (what it depends on)."""
+    if key not in _STAGE_SECONDS:
+        ops = block_time.microbatch_ops(cfg, shape, blocks, again, mode, first, last)
+        _STAGE_SECONDS[key] = (*block_time.seconds(ops, spec, split=True),
+                               block_time.attention_seconds(cfg, shape, spec, blocks))
+    return _STAGE_SECONDS[key]
 
 
 def optimizer_seconds(run, c, dev, dense: int, experts: int) -> float:
