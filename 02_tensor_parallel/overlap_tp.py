@@ -6,8 +6,8 @@
 
 Each rank builds the model with sequence parallelism twice from the same seed, plain and --tp-overlap, and runs
 `--steps` forward + backward passes of each, alternating (no optimizer: nothing a step does differs), with
-chapter 02's trace on (tp_trace.py). Per step and rank it sums what the rank spent on TP communication doing
-nothing else, the exposed time:
+a timer handed to every TP layer (tp_trace.TPSpans). Per step and rank it sums what the rank spent on TP
+communication doing nothing else, the exposed time:
 
     plain        every all-gather and reduce-scatter (tp_operators.py): a blocking collective is exposed whole
     --tp-overlap each ring step's post and wait (tp_overlap.py): the part of a hop its chunk's matmuls did not cover
@@ -75,24 +75,25 @@ def main(argv=None):
     args = parse_args(argv)
     rt = init_distributed("cpu")
     group, cfg = dist.group.WORLD, PRESETS[args.model]
-    models = {v: tensor_parallel.parallelize_model(build_model(cfg, 1337), group, True, overlap=o)
+    timeline = Timeline(rt.rank, enabled=False)     # off for the warm-up
+    spans = tp_trace.TPSpans(timeline)              # every TP layer's timer, on this timeline
+    models = {v: tensor_parallel.parallelize_model(build_model(cfg, 1337), group, True, overlap=o, span=spans)
               for v, o in VARIANTS.items()}
     x, y = TextData(None, args.seq_len, 1337).global_batch(1, args.rows)      # (rows, S), the same on every rank
     for v, model in models.items():                                            # warm-up, untraced
         forward_backward(model, x, y, group)
-    timeline = Timeline(rt.rank)
-    tp_trace.TRACE.timeline = timeline
+    timeline.enabled = True
     for step in range(1, args.steps + 1):
         for v, model in models.items():                 # alternating: both see the same machine load
             model.zero_grad(set_to_none=True)
             dist.barrier()                              # each step starts together on every rank
             timeline.begin_step(step)
             first = len(timeline.events)
-            with tp_trace.TRACE.span("step"):
+            with spans("step"):
                 forward_backward(model, x, y, group)
             for e in timeline.events[first:]:
                 e["variant"] = v
-    tp_trace.TRACE.timeline = None
+    timeline.enabled = False
     events = timeline.gather()
     if rt.is_main:
         out = {"model": args.model, "tp": rt.world_size, "rows": args.rows, "seq_len": args.seq_len,

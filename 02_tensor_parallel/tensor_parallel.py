@@ -5,7 +5,7 @@ API (chapter 04 imports this module with importlib.import_module("02_tensor_para
     add_tp_overlap_arg(parser)      the --tp-overlap flag, the same in every script that has TP
     check_tp_config(cfg, tp, seq_len=None, sequence_parallel=False, overlap=False)   raises ConfigError,
         no communication
-    parallelize_model(model, tp_group, sequence_parallel=False, keep_gathered=False, overlap=False) -> model
+    parallelize_model(model, tp_group, sequence_parallel=False, keep_gathered=False, overlap=False, span=untimed)
         (keep_gathered: SP keeping each gathered input for backward, only for bench_tp.py's comparison;
         overlap: --tp-overlap, SP's all-gathers and reduce-scatters as ring steps under the matmuls)
         Works on a whole common.model.Transformer or a pipeline stage's part of one (only some Blocks
@@ -40,6 +40,7 @@ from common.recompute import recomputed_of
 from common.step_protocol import replicas
 
 from . import tp_layers
+from .tp_trace import untimed
 
 SPLIT_DIM0 = ("wq.weight", "wk.weight", "wv.weight", "w_gate.weight", "w_up.weight", "lm_head.weight",
               "tok_emb.weight")
@@ -97,7 +98,7 @@ def check_tp_config(cfg, tp: int, seq_len=None, sequence_parallel=False, overlap
 
 
 def parallelize_model(model, tp_group, sequence_parallel: bool = False, keep_gathered: bool = False,
-                      overlap: bool = False):
+                      overlap: bool = False, span=untimed):
     """Replace each layer of `model` by its TP shard, in place; returns the model.
 
     Every rank must hold the same full weights first (build_model from the seed, or a loaded
@@ -109,6 +110,8 @@ def parallelize_model(model, tp_group, sequence_parallel: bool = False, keep_gat
     `overlap=True` (--tp-overlap, SP only): those all-gathers and the reduce-scatters after wo and w_down
     run as ring steps under the matmuls' sequence chunks (tp_overlap.py): the same bytes, in tp − 1
     messages each, the same activations kept.
+    `span`: a timer every layer hands its SP collectives and ring steps (tp_trace.TPSpans: overlap_tp.py),
+    or `untimed`: timing only, no number changes.
     """
     tp = dist.get_world_size(tp_group)
     check_tp_config(model.cfg, tp, sequence_parallel=sequence_parallel, overlap=overlap)
@@ -132,7 +135,7 @@ def parallelize_model(model, tp_group, sequence_parallel: bool = False, keep_gat
             tp_layers.mark_layout(p, None, tp)
     for module in model.modules():
         if isinstance(module, tp_layers.TPRegion):
-            module.keep_gathered, module.overlap = keep_gathered, overlap
+            module.keep_gathered, module.overlap, module.span = keep_gathered, overlap, span
     model.tp_group, model.tp_size, model.sequence_parallel = tp_group, tp, sequence_parallel
     return model
 

@@ -33,6 +33,7 @@ from common.model import swiglu
 from common.step_protocol import mark_replicated
 
 from . import tp_operators, tp_overlap
+from .tp_trace import untimed
 
 
 def _shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
@@ -65,15 +66,18 @@ class TPRegion(nn.Module):
     # --tp-overlap (SP only): the entrance's all-gather and the exit's reduce-scatter decomposed into ring
     # steps under the matmuls' chunks (tp_overlap.py). parallelize_model(overlap=True).
     overlap = False
+    # The timer handed to the operators (tp_trace.py): each SP collective, each ring step's parts; none by
+    # default. parallelize_model(span=...).
+    span = staticmethod(untimed)
 
     def f(self, x):                      # enter: (B, S, D) whole, or (B, S/tp, D) with SP -> (B, S, D)
         if self.sequence_parallel:
-            return tp_operators.gather_from_sequence_parallel_region(x, self.group)
+            return tp_operators.gather_from_sequence_parallel_region(x, self.group, span=self.span)
         return tp_operators.copy_to_tp_region(x, self.group)
 
     def g(self, y):                      # leave: (B, S, D) partial sums -> (B, S, D), or (B, S/tp, D) with SP
         if self.sequence_parallel:
-            return tp_operators.reduce_scatter_to_sequence_parallel_region(y, self.group)
+            return tp_operators.reduce_scatter_to_sequence_parallel_region(y, self.group, span=self.span)
         return tp_operators.reduce_from_tp_region(y, self.group)
 
     def row_then_g(self, row, x):
@@ -81,7 +85,7 @@ class TPRegion(nn.Module):
         (B, S/tp, D) with SP. Under --tp-overlap the product and the reduce-scatter are one ring operator
         (tp_overlap.py): each chunk's partial sum travels while the next chunk is multiplied."""
         if self.sequence_parallel and self.overlap:
-            return tp_overlap.row_linear_then_ring_reduce_scatter(x, row.weight, self.group)
+            return tp_overlap.row_linear_then_ring_reduce_scatter(x, row.weight, self.group, span=self.span)
         return self.g(row(x))            # (B, S, D) partial sums on each rank, then g
 
     def regathers(self) -> bool:
@@ -97,8 +101,8 @@ class TPRegion(nn.Module):
         if self.regathers():             # (B, S/tp, D) -> all-gather + products; backward re-gathers
             weights = [c.weight for c in columns]
             if self.overlap:             # --tp-overlap: the all-gather's hops under the products' chunks
-                return tp_overlap.ring_gather_then_column_linears(x, weights, self.group)
-            return tp_operators.gather_then_column_linears(x, weights, self.group)
+                return tp_overlap.ring_gather_then_column_linears(x, weights, self.group, span=self.span)
+            return tp_operators.gather_then_column_linears(x, weights, self.group, span=self.span)
         x = self.f(x)                    # f: (B, S, D) on every rank, kept by each product for backward
         return [c(x) for c in columns]
 

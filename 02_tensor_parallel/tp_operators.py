@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from common import comm
 
-from .tp_trace import collective_span
+from .tp_trace import untimed
 
 
 # --- collectives along any dimension (comm's wrappers gather and scatter along dim 0) ---------------
@@ -47,26 +47,27 @@ def _all_reduce(x, group):
     return x
 
 
-def _all_gather(x, dim, group):
-    """Concatenate every rank's x along `dim`. Bytes: (N-1)/N of the gathered tensor, each way."""
+def _all_gather(x, dim, group, span=untimed):
+    """Concatenate every rank's x along `dim`. Bytes: (N-1)/N of the gathered tensor, each way. `span`: the
+    caller's timer (tp_trace.py), or `untimed`."""
     N = dist.get_world_size(group)
     if N == 1:
         return x
     shard = x.movedim(dim, 0).contiguous()                                        # (n, ...)
     out = torch.empty((N * shard.shape[0],) + shard.shape[1:], dtype=x.dtype, device=x.device)  # (N·n, ...)
-    with collective_span():              # timing only, when overlap_tp.py draws the timeline
+    with span("collective"):             # timing only, when overlap_tp.py draws the timeline
         comm.all_gather_into(out, shard, group=group, name="tp")
     return out.movedim(0, dim).contiguous()
 
 
-def _reduce_scatter(x, dim, group):
+def _reduce_scatter(x, dim, group, span=untimed):
     """Sum x over ranks; rank i keeps the i-th chunk along `dim`. Bytes: (N-1)/N of x, each way."""
     N = dist.get_world_size(group)
     if N == 1:
         return x
     full = x.movedim(dim, 0).contiguous()                                         # (N·n, ...)
     out = torch.empty((full.shape[0] // N,) + full.shape[1:], dtype=x.dtype, device=x.device)   # (n, ...)
-    with collective_span():
+    with span("collective"):
         comm.reduce_scatter_into(out, full, group=group, name="tp")
     return out.movedim(0, dim).contiguous()
 
@@ -111,13 +112,13 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
     all-gather along the sequence forward, reduce-scatter backward."""
 
     @staticmethod
-    def forward(ctx, x, dim, group):     # (B, S/tp, D) -> (B, S, D)
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
+    def forward(ctx, x, dim, group, span):   # (B, S/tp, D) -> (B, S, D)
+        ctx.dim, ctx.group, ctx.span = dim, group, span
+        return _all_gather(x, dim, group, span)
 
     @staticmethod
     def backward(ctx, grad):             # (B, S, D) partial on each rank -> summed, (B, S/tp, D)
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+        return _reduce_scatter(grad, ctx.dim, ctx.group, ctx.span), None, None, None
 
 
 class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
@@ -125,13 +126,13 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     reduce-scatter along the sequence forward, all-gather backward."""
 
     @staticmethod
-    def forward(ctx, x, dim, group):     # (B, S, D) partial sums -> (B, S/tp, D) complete
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
+    def forward(ctx, x, dim, group, span):   # (B, S, D) partial sums -> (B, S/tp, D) complete
+        ctx.dim, ctx.group, ctx.span = dim, group, span
+        return _reduce_scatter(x, dim, group, span)
 
     @staticmethod
     def backward(ctx, grad):             # (B, S/tp, D) -> (B, S, D), the same on every rank
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return _all_gather(grad, ctx.dim, ctx.group, ctx.span), None, None, None
 
 
 # --- sequence parallelism as Megatron-LM runs it: keep the shard, gather it again in backward ------------
@@ -152,30 +153,31 @@ class GatherThenColumnLinears(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, dim, group, *weights):         # x (B, S/tp, D); weights (out_i/tp, D) each
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, x, dim, group, span, *weights):   # x (B, S/tp, D); weights (out_i/tp, D) each
+        ctx.dim, ctx.group, ctx.span = dim, group, span
         ctx.save_for_backward(x, *weights)              # the shard, not the gathered X
-        X = _all_gather(x, dim, group)                  # (B, S, D), the same on every rank
+        X = _all_gather(x, dim, group, span)            # (B, S, D), the same on every rank
         return tuple(F.linear(X, w) for w in weights)   # (B, S, out_i/tp): this rank's features of each
 
     @staticmethod
     def backward(ctx, *dys):                            # dy_i (B, S, out_i/tp), this rank's features
         x, *weights = ctx.saved_tensors
         # Step 1: X again, for the weight gradients: the extra all-gather (counted under "tp").
-        X = _all_gather(x, ctx.dim, ctx.group)                                       # (B, S, D)
+        X = _all_gather(x, ctx.dim, ctx.group, ctx.span)                             # (B, S, D)
         # Step 2: this rank's part of dL/dX, from its features of every output. Under autocast dy is
         # bf16: multiply in its dtype, add in x's (as autograd adds the linears' input gradients).
         dX = sum((dy @ w.to(dy.dtype)).to(x.dtype) for dy, w in zip(dys, weights))   # (B, S, D), partial
         # Step 3: summed over the TP group, each rank keeps its positions: the all-gather's backward.
-        dx = _reduce_scatter(dX, ctx.dim, ctx.group)                                  # (B, S/tp, D)
+        dx = _reduce_scatter(dX, ctx.dim, ctx.group, ctx.span)                        # (B, S/tp, D)
         # Step 4: dW_i = dy_iᵀ X over all B·S positions, the whole weight gradient of this rank's rows.
         X2 = X.reshape(-1, X.shape[-1])                                               # (B·S, D)
         dWs = [(dy.reshape(-1, dy.shape[-1]).t() @ X2.to(dy.dtype)).to(w.dtype)       # (out_i/tp, D)
                for dy, w in zip(dys, weights)]
-        return (dx, None, None, *dWs)
+        return (dx, None, None, None, *dWs)
 
 
-# Short functional names, as used by the layers. `dim` is the sequence dimension (1 in (B, S, D)).
+# Short functional names, as used by the layers. `dim` is the sequence dimension (1 in (B, S, D)); `span`: the
+# caller's timer of SP's collectives (tp_trace.TPSpans), or `untimed`.
 def copy_to_tp_region(x, group):
     return CopyToTensorParallelRegion.apply(x, group)
 
@@ -184,14 +186,14 @@ def reduce_from_tp_region(x, group):
     return ReduceFromTensorParallelRegion.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x, group, dim=1):
-    return GatherFromSequenceParallelRegion.apply(x, dim, group)
+def gather_from_sequence_parallel_region(x, group, dim=1, span=untimed):
+    return GatherFromSequenceParallelRegion.apply(x, dim, group, span)
 
 
-def reduce_scatter_to_sequence_parallel_region(x, group, dim=1):
-    return ReduceScatterToSequenceParallelRegion.apply(x, dim, group)
+def reduce_scatter_to_sequence_parallel_region(x, group, dim=1, span=untimed):
+    return ReduceScatterToSequenceParallelRegion.apply(x, dim, group, span)
 
 
-def gather_then_column_linears(x, weights, group, dim=1):
+def gather_then_column_linears(x, weights, group, dim=1, span=untimed):
     """(B, S/tp, D) and column-parallel weights -> [(B, S, out_i/tp)]; backward keeps x, not the gathered."""
-    return list(GatherThenColumnLinears.apply(x, dim, group, *weights))
+    return list(GatherThenColumnLinears.apply(x, dim, group, span, *weights))

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from common import comm
 from common.compile import eager
 
-from .tp_trace import ring_span
+from .tp_trace import untimed
 
 
 def ring_neighbours(group) -> tuple[int, int, int, int]:
@@ -59,16 +59,17 @@ def wait(works: list) -> None:
 
 # --- the ring step: post the next hop, compute on what is held, wait ------------------------------------
 
-def ring_step(t: int, pairs: list, compute, nxt: int, prv: int, group):
+def ring_step(t: int, pairs: list, compute, nxt: int, prv: int, group, span=untimed):
     """One step of a ring: post every (outgoing, incoming) pair to the neighbours, run `compute()` while
     they travel, wait for them, return what `compute` returned. Posting BEFORE the compute is the whole
-    trick: posted after it, the hop would wait for the matmul and the matmul for nothing."""
+    trick: posted after it, the hop would wait for the matmul and the matmul for nothing. `span`: the
+    caller's timer of each part (tp_trace.py), or `untimed`."""
     # >>> exercise 02.ring_step
-    with ring_span("post", t):
+    with span("post", ring_step=t):
         works = comm.exchange(pairs, nxt, prv, group, "tp")       # [] when nothing travels this step
-    with ring_span("compute", t):
+    with span("compute", ring_step=t):
         out = compute()
-    with ring_span("wait", t):
+    with span("wait", ring_step=t):
         wait(works)                                               # what the compute did not cover
     return out
     # <<< exercise 02.ring_step
@@ -81,8 +82,8 @@ class RingGatherThenColumnLinears(torch.autograd.Function):
     tp − 1 hops each under one chunk's products. Keeps this rank's (B, S/tp, D) shard for backward, like it."""
 
     @staticmethod
-    def forward(ctx, x, dim, group, *weights):          # x (B, S/tp, D); weights (out_i/tp, D) each
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, x, dim, group, span, *weights):    # x (B, S/tp, D); weights (out_i/tp, D) each
+        ctx.dim, ctx.group, ctx.span = dim, group, span
         ctx.save_for_backward(x, *weights)              # the shard, never the gathered X
         tp, r, nxt, prv = ring_neighbours(group)
         parts = [[None] * tp for _ in weights]          # parts[i][j]: (B, S/tp, out_i/tp), rows of rank j's shard
@@ -95,7 +96,7 @@ class RingGatherThenColumnLinears(torch.autograd.Function):
             def products(held=held, src=src):
                 for i, w in enumerate(weights):
                     parts[i][src] = F.linear(held, w)    # (B, S/tp, out_i/tp): rank src's positions
-            ring_step(t, hop, products, nxt, prv, group)
+            ring_step(t, hop, products, nxt, prv, group, span)
             held = arriving
         return tuple(torch.cat(p, dim) for p in parts)  # (B, S, out_i/tp) each, positions in rank order
 
@@ -125,12 +126,12 @@ class RingGatherThenColumnLinears(torch.autograd.Function):
                     dw.add_((dyc[src].flatten(0, -2).t() @ held.flatten(0, -2).to(dyc[src].dtype)).to(w.dtype))
                 # Step 3: this rank's share of dX for chunk j, from its features of every output
                 return sum((dyc[j] @ w.to(dyc[j].dtype)).to(x.dtype) for dyc, w in zip(dy_chunks, weights))
-            mine = ring_step(t, hop, chunk_grads, nxt, prv, ctx.group)          # (B, S/tp, D)
+            mine = ring_step(t, hop, chunk_grads, nxt, prv, ctx.group, ctx.span)          # (B, S/tp, D)
             # Step 4: the shares of ranks j+1 .. r−1 arrived; add ours. At t = tp − 1, j = r: dx is complete.
             partial = mine if partial is None else incoming + mine
             if t < tp - 1:
                 held = arriving
-        return (partial, None, None, *dws)              # dx (B, S/tp, D): summed over the TP group
+        return (partial, None, None, None, *dws)        # dx (B, S/tp, D): summed over the TP group
 
 
 # --- the row-parallel exit: matmul → reduce-scatter, chunk by chunk ------------------------------------------
@@ -140,8 +141,8 @@ class RowLinearThenRingReduceScatter(torch.autograd.Function):
     multiplies one sequence chunk of its input while the previous chunk's partial sum travels."""
 
     @staticmethod
-    def forward(ctx, x, weight, dim, group):            # x (B, S, in/tp), weight (D, in/tp)
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, x, weight, dim, group, span):      # x (B, S, in/tp), weight (D, in/tp)
+        ctx.dim, ctx.group, ctx.span = dim, group, span
         ctx.save_for_backward(x, weight)                # what F.linear would keep
         tp, r, nxt, prv = ring_neighbours(group)
         x_chunks = x.chunk(tp, dim)                     # [j]: (B, S/tp, in/tp)
@@ -152,7 +153,7 @@ class RowLinearThenRingReduceScatter(torch.autograd.Function):
             if partial is not None:
                 incoming = torch.empty_like(partial)    # (B, S/tp, D): chunk j's sum over ranks j+1 .. r−1
                 hop = [(partial, incoming)]
-            mine = ring_step(t, hop, lambda j=j: F.linear(x_chunks[j], weight), nxt, prv, group)  # (B, S/tp, D)
+            mine = ring_step(t, hop, lambda j=j: F.linear(x_chunks[j], weight), nxt, prv, group, span)
             partial = mine if not hop else incoming + mine
         return partial                                  # (B, S/tp, D): chunk r, complete
 
@@ -172,20 +173,21 @@ class RowLinearThenRingReduceScatter(torch.autograd.Function):
             def chunk_grads(held=held, src=src):        # the all-gather's ring, each chunk used on arrival
                 dx_parts[src] = (held @ weight.to(held.dtype)).to(x.dtype)                       # (B, S/tp, in/tp)
                 dw.add_((held.flatten(0, -2).t() @ x_chunks[src].flatten(0, -2).to(held.dtype)).to(weight.dtype))
-            ring_step(t, hop, chunk_grads, nxt, prv, ctx.group)
+            ring_step(t, hop, chunk_grads, nxt, prv, ctx.group, ctx.span)
             held = arriving
-        return torch.cat(dx_parts, ctx.dim), dw, None, None   # dx (B, S, in/tp), dW (D, in/tp)
+        return torch.cat(dx_parts, ctx.dim), dw, None, None, None   # dx (B, S, in/tp), dW (D, in/tp)
 
 
 # Functional names, as the layers call them. `dim` is the sequence dimension (1 in (B, S, D)). Under --compile
 # each ring runs eagerly as a whole (common/compile.py's `eager`), its block's other pieces compiled around it.
+# `span`: the caller's timer of every ring step's parts (tp_trace.TPSpans), or `untimed`.
 @eager
-def ring_gather_then_column_linears(x, weights, group, dim=1):
+def ring_gather_then_column_linears(x, weights, group, dim=1, span=untimed):
     """(B, S/tp, D) and column-parallel weights -> [(B, S, out_i/tp)]: the all-gather under the products."""
-    return list(RingGatherThenColumnLinears.apply(x, dim, group, *weights))
+    return list(RingGatherThenColumnLinears.apply(x, dim, group, span, *weights))
 
 
 @eager
-def row_linear_then_ring_reduce_scatter(x, weight, group, dim=1):
+def row_linear_then_ring_reduce_scatter(x, weight, group, dim=1, span=untimed):
     """(B, S, in/tp) and a row-parallel weight (D, in/tp) -> (B, S/tp, D), summed over the TP group."""
-    return RowLinearThenRingReduceScatter.apply(x, weight, dim, group)
+    return RowLinearThenRingReduceScatter.apply(x, weight, dim, group, span)

@@ -1,12 +1,15 @@
 """--tp-overlap (02_tensor_parallel/tp_overlap.py): each decomposed operator against the plain one it replaces,
 forward and backward, and its bytes against chapter 02's formulas in tp − 1 messages per ring; then every
-script that has TP trained with it, equal to one device (loss 1e-6, gradient norm 1e-5 relative).
+script that has TP trained with it, equal to one device (loss 1e-6, gradient norm 1e-5 relative). The
+operators time only what their caller hands them (a `span`: tp_trace.py).
 
 The operators are equal to float round-off, not to the bit: the ring adds a chunk's partial sums in ring
 order (gloo's reduce-scatter in its own), and a weight gradient is the sum of tp chunk products. One spawned
 group per world size runs every check: 2 ranks (the operators, TP 2, TP 2 recomputing), 4 ranks (the
 operators, TP 4, TP 2 × DP 2, with PP, with CP, with experts, the refusal); the references run on one rank."""
 import sys
+from collections import Counter
+from contextlib import contextmanager
 from importlib import import_module
 from pathlib import Path
 from unittest import mock
@@ -133,8 +136,40 @@ def check_ring_exact_chunks():
     return True
 
 
+def check_spans_handed_in():
+    """The operators time what their caller hands them (parallelize_model(span=...)), nothing else: every SP
+    collective of a step as "collective"; under --tp-overlap every ring step's post, compute and wait, tp
+    steps per ring (4 rings per block forward and backward, and the head's entrance's 2); and a timed step's
+    gradients equal an untimed one's to the bit."""
+    tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")
+    overlap_tp = import_module("02_tensor_parallel.overlap_tp")
+    from common.model import PRESETS, build_model
+    group, N, cfg = dist.group.WORLD, dist.get_world_size(), PRESETS["tiny"]
+    x = torch.randint(0, cfg.vocab_size, (1, 8 * N), generator=torch.Generator().manual_seed(0))   # (B, S)
+    for overlap in (False, True):
+        seen, grads = [], []
+
+        @contextmanager
+        def span(kind, **labels):
+            seen.append((kind, labels.get("ring_step")))
+            yield
+        for timer in ({}, {"span": span}):
+            model = tensor_parallel.parallelize_model(build_model(cfg, 1337), group, True, overlap=overlap, **timer)
+            overlap_tp.forward_backward(model, x, x.roll(-1, 1), group)
+            grads.append([p.grad for p in model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+        rings = {kind: [t for k, t in seen if k == kind] for kind in ("post", "compute", "wait")}
+        if overlap:                                     # each ring step t of 8 rings a block and the head's 2
+            want = sorted(list(range(N)) * (8 * cfg.n_layers + 2))
+            assert all(sorted(t) == want for t in rings.values()), Counter(seen)
+            assert [k for k, _ in seen].count("collective") == 2, Counter(seen)   # the embedding's: before no matmul
+        else:
+            assert not any(rings.values()) and [k for k, _ in seen].count("collective") == 10 * cfg.n_layers + 5
+    return True
+
+
 OPERATORS = [("test_tp_overlap:check_column_entrance",), ("test_tp_overlap:check_row_exit",),
-             ("test_tp_overlap:check_ring_exact_chunks",)]
+             ("test_tp_overlap:check_ring_exact_chunks",), ("test_tp_overlap:check_spans_handed_in",)]
 
 # --- every script that has TP, with --tp-overlap, against one device ------------------------------------
 

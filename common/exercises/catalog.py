@@ -112,7 +112,7 @@ EXERCISES = [
              "ring_step: post the step's hops to the ring neighbours, compute while they travel, then wait",
              "Hide it under the matmuls (--tp-overlap)",
              "comm.exchange(pairs, nxt, prv, group, \"tp\") posts every (outgoing, incoming) pair and returns the "
-             "works; run compute() before wait(works); return what compute() returned (ring_span only times it)",
+             "works; run compute() before wait(works); return what compute() returned (span only times it)",
              units=("tests/test_tp_overlap.py::test_operators_equal_the_plain_ones",),
              layout="tests/test_tp_overlap.py::test_overlapped_runs_match_one_device[2]",
              wrong=(('neighbours_swapped', 'sends to the previous rank and receives from the next'),
