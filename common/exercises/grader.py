@@ -101,7 +101,9 @@ def layout_waits(ex: Exercise, repo: Path) -> list[str]:
 
 def borrowed(ex: Exercise, repo: Path) -> str:
     """The first of ex's `references` (the course's own answer its tests compare with) that its body names
-    outside a comment, or ""."""
+    outside a comment, or "" (also when it has none to name)."""
+    if not ex.references:
+        return ""
     text = (Path(repo) / ex.file).read_text()
     lines = text.splitlines()
     code = [line.split("#", 1)[0] for ex_id, first, stop in regions(text) if ex_id == ex.id for line in lines[first:stop]]
@@ -138,7 +140,7 @@ def verdict(ex: Exercise, repo: Path, outcomes: dict, quick: bool, units_wrong=f
         waits = sorted(other.id for other in BY_ID.values()
                        if other.id in units_wrong and other.id != ex.id and other.layout == ex.layout)
     if not waits:               # an earlier exercise of its chapter, answered wrong, may be what fails its tests
-        waits = [other.id for other in EXERCISES[:EXERCISES.index(ex)]
+        waits = [other.id for other in EXERCISES[:EXERCISES.index(ex) if ex in EXERCISES else 0]
                  if other.chapter == ex.chapter and other.id in units_wrong]
     if waits:
         return Verdict(ex, "waits on", ", ".join(waits))
