@@ -36,7 +36,7 @@ that decides whether a layout fits. The step time is a model, stated:
 """
 import math
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from importlib import import_module
 
@@ -214,7 +214,8 @@ def rank0_traffic(run: Run, c: Candidate, specs) -> tuple[dict, dict]:
         # per hop: each forward's K/V; the backward's K/V and the partial sums of their gradients
         msgs["cp"] = sum(n * m * (r + 2) * (c.cp - 1) for n, r in runs)
         if cfg.n_experts:       # each forward's routers sum their (rows, E) int64 counts over cp (× tp under SP)
-            group = c.cp * (c.tp if c.sequence_parallel else 1)
+            joined = {**layout.joined, **parallel_5d.SEQUENCE_JOINED}   # chapter 06's rule: cp × tp under SP
+            group = replace(layout, joined=joined).group_size("cp_tp" if c.sequence_parallel else "cp")
             nbytes["cp"] += sum(n * m * r for n, r in runs) * collective_bytes("all_reduce", rows * cfg.n_experts * 8,
                                                                                group)
             msgs["cp"] += sum(n * m * r for n, r in runs)
