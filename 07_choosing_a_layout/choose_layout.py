@@ -15,7 +15,9 @@ or any one layout with --explain. What the planner is worth is checked against m
 published ones by check_layouts.py (the chapter's README shows both tables).
 
 `--json PATH` writes every layout as a row: dp, tp, pp, cp, ep, zero_stage, recompute, recompute_layers
-(--recompute-layers: full recomputation of the first blocks of each stage only, null for all), sequence_parallel, schedule, virtual_stages, microbatches, memory_bytes {params, grads, optim_bytes,
+(--recompute-layers: full recomputation of the first blocks of each stage only, null for all), sequence_parallel,
+tp_overlap (--tp-overlap: the plan's own rows never, --explain tpo asks for it), schedule, virtual_stages,
+microbatches, memory_bytes {params, grads, optim_bytes,
 peak_activation_bytes, working (working_set.py), total, held_between_steps} (the fullest pipeline rank's, fullest_pp_rank),
 comm_bytes {dp, tp, pp, ep, cp} (per optimizer step, global rank 0's, sent + received: the metrics'
 comm_bytes_*), bubble, step_time_s, mfu (the model's FLOPs over every rank's peak), time_parts_s (a GPU's
@@ -46,7 +48,8 @@ published = import_module("07_choosing_a_layout.published")            # this ch
 framework_flags = import_module("07_choosing_a_layout.framework_flags")  # this chapter: Megatron-LM's, torchtitan's
 
 
-SCHEMA = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute", "recompute_layers", "sequence_parallel", "schedule", "virtual_stages",
+SCHEMA = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute", "recompute_layers", "sequence_parallel",
+          "tp_overlap", "schedule", "virtual_stages",
           "microbatches", "memory_bytes", "fullest_pp_rank", "comm_bytes", "bubble", "step_time_s", "mfu",
           "time_parts_s", "fits", "command")
 
@@ -55,7 +58,8 @@ def describe(r: dict) -> str:
     zero = f", ZeRO-{r['zero_stage']}" if r["zero_stage"] else ""
     v = f" v={r['virtual_stages']}" if r.get("virtual_stages", 1) > 1 else ""
     sched = f", {r['schedule']}{v} m={r['microbatches']}" if r["pp"] > 1 else f", m={r['microbatches']}"
-    return (f"dp {r['dp']} × tp {r['tp']}{' +SP' if r['sequence_parallel'] else ''} × pp {r['pp']} × cp {r['cp']}"
+    sp = (" +SP" if r["sequence_parallel"] else "") + (" (overlapped)" if r.get("tp_overlap") else "")
+    return (f"dp {r['dp']} × tp {r['tp']}{sp} × pp {r['pp']} × cp {r['cp']}"
             + (f" (ep {r['ep']})" if r["ep"] > 1 else "") + f"{zero}, recompute {r['recompute']}"
             + (f" ({r['recompute_layers']}/stage)" if r.get("recompute_layers") else "") + sched)
 
@@ -107,7 +111,8 @@ def parser() -> Parser:
     p.add_argument("--why", type=POSITIVE_INT, default=3, help="first layouts explained in words")
     p.add_argument("--explain", type=explain_layout.LAYOUT, default=None, metavar="LAYOUT",
                    help="explain one layout, fitting or not: key=value fields (dp, tp, pp, cp, ep, zero, recompute, layers, "
-                        "schedule, v, m, and sp), or a published run's name, which also plans its cluster: "
+                        "schedule, v, m, sp, and tpo: sp with --tp-overlap), or a published run's name, "
+                        "which also plans its cluster: "
                         + ", ".join(published.BY_NAME))
     p.add_argument("--json", type=OUTPUT_FILE, default=None,
                    help="write every layout's row here, a JSON list (default: none)")

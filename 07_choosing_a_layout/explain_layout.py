@@ -3,7 +3,9 @@
     python 07_choosing_a_layout/choose_layout.py --model tiny --world 8 --explain dp=2,tp=2,pp=2,m=4
     python 07_choosing_a_layout/choose_layout.py --explain llama3-405b-8k-16384gpu   # a published run by name
 
-A layout is written as comma-separated fields, each `key=value` or a bare `sp` (sequence parallelism):
+A layout is written as comma-separated fields, each `key=value`, a bare `sp` (sequence parallelism) or a
+bare `tpo` (with sp: chapter 02's --tp-overlap, its rings under the matmuls; the plan's own rows have none,
+so asking for it adds the overlapped twin of every SP layout to the plan):
 dp, tp, pp, cp, ep, zero, recompute, layers (--recompute-layers), schedule, v (virtual stages), m (micro-batches). Fields left out
 match any value: the explained row is then the best-ranked layout with the fields given. A published
 run's name (published.py) plans that run's cluster and batch and explains the layout it ran.
@@ -39,14 +41,19 @@ def _layout(domain: Domain, text: str) -> dict:
         key, _, value = part.partition("=")
         if key == "sp" and not value:
             out["sequence_parallel"] = True
+        elif key == "tpo" and not value:
+            out["tp_overlap"] = True
         elif key in FIELDS and value:
             out[FIELDS[key]] = _value(key, value)
         else:
             raise Refused(f"{part!r} is not a layout field",
-                          f"write key=value pairs of {', '.join(FIELDS)} (and sp), or a published run: "
+                          f"write key=value pairs of {', '.join(FIELDS)} (and sp, tpo), or a published run: "
                           f"{', '.join(published.BY_NAME)}")
     if not out:
         raise Refused("names no field", "e.g. --explain dp=2,tp=2,pp=2")
+    if out.get("tp_overlap") and not out.get("sequence_parallel"):
+        raise Refused("tpo without sp", "--tp-overlap decomposes sequence parallelism's all-gather and "
+                                        "reduce-scatter: write sp,tpo")
     return out
 
 
@@ -115,7 +122,7 @@ def table(rows: list[dict], dev, world: int) -> list[str]:
     head = ("dp", "tp", "pp", "cp") + (("ep",) if any(r["ep"] > 1 for r in rows) else ()) + \
         ("SP", "ZeRO", "recompute", "schedule", "v", "m", f"{unit}/rank", "step (s)", "bubble")
     cells = [[str(r[k]) for k in head[:head.index("SP")]] +
-             ["SP" if r["sequence_parallel"] else "-", str(r["zero_stage"]),
+             [("SP+o" if r.get("tp_overlap") else "SP") if r["sequence_parallel"] else "-", str(r["zero_stage"]),
               r["recompute"] + (f" ({r['recompute_layers']})" if r.get("recompute_layers") else ""),
               r["schedule"] if r["pp"] > 1 else "-", str(r["virtual_stages"]), str(r["microbatches"]),
               f"{r['memory_bytes']['total'] / scale:,.{digits}f}" + ("" if r["fits"] else "*"),
@@ -215,5 +222,6 @@ def run_lines(text: str, indent: str = "") -> list[str]:
 
 def fields(layout: dict) -> str:
     back = {v: k for k, v in FIELDS.items()}
-    return ",".join("sp" if k == "sequence_parallel" and v else f"{back.get(k, k)}={v}" for k, v in layout.items()
-                    if not (k == "sequence_parallel" and not v))
+    bare = {"sequence_parallel": "sp", "tp_overlap": "tpo"}
+    return ",".join(bare[k] if k in bare else f"{back.get(k, k)}={v}" for k, v in layout.items()
+                    if not (k in bare and not v))

@@ -7,6 +7,7 @@ The course's levers and theirs, one to one where both have it:
     course           Megatron-LM (pretrain_gpt.py)                  torchtitan (train.py)
     tp, sp           --tensor-model-parallel-size, --sequence-      --parallelism.tensor_parallel_degree
                      parallel                                       (sequence parallel with it)
+    tpo              --tp-comm-overlap                              --parallelism.enable_async_tensor_parallel
     pp, schedule, v  --pipeline-model-parallel-size, --num-layers-  --parallelism.pipeline_parallel_degree and
                      per-virtual-pipeline-stage (interleaved)       _schedule (1F1B, Interleaved1F1B,
                                                                     ZBVZeroBubble, DualPipeV)
@@ -37,6 +38,7 @@ def megatron(r: dict, cfg, global_batch: int, seq_len: int) -> str:
     if r["schedule"] == "interleaved" and r["virtual_stages"] > 1:
         flags.append(f"--num-layers-per-virtual-pipeline-stage {cfg.n_layers // (r['pp'] * r['virtual_stages'])}")
     flags += ["--sequence-parallel"] if r["sequence_parallel"] else []
+    flags += ["--tp-comm-overlap"] if r.get("tp_overlap") else []
     flags += [f"--context-parallel-size {r['cp']}"] if r["cp"] > 1 else []
     flags += [f"--expert-model-parallel-size {r['ep']}"] if r["ep"] > 1 else []
     flags += {0: [], 1: ["--use-distributed-optimizer"], 2: ["--use-distributed-optimizer"],
@@ -61,6 +63,7 @@ def torchtitan(r: dict, global_batch: int, seq_len: int) -> str:
              f"--parallelism.data_parallel_shard_degree {r['dp'] if shard else 1}",
              f"--parallelism.tensor_parallel_degree {r['tp']}", f"--parallelism.pipeline_parallel_degree {r['pp']}",
              f"--parallelism.context_parallel_degree {r['cp']}"]
+    flags += ["--parallelism.enable_async_tensor_parallel"] if r.get("tp_overlap") else []
     flags += [f"--parallelism.expert_parallel_degree {r['ep']}"] if r["ep"] > 1 else []
     if r["zero_stage"] in (1, 2):
         flags.append("--parallelism.fsdp_reshard_after_forward never")

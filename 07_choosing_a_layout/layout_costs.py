@@ -83,6 +83,7 @@ class Candidate:
     microbatches: int = 1
     virtual_stages: int = 1
     recompute_layers: int | None = None     # --recompute-layers: the first blocks of each stage (None: all)
+    tp_overlap: bool = False                # --tp-overlap: chapter 02's SP rings under the chunk matmuls
 
     def layout(self, dtype: str = "fp32"):
         """The course's Layout of these degrees (chapter 06's Layout5D: at cp 1 and ep 1 its groups are
@@ -97,8 +98,10 @@ class Candidate:
 
     @classmethod
     def of_row(cls, row: dict) -> "Candidate":
-        """The candidate a planner row (predict's, or a --json row) describes."""
-        return cls(**{f.name: row[f.name] for f in fields(cls)})
+        """The candidate a planner row (predict's, or a --json row) describes (a row written before
+        tp_overlap was a field: without it)."""
+        return cls(**{f.name: row.get(f.name, False) if f.name == "tp_overlap" else row[f.name]
+                      for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -307,7 +310,7 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     workers = world if dev.cores is None else min(world, dev.cores)
     return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep, "zero_stage": c.zero_stage,
             "recompute": c.recompute, "recompute_layers": c.recompute_layers,
-            "sequence_parallel": c.sequence_parallel, "schedule": c.schedule,
+            "sequence_parallel": c.sequence_parallel, "tp_overlap": c.tp_overlap, "schedule": c.schedule,
             "microbatches": c.microbatches, "memory_bytes": {k: int(v) for k, v in memory.items()},
             "comm_bytes": nbytes, "bubble": bubble, "step_time_s": step,
             # model FLOPs over the peak of every rank (common/mfu's definition; recomputation not counted)

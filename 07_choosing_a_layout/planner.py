@@ -4,7 +4,9 @@
                    dp ranks, for a mixture of experts), the ZeRO stage, the recomputation mode, sequence
                    parallelism, the schedule with its virtual stages, the micro-batches; each a
                    layout_costs.Candidate, whose groups and parameters are the course's Layout's
-    kept           those the training script that would run it accepts (runnable.py asks its own checks)
+    kept           those the training script that would run it accepts (runnable.py asks its own checks);
+                   chapter 02's --tp-overlap is not enumerated (it would double the SP rows): `--explain
+                   ...,sp,tpo` adds the overlapped twin of every SP layout the scripts accept
     predicted      layout_costs.predict: what every rank holds, what it sends, the bubble, a step time
     ranked         `ranking`: the fastest of those that fit first
 
@@ -125,8 +127,12 @@ def plan(args) -> Plan:
     kept, refused = runnable_candidates(cfg, args.model, args.world, args.global_batch, args.seq_len, gpn, args.dtype)
     # full recomputation also as a lever: the fewest blocks per stage that fit (--recompute-layers), the rest kept
     partial = (replace(c, recompute_layers=k) for c in kept if (k := partial_recompute.least_recompute_layers(run, c, dev)))
-    rows = []
-    for c in kept + list(partial):
+    rows, tried = [], kept + list(partial)
+    if (getattr(args, "explain", None) or {}).get("tp_overlap"):      # --explain ...,sp,tpo: the overlapped twins
+        twins = (replace(c, tp_overlap=True) for c in tried if c.sequence_parallel)
+        tried += [c for c in twins if runnable.refusal(c, args.model, cfg, args.global_batch, args.seq_len,
+                                                       args.dtype) is None]
+    for c in tried:
         row = layout_costs.predict(run, c, dev, gpn)
         # a published shape has no course preset to run at full size: its command is the miniature's (run_it)
         row["command"] = (runnable.command(c, args.model, cfg, args.global_batch, args.seq_len, args.dtype)
@@ -143,6 +149,8 @@ def refusal_of(args, dev, wanted: dict) -> str | None:
     """The chapters' refusal of the first candidate of the plan with the fields `wanted` (None: none refused,
     or no such candidate): a layout --explain asks about that is not among the rows."""
     cfg = layout_inputs.model_for(args.model)
+    overlap = wanted.get("tp_overlap", False)              # --tp-overlap: asked of the scripts too
     return next((runnable.refusal(c, args.model, cfg, args.global_batch, args.seq_len, args.dtype)
-                 for c in candidates(cfg, args.world, args.global_batch, nodes(args, dev))
+                 for c in (replace(c, tp_overlap=overlap) for c in candidates(cfg, args.world, args.global_batch,
+                                                                              nodes(args, dev)))
                  if published.matches(vars(c), wanted)), None)

@@ -62,6 +62,8 @@ def flags(c, model: str, cfg, global_batch: int, seq_len: int, dtype: str) -> li
         out += ["--zero-stage", str(c.zero_stage)]
     if c.sequence_parallel:
         out += ["--sequence-parallel"]
+    if c.tp_overlap:
+        out += ["--tp-overlap"]
     if c.recompute != "none":
         out += ["--recompute", c.recompute]
     if c.recompute_layers:

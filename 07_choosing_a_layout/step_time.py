@@ -6,7 +6,7 @@
                `memory` (norms, residuals, activation, RoPE, the loss: memory-bound)
     comm_tp    chapter 02's collectives of rank 0 in the step (layout_costs.rank0_traffic), on the tier the
                TP group spans, all on the critical path; with --tp-overlap (chapter 02) only what the
-               matmul chunks do not cover: max(0, tp − the rank's matmuls)
+               chunk matmuls do not cover, ring by ring (tp_rings.py)
     comm_ep    chapter 05's all-to-all, on the critical path
     comm_pp    chapter 03's sends and receives of rank 0, each a message on the tier the pipeline spans
     bubble     (busy + tp + ep + pp) · b / (1 − b), b chapter 03's theory_bubble of the schedule
@@ -21,6 +21,7 @@ A collective on a tier takes (bytes sent + received) / 2 ÷ (the tier's one-way 
 its latency: the course counts both directions, a link carries them at once, and nccl-tests' busbw is
 that rate (a ring all-reduce moves 2(N−1)/N of the tensor each way). The step is the sum of the parts.
 """
+from functools import partial
 from importlib import import_module
 
 from common.recompute import recomputed_of
@@ -29,6 +30,7 @@ block_time = import_module("07_choosing_a_layout.block_time")              # thi
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")     # chapter 03: each rank's stages
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")      # this chapter: the stages
 per_unit_zero = import_module("07_choosing_a_layout.per_unit_zero")        # this chapter: chapter 01's ZeRO-3
+tp_rings = import_module("07_choosing_a_layout.tp_rings")                  # this chapter: --tp-overlap's rings
 
 ADAMW_BYTES = 30              # per parameter: read w, g, m, v (fp32), write w, m, v and the bf16 copy
 
@@ -52,9 +54,7 @@ def rank_work(run, c, dev) -> tuple[float, float, float, int]:
     """(matmul s, memory s, attention s) of the busiest pipeline rank's m micro-batches."""
     cfg = run.cfg
     specs = schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
-    rows = run.global_batch // c.dp // c.microbatches
-    shape = block_time.Shape(rows * run.seq_len // c.cp, run.seq_len, c.tp, c.sequence_parallel, c.ep,
-                             c.layout(run.dtype).element_size, run.attention)
+    shape = rank_shape(run, c)
     best = (0.0, 0.0, 0.0)
     same_run = (repr(cfg), repr(dev.spec), shape, c.recompute)
     for r in range(c.pp):
@@ -69,6 +69,13 @@ def rank_work(run, c, dev) -> tuple[float, float, float, int]:
             best = (matmul, memory, attention)
     m = c.microbatches
     return m * best[0], m * best[1], m * best[2]
+
+
+def rank_shape(run, c) -> "block_time.Shape":
+    """What one rank computes of one micro-batch of layout `c` (block_time.Shape)."""
+    rows = run.global_batch // c.dp // c.microbatches
+    return block_time.Shape(rows * run.seq_len // c.cp, run.seq_len, c.tp, c.sequence_parallel, c.ep,
+                            c.layout(run.dtype).element_size, run.attention)
 
 
 _STAGE_SECONDS: dict = {}     # a plan asks the same stage of the same model on the same device many times
@@ -100,8 +107,9 @@ def gpu_time_parts(run, c, dev, gpus_per_node: int, nbytes: dict, msgs: dict, bu
     matmul, memory, attention = rank_work(run, c, dev)
     span = spans(c)
     seconds = {g: link_seconds(nbytes[g], msgs[g], tier_of(span[g], gpus_per_node, dev.spec)) for g in nbytes}
-    if getattr(c, "tp_overlap", False):         # chapter 02's --tp-overlap: the chunks' matmuls cover the rest
-        seconds["tp"] = max(0.0, seconds["tp"] - matmul)
+    if c.tp_overlap:            # chapter 02's --tp-overlap: each ring's hops under its chunks' matmuls
+        hop = partial(link_seconds, tier=tier_of(span["tp"], gpus_per_node, dev.spec))
+        seconds["tp"] = tp_rings.exposed_tp(run, c, dev, rank_shape(run, c), seconds["tp"], hop)
     critical = matmul + memory + seconds["tp"] + seconds["ep"] + seconds["pp"]
     idle = critical * bubble / (1 - bubble)
     exposed = {**seconds, "dp": max(0.0, seconds["dp"] - idle), "cp": max(0.0, seconds["cp"] - attention)}
