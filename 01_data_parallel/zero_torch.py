@@ -57,6 +57,8 @@ class TorchFSDP2:
             fully_shard(layer, mesh=mesh, reshard_after_forward=stage == 3)   # False ≈ stage 2
         fully_shard(model, mesh=mesh, reshard_after_forward=stage == 3)
         self.model, self.group, self.world = model, group, dist.get_world_size(group)
+        # built here, not handed in: PyTorch's own comparison, and FSDP2 wants AdamW built after fully_shard,
+        # on the DTensor shards it creates (the course's trainers are handed theirs)
         self.optimizer = build_adamw(model.named_parameters(), lr, weight_decay)     # over DTensor shards
         self.tokens_per_step, self.bf16 = tokens_per_step, bf16
         self.measured = {}

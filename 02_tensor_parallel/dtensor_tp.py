@@ -36,18 +36,17 @@ from . import tp_trainer
 
 class DTensorTrainer(OptimizerVerbs):
     """The step verbs with PyTorch's DTensor in place of this chapter's layers: the same arguments as
-    TPTrainer, a sharding plan instead of our layers, DTensor's loss, its gradients' layouts."""
+    TPTrainer: `model` already cut by `parallelize_with_dtensor` (a sharding plan instead of our
+    layers), `optimizer` built on its DTensors; DTensor's loss, its gradients' layouts."""
 
-    def __init__(self, model, tp_group, dp_group, *, sequence_parallel: bool, lr: float,
-                 weight_decay: float, tokens_per_step: int, device: torch.device, bf16: bool = False):
+    def __init__(self, model, optimizer, tp_group, dp_group, *, tokens_per_step: int, device: torch.device,
+                 bf16: bool = False):
         self.tp_group, self.dp_group, self.device, self.bf16 = tp_group, dp_group, device, bf16
         self.coords = {"tp": dist.get_rank(tp_group)}       # where this rank sits, for counted_here
         self.tokens_per_step = tokens_per_step
-        mesh = DeviceMesh.from_group(tp_group, device_type=device.type)   # DP stays on our groups
-        self.model = parallelize_with_dtensor(model, mesh, sequence_parallel)
+        self.model, self.optimizer = model, optimizer
         self.named = list(self.model.named_parameters())
         self.params = dict(self.named)
-        self.optimizer = tp_trainer.replicated_adamw.ReplicatedAdamW(self.named, lr, weight_decay)   # as TPTrainer's
 
     def forward_backward(self, x, y, sync: bool = True) -> torch.Tensor:
         """Forward and backward of one micro-batch (B, S); `sync` changes nothing, as in TPTrainer."""
@@ -100,7 +99,9 @@ def local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def parallelize_with_dtensor(model, mesh: DeviceMesh, sequence_parallel: bool = False):
+def parallelize_with_dtensor(model, tp_group, device: torch.device, sequence_parallel: bool = False):
+    """Cut `model` in place over `tp_group` with DTensor's plan (DP stays on our own groups)."""
+    mesh = DeviceMesh.from_group(tp_group, device_type=device.type)
     tp = mesh.size()
     require(model.cfg.n_kv_heads % tp == 0, f"--impl torch needs the {model.cfg.n_kv_heads} KV heads to split "
                                             f"over --tp {tp} (no replicated-KV style); use --impl ours")

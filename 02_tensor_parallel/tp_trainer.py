@@ -31,25 +31,22 @@ replicated_adamw = import_module("01_data_parallel.replicated_adamw")
 class TPTrainer(OptimizerVerbs):
     """TP over `tp_group`, DP over `dp_group` (a group of one when there is no DP).
 
-    `model` is the FULL single-device model (built from the seed, or loaded from a checkpoint), the
-    same on every rank: the trainer replaces its layers by their TP shards, in place, and builds
-    AdamW on the slices. The loss is summed over tokens and divided by `tokens_per_step`, the
-    global token count, so gradients add up across DP ranks and micro-batches.
+    `model` is already cut: its layers are this rank's TP shards (`tensor_parallel.parallelize_model`,
+    called by the script first), and `optimizer` is the optimizer object built on those slices
+    (chapter 01's ReplicatedAdamW: `replicated_adamw_on`), handed in as torchtitan does. The DP
+    all-reduce stays this trainer's (`sync_gradients`, after TP's sums). The loss is summed over
+    tokens and divided by `tokens_per_step`, the global token count, so gradients add up across DP
+    ranks and micro-batches.
     """
 
-    def __init__(self, model, tp_group, dp_group, *, sequence_parallel: bool, lr: float,
-                 weight_decay: float, tokens_per_step: int, device: torch.device, bf16: bool = False,
-                 tp_overlap: bool = False):
+    def __init__(self, model, optimizer, tp_group, dp_group, *, tokens_per_step: int, device: torch.device,
+                 bf16: bool = False):
         self.tp_group, self.dp_group, self.device, self.bf16 = tp_group, dp_group, device, bf16
         self.tp_rank, self.tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
         self.coords = {"tp": self.tp_rank}                 # where this rank sits, for counted_here
         self.n_kv_heads, self.tokens_per_step = model.cfg.n_kv_heads, tokens_per_step
-        self.model = tensor_parallel.parallelize_model(model, tp_group, sequence_parallel,   # keeps my slices
-                                                       overlap=tp_overlap)
+        self.model, self.optimizer = model, optimizer
         self.named = list(self.model.named_parameters())
-        # the optimizer object (chapter 01's replicated AdamW), on the slices this rank keeps: they exist
-        # only now; the DP all-reduce stays this trainer's (`sync_gradients`, after TP's sums)
-        self.optimizer = replicated_adamw.ReplicatedAdamW(self.named, lr, weight_decay)
 
     # --- the step protocol ----------------------------------------------------------------------
 
@@ -104,6 +101,12 @@ class TPTrainer(OptimizerVerbs):
 
 
 # --- what both trainers call (this file's and dtensor_tp.DTensorTrainer), on the tensors this rank holds ---
+
+def replicated_adamw_on(model, lr: float, weight_decay: float):
+    """The optimizer object handed to either trainer: chapter 01's AdamW, replicated, on the tensors
+    this rank holds once the model is cut (build it after `parallelize_model`, before the trainer)."""
+    return replicated_adamw.ReplicatedAdamW(list(model.named_parameters()), lr, weight_decay)
+
 
 def clip_counted_once(params, grads, max_norm: float, tp_group, coords: dict) -> float:
     """The global gradient norm, clipped to `max_norm`: `grads[i]` is this rank's part of

@@ -78,7 +78,7 @@ def main(argv=None) -> list[dict]:
     data = TextData(args.data, args.seq_len, args.seed)
     resume = resume_state(args)
 
-    # --- the model: build the full one from the seed (or the checkpoint); the trainer keeps this
+    # --- the model: build the full one from the seed (or the checkpoint); build_trainer cuts it to this
     # rank's slices. Ours or DTensor's, chosen once: the loop below is the same for both.
     model = build_model(cfg, args.seed, rt.device, args.recompute, args.compile, args.recompute_layers)
     start = 0
@@ -139,11 +139,17 @@ def main(argv=None) -> list[dict]:
 
 def build_trainer(args, model, mesh, device):
     """The trainer of `--impl`, chosen once: ours (tp_trainer.py) or PyTorch's DTensor (dtensor_tp.py),
-    siblings with the same verbs and the same arguments."""
-    Trainer = dtensor_tp.DTensorTrainer if args.impl == "torch" else tp_trainer.TPTrainer
-    overlap = {"tp_overlap": True} if args.tp_overlap else {}     # ours only: tp_degree refuses it with DTensor
-    return Trainer(model, mesh.group("tp"), mesh.group("dp"), sequence_parallel=args.sequence_parallel, **overlap,
-                   lr=args.lr, weight_decay=args.weight_decay, tokens_per_step=args.global_batch * args.seq_len,
+    siblings with the same verbs and the same arguments. In torchtitan's order: cut the model first
+    (each rank keeps its slices), build the optimizer on those slices, hand both to the trainer."""
+    tp_group = mesh.group("tp")
+    if args.impl == "torch":
+        Trainer = dtensor_tp.DTensorTrainer
+        model = dtensor_tp.parallelize_with_dtensor(model, tp_group, device, args.sequence_parallel)
+    else:                                  # --tp-overlap: ours only (tp_degree refuses it with DTensor)
+        Trainer = tp_trainer.TPTrainer
+        model = tensor_parallel.parallelize_model(model, tp_group, args.sequence_parallel, overlap=args.tp_overlap)
+    optimizer = tp_trainer.replicated_adamw_on(model, args.lr, args.weight_decay)
+    return Trainer(model, optimizer, tp_group, mesh.group("dp"), tokens_per_step=args.global_batch * args.seq_len,
                    device=device, bf16=args.dtype == "bf16")
 
 

@@ -18,10 +18,14 @@ tp_trainer = import_module("02_tensor_parallel.tp_trainer")                  # c
 
 
 class CPTrainer(tp_trainer.TPTrainer):
-    """TP over `tp_group`, CP over `cp_group`, the gradient sum over `dp_cp_group`; AdamW."""
+    """TP over `tp_group`, CP over `cp_group`, the gradient sum over `dp_cp_group`; the optimizer handed in.
 
-    def __init__(self, model, tp_group, cp_group, dp_cp_group, split, variant: str, span=untimed, **kwargs):
-        super().__init__(model, tp_group, dp_cp_group, sequence_parallel=False, **kwargs)   # my TP slices
+    `model` is already cut to this rank's TP slices and `optimizer` built on them (train_cp.py does
+    both first, as train_tp.py does); the trainer puts the CP core into every attention (no parameter)."""
+
+    def __init__(self, model, optimizer, tp_group, cp_group, dp_cp_group, split, variant: str, span=untimed,
+                 **kwargs):
+        super().__init__(model, optimizer, tp_group, dp_cp_group, **kwargs)
         if split.cp > 1:                # span: the ring's timer (train_cp.py --timeline), or none
             attention_over_cp(self.model, cp_group, split, variant, span)
 

@@ -36,7 +36,8 @@ from common.optim import lr_at
 from common.training import (StepTimer, global_sum, resume_state, run_identity, should_save, start_rng,
                              stop_if_not_finite)
 
-tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")     # chapter 02: the TP checks
+tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")     # chapter 02: the TP checks, the cut
+tp_trainer = import_module("02_tensor_parallel.tp_trainer")               # chapter 02: the optimizer on the slices
 parallel_3d = import_module("04_3d_combined.parallel_3d")                 # chapter 04: the Layout's element size
 context_parallel = import_module("06_context_parallel.context_parallel")  # this chapter: CP's pieces
 cp_trainer = import_module("06_context_parallel.cp_trainer")              # this chapter: the step verbs
@@ -83,8 +84,8 @@ def main(argv=None) -> list[dict]:
     data = TextData(args.data, args.seq_len, args.seed)
     resume = resume_state(args)
 
-    # --- the model: the full one from the seed (or the checkpoint); the trainer keeps this rank's TP
-    # slices, then puts the context-parallel core into every attention
+    # --- the model: the full one from the seed (or the checkpoint), cut to this rank's TP slices (chapter
+    # 02), the optimizer built on them; the trainer puts the context-parallel core into every attention
     model = build_model(cfg, args.seed, rt.device, args.recompute, args.compile, args.recompute_layers)
     start = 0
     if resume:
@@ -92,8 +93,10 @@ def main(argv=None) -> list[dict]:
         start = resume["step"]
     tokens_per_step = args.global_batch * args.seq_len          # global: each token counted once
     timeline = cp_timeline.start(args.timeline, rt.rank)     # records the ring's spans only with --timeline
-    trainer = cp_trainer.CPTrainer(model, mesh.group("tp"), cp_group, mesh.group("dp_cp"), split, args.cp_attention,
-                                   span=cp_timeline.ring_spans(timeline), lr=args.lr, weight_decay=args.weight_decay,
+    model = tensor_parallel.parallelize_model(model, mesh.group("tp"))              # my TP slices
+    optimizer = tp_trainer.replicated_adamw_on(model, args.lr, args.weight_decay)   # chapter 01's AdamW on them
+    trainer = cp_trainer.CPTrainer(model, optimizer, mesh.group("tp"), cp_group, mesh.group("dp_cp"), split,
+                                   args.cp_attention, span=cp_timeline.ring_spans(timeline),
                                    tokens_per_step=tokens_per_step, device=rt.device, bf16=args.dtype == "bf16")
     # the activation bytes each micro-batch keeps, measured, beside the ledger's prediction for S/cp positions
     predicted = activation_ledger.predicted_bytes(cfg, args, args.global_batch // dp // args.microbatches, tp, cp=cp,
