@@ -53,7 +53,7 @@ def test_json_schema(tmp_path):
     assert all(float(f"{a['step_time_s']:.4g}") < float(f"{b['step_time_s']:.4g}") or
                a["memory_bytes"]["total"] <= b["memory_bytes"]["total"] for a, b in zip(fitting, fitting[1:]))
     # one row per distinct layout: no ZeRO stage where there is nothing to shard
-    keys = [tuple(r[k] for k in choose_layout.SCHEMA[:12]) for r in rows]
+    keys = [tuple(r[k] for k in choose_layout.SCHEMA[:13]) for r in rows]       # the layout: dp ... microbatches
     assert len(keys) == len(set(keys)) and not any(r["zero_stage"] and r["dp"] * r["cp"] == 1 for r in rows)
 
 
