@@ -73,7 +73,8 @@ def main(argv=None) -> list[dict]:
         model.load_state_dict(resume["model"], strict=True)
         start = resume["step"]
     expert_parallel.parallelize_experts(model, mesh.group("ep"))
-    trainer = moe_trainer.ExpertParallelTrainer(model, mesh, args, cfg, rt.device)
+    optimizer = moe_trainer.replicated_over_groups(model, mesh, args.lr, args.weight_decay)  # on what I hold
+    trainer = moe_trainer.ExpertParallelTrainer(model, optimizer, mesh, args, cfg, rt.device)
     # the bytes autograd keeps (`memory()`); MoE layers route rows, which the ledger does not count: null
     trainer = MeasuredActivations(trainer, model, predicted=None, measure=not args.no_activation_meter)
     if resume:

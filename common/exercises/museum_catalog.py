@@ -202,8 +202,8 @@ EXHIBITS = (
         "expert parallelism trains to other losses than one device, a little more every step",
         "router gradients never summed across ranks",
         "05_moe_expert_parallel/moe_trainer.py",
-        "self.dense = [p for n, p in self.named if not is_expert_param(n)]",
-        "self.dense = [p for n, p in self.named if not is_expert_param(n) and \".router.\" not in n]",
+        "dense = [(n, p) for n, p in named if not is_expert_param(n)]",
+        "dense = [(n, p) for n, p in named if not is_expert_param(n) and \".router.\" not in n]",
         ("tests/test_moe_ep.py::test_training_matches_world_size_one[2]",),
         ("python 05_moe_expert_parallel/train_moe.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
          "torchrun --nproc_per_node=2 05_moe_expert_parallel/train_moe.py --ep 2 --steps 5 --quiet "
@@ -216,13 +216,13 @@ EXHIBITS = (
         "dense parameter (every rank holds it whole, each computed its gradient from its own rows): it must "
         "be summed over all data-parallel ranks like every dense weight. Left out of both the dense and the "
         "expert all-reduce, each rank's router learns from its own rows only and the replicas part. Fix: the "
-        "router is in `self.dense`."),
+        "router is in `dense`, the first kind of `replicated_over_groups`."),
     Exhibit("05.bug2",
         "expert-parallel runs (ep 4; or ep 2 at dp 4) part from one device from step 1's gradient norm",
         "expert gradients reduced over the wrong group",
         "05_moe_expert_parallel/moe_trainer.py",
-        "self.expert_sync = data_parallel.AsyncGradAllReduce(mesh.group(\"edp\"))",
-        "self.expert_sync = data_parallel.AsyncGradAllReduce(mesh.group(\"ep\"))",
+        "\"experts\": (experts, \"edp\")}",
+        "\"experts\": (experts, \"ep\")}",
         ("tests/test_moe_ep.py::test_training_matches_world_size_one[4]",),
         ("python 05_moe_expert_parallel/train_moe.py --steps 5 --quiet --metrics runs/bug/one.jsonl",
          "torchrun --nproc_per_node=4 05_moe_expert_parallel/train_moe.py --ep 2 --steps 5 --quiet "
@@ -232,7 +232,7 @@ EXHIBITS = (
         "be summed over the ranks holding *the same* expert (edp: each saw its own EP group's rows); the EP "
         "group's ranks hold *different* experts, so summing over it adds unrelated experts' gradients into "
         "each other's slots and misses the other copy's rows. Read the grid that `train_moe.py` prints: the "
-        "expert sum must run along edp. Fix: `mesh.group(\"edp\")`."),
+        "expert sum must run along edp. Fix: `\"experts\": (experts, \"edp\")`."),
     Exhibit("05.bug3",
         "with TP and --router-bias-rate the 4D run slowly drifts from chapter 05's one-device run; the TP ranks "
         "of a stage route the same tokens differently",
