@@ -129,7 +129,7 @@ def test_every_schedule_that_splits_the_backward_is_refused_and_only_those():
     from its B) cannot run a compiled block's one backward, so `--compile` refuses it, naming it; the others
     reach training. Every schedule the scripts accept, built at p = 2, m = 4."""
     schedules = import_module("03_pipeline_parallel.pipeline_schedules")
-    names = list(schedules.SCHEDULES) + list(getattr(schedules, "V_SCHEDULES", ()))
+    names = list(schedules.SCHEDULES)
     split = {name: any(a.kind == "W" for actions in schedules.build_schedule(
         name, 2, 4, schedules.stages_per_rank(name, 2 if name == "interleaved" else 1))
         for a in _one_at_a_time(actions)) for name in names}
