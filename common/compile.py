@@ -91,6 +91,12 @@ def check_compile(args, split_w: bool = False) -> None:
     require(not split_w,
             f"--compile {backend} with --schedule {schedule}: a compiled block's backward cannot be split into "
             "zero bubble's B and W; use --schedule 1f1b (or gpipe, interleaved) with --compile")
+    # chapter 04's meter (common/live_memory.py) is a dispatch mode: torch.compile does not compile a frame
+    # while one is active, so the run would silently be eager (seen: no graph built under it)
+    require(not getattr(args, "measure_memory", False),
+            f"--compile {backend} with --measure-memory: torch.compile does not compile while the meter counts "
+            "every operation (the run would be eager); measure memory without --compile, or compile without "
+            "--measure-memory")
     require(torch._dynamo.is_dynamo_supported(),
             f"--compile {backend}: torch.compile does not support this Python/PyTorch build; "
             "leave --compile out (eager mode gives the same losses)")

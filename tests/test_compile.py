@@ -107,9 +107,26 @@ def refusal(script: str, argv: list) -> str:
     ("03_pipeline_parallel.train_pp", ["--compile", "--schedule", "zb-h1"], "use --schedule 1f1b"),
     ("01_data_parallel.train_dp", ["--compile", "aot_eager", "--recompute", "selective"], "use --recompute full"),
     ("02_tensor_parallel.train_tp", ["--compile", "--impl", "torch"], "use --impl ours"),
+    ("04_3d_combined.train_3d", ["--compile", "aot_eager", "--measure-memory"], "measure memory without --compile"),
 ])
 def test_what_cannot_compile_is_refused_in_one_line(script, argv, says):
     assert says in refusal(script, argv)
+
+
+def test_under_the_memory_meter_nothing_compiles():
+    """Why --measure-memory refuses --compile: a compiled function builds its graph, the same function called
+    first under chapter 04's meter builds none (it runs eagerly)."""
+    import torch
+    import torch._dynamo
+    from common.live_memory import LiveTensors
+    graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
+    torch.compile(lambda x: (x.sin() * 2).cos(), backend="aot_eager")(torch.randn(8))
+    assert graphs["unique_graphs"] == before + 1
+    metered = torch.compile(lambda x: (x.sin() * 3).cos(), backend="aot_eager")
+    with LiveTensors():
+        metered(torch.randn(8))
+    assert graphs["unique_graphs"] == before + 1
 
 
 def test_compile_alone_means_inductor():
