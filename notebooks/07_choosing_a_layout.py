@@ -8,8 +8,8 @@
 # goes, against the planner's first choice.
 #
 # `make notebooks` executes it into `notebooks/07_choosing_a_layout.ipynb`; every plot is also saved
-# under `notebooks/figures/`. `NOTEBOOK_QUICK=1` (the tests) skips part 2's run and plans GPT-3 175B on
-# 64 A100s in part 3 instead of Llama 3 405B on 16,384 H100s (a minute of planning).
+# under `notebooks/figures/`. `NOTEBOOK_QUICK=1` (the tests) skips part 2's run and plans torchtitan's
+# Llama 3.1 8B on 8 H100s in part 3 instead of Llama 3 405B on 16,384 H100s (a minute of planning).
 
 # %%
 import os
@@ -65,12 +65,12 @@ if not QUICK:      # the quick mode (the tests) leaves the run to tests/test_cho
 
 # %% [markdown]
 # ## 3. A published run: where the step goes
-# Llama 3 405B on 16,384 H100s (GPT-3 175B on 64 A100s in the quick mode): the published layout against
+# Llama 3 405B on 16,384 H100s (Llama 3.1 8B on 8 H100s in the quick mode): the published layout against
 # the planner's first choice, each step split into its parts.
 
 # %%
 published = import_module("07_choosing_a_layout.published")
-run = published.BY_NAME["gpt3-175b-selective" if QUICK else "llama3-405b-8k-16384gpu"]
+run = published.BY_NAME["torchtitan-llama3-8b" if QUICK else "llama3-405b-8k-16384gpu"]
 planned = choose_layout.main(["--explain", run.name, "--top", "3", "--why", "1"])
 pub = next(r for r in planned if published.matches(r, run.layout))
 first = [r for r in planned if r["fits"]][0]
