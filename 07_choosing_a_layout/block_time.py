@@ -26,7 +26,9 @@ memory-bound operation at the HBM bandwidth its size gets. Dropout is not modell
 Recomputation adds exactly the operations it reruns in backward: `selective` the norms and the
 activation (the course's selective mode, common/recompute.py); `full` the whole forward up to the last
 tensor backward needs, i.e. all of it but the MLP's down projection and the last residual add (as
-common/mfu.recompute_flops_per_token counts it).
+common/mfu.recompute_flops_per_token counts it: PyTorch's non-reentrant checkpoint stops there); with
+`--full-recompute whole-block` the whole forward, down projection and residual too, as Megatron-LM's
+`--recompute-granularity full` reruns a block (a checkpoint that does not stop early).
 
 The head (last stage): the final norm, the LM head's matmul 2 · t · D · V/tp, and the vocab-parallel
 cross-entropy over fp32 logits as memory traffic (read the logits, write their softmax and gradient);
@@ -142,6 +144,8 @@ def rerun(forward: list[Op], mode: str) -> list[Op]:
         return [op for op in forward if op.name in SELECTIVE or unfused and op.name in ATTENTION]
     if mode == "full":
         return [op for op in forward if op.name not in NOT_RERUN]
+    if mode == "whole-block":     # --full-recompute whole-block: Megatron-LM reruns the block's whole forward
+        return list(forward)
     return []
 
 

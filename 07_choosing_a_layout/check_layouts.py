@@ -155,9 +155,15 @@ def measured_words(run) -> tuple[str, str]:
     return "-", ""
 
 
-def predicted_value(row: dict, key: str) -> float:
-    """The planner's number for measured key `key`: a row's own field, or its fullest rank's total in GiB."""
-    return row["memory_bytes"]["total"] / 2**30 if key == "memory_gib" else row[key]
+def predicted_value(run, row: dict, key: str) -> float:
+    """The planner's number for measured key `key` of published run `run`: its MFU counted as the authors
+    count theirs (published.mfu_as_published), its step time, or its fullest rank's total in GiB."""
+    if key == "memory_gib":
+        return row["memory_bytes"]["total"] / 2**30
+    if key == "mfu":
+        args = choose_layout.parse_args(list(run.argv))
+        return published.mfu_as_published(run, row, layout_inputs.model_for(args.model), args.seq_len)
+    return row[key]
 
 
 def measured_cells(run, mine: dict | None) -> tuple[str, str]:
@@ -169,12 +175,13 @@ def measured_cells(run, mine: dict | None) -> tuple[str, str]:
         return "-", f"{mine['mfu']:.1%} MFU" if mine else "-"
     unit = {"mfu": lambda x: f"{x:.1%}", "step_time_s": lambda x: f"{x:.2f} s",
             "memory_gib": lambda x: f"{x:,.1f} GiB"}[key]
-    return f"{what} {unit(run.measured[key])}", unit(predicted_value(mine, key)) if mine else "-"
+    return f"{what} {unit(run.measured[key])}", unit(predicted_value(run, mine, key)) if mine else "-"
 
 
 def check_published() -> tuple[list[str], tuple]:
     lines = ["| run | published layout (its best-ranked form here) | published | predicted | memory per GPU | "
-             "rank among the layouts that fit | planner's first choice |", "|---|---|---|---|---|---|---|"]
+             "rank among the layouts that fit | its step ÷ the fastest's | planner's first choice |",
+             "|---|---|---|---|---|---|---|---|"]
     plot_case = None
     for run in published.RUNS:
         line, fitting, mine = published_line(run)
@@ -196,7 +203,19 @@ def published_line(run) -> tuple[str, list[dict], dict | None]:
     place = f"{rank:,} of {len(fitting):,} (top {rank / len(fitting):.1%})" if rank else "-"
     first = f"{choose_layout.describe(best)}: {best['step_time_s']:.2f} s, MFU {best['mfu']:.1%}" if best else "-"
     return (f"| {run.name} ({device}) | {choose_layout.describe(mine) if mine else 'not runnable here'} | "
-            f"{said} | {predicted} | {memory} | {place} | {first} |"), fitting, mine
+            f"{said} | {predicted} | {memory} | {place} | {against_fastest(run, mine, fitting)} | {first} |"), \
+        fitting, mine
+
+
+def against_fastest(run, mine: dict | None, fitting: list[dict]) -> str:
+    """The published layout's step over the fastest that fits: among every layout the planner runs, and among
+    those with the schedules its framework ran (published.Published.schedules)."""
+    if not (mine and mine["fits"]):
+        return "-"
+    ratio = f"{mine['step_time_s'] / fitting[0]['step_time_s']:.2f}×"
+    own = [r for r in fitting if r["schedule"] in run.schedules]
+    return ratio + (f" ({mine['step_time_s'] / own[0]['step_time_s']:.2f}× among {', '.join(run.schedules)})"
+                    if own and own[0] is not fitting[0] else "")
 
 
 def replace_published_line(name: str, path: Path) -> str:

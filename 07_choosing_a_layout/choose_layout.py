@@ -49,7 +49,7 @@ framework_flags = import_module("07_choosing_a_layout.framework_flags")  # this 
 
 
 SCHEMA = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute", "recompute_layers", "sequence_parallel",
-          "tp_overlap", "schedule", "virtual_stages",
+          "tp_overlap", "cp_attention", "schedule", "virtual_stages",
           "microbatches", "memory_bytes", "fullest_pp_rank", "comm_bytes", "bubble", "step_time_s", "mfu",
           "time_parts_s", "fits", "command")
 
@@ -59,7 +59,8 @@ def describe(r: dict) -> str:
     v = f" v={r['virtual_stages']}" if r.get("virtual_stages", 1) > 1 else ""
     sched = f", {r['schedule']}{v} m={r['microbatches']}" if r["pp"] > 1 else f", m={r['microbatches']}"
     sp = (" +SP" if r["sequence_parallel"] else "") + (" (overlapped)" if r.get("tp_overlap") else "")
-    return (f"dp {r['dp']} × tp {r['tp']}{sp} × pp {r['pp']} × cp {r['cp']}"
+    cp = " (all-gather)" if r.get("cp_attention", "ring") != "ring" and r["cp"] > 1 else ""
+    return (f"dp {r['dp']} × tp {r['tp']}{sp} × pp {r['pp']} × cp {r['cp']}{cp}"
             + (f" (ep {r['ep']})" if r["ep"] > 1 else "") + f"{zero}, recompute {r['recompute']}"
             + (f" ({r['recompute_layers']}/stage)" if r.get("recompute_layers") else "") + sched)
 
@@ -100,6 +101,13 @@ def parser() -> Parser:
     p.add_argument("--attention", default="flash", choices=["flash", "unfused"],
                    help="a GPU's attention kernel: flash (fused, the causal half skipped) or unfused (the scores "
                         "and softmax in memory, as Megatron-LM ran before flash attention)")
+    p.add_argument("--cp-attention", default="ring", choices=["ring", "allgather"],
+                   help="chapter 06's attention of every layout with cp > 1: ring (K/V hops under the attention's "
+                        "compute) or allgather (K/V gathered whole before it, exposed: Llama 3's)")
+    p.add_argument("--full-recompute", default="early-stop", choices=["early-stop", "whole-block"],
+                   help="what --recompute full reruns on a GPU: early-stop (the course's checkpoint: the forward "
+                        "again until backward has what it needs, not the MLP's down projection) or whole-block "
+                        "(Megatron-LM's --recompute-granularity full: the block's whole forward)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype")
     p.add_argument("--global-batch", type=POSITIVE_INT, default=16, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=POSITIVE_INT, default=128,

@@ -12,6 +12,8 @@ The course's levers and theirs, one to one where both have it:
                      per-virtual-pipeline-stage (interleaved)       _schedule (1F1B, Interleaved1F1B,
                                                                     ZBVZeroBubble, DualPipeV)
     cp               --context-parallel-size                        --parallelism.context_parallel_degree
+    cp attention     --cp-comm-type p2p (ring) | allgather          --parallelism.context_parallel_rotate_method
+                                                                    alltoall (ring) | allgather
     ep               --expert-model-parallel-size                   --parallelism.expert_parallel_degree
     dp, ZeRO         the ranks left; ZeRO-1/2: --use-distributed-   ZeRO-0: data_parallel_replicate_degree;
                      optimizer; ZeRO-3: --use-torch-fsdp2           1-3: data_parallel_shard_degree (FSDP; ZeRO-1/2
@@ -29,6 +31,9 @@ published = import_module("07_choosing_a_layout.published")
 
 TITAN_SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zb-v": "ZBVZeroBubble",
                    "dualpipev": "DualPipeV", "zb-h1": None}
+# chapter 06's CP attention: (Megatron-LM's --cp-comm-type, torchtitan's rotate method: its ring passes the
+# K/V shards with all-to-alls)
+CP_COMM = {"ring": ("p2p", "alltoall"), "allgather": ("allgather", "allgather")}
 
 
 def megatron(r: dict, cfg, global_batch: int, seq_len: int) -> str:
@@ -39,7 +44,8 @@ def megatron(r: dict, cfg, global_batch: int, seq_len: int) -> str:
         flags.append(f"--num-layers-per-virtual-pipeline-stage {cfg.n_layers // (r['pp'] * r['virtual_stages'])}")
     flags += ["--sequence-parallel"] if r["sequence_parallel"] else []
     flags += ["--tp-comm-overlap"] if r.get("tp_overlap") else []
-    flags += [f"--context-parallel-size {r['cp']}"] if r["cp"] > 1 else []
+    flags += [f"--context-parallel-size {r['cp']}", f"--cp-comm-type {CP_COMM[r.get('cp_attention', 'ring')][0]}"] \
+        if r["cp"] > 1 else []
     flags += [f"--expert-model-parallel-size {r['ep']}"] if r["ep"] > 1 else []
     flags += {0: [], 1: ["--use-distributed-optimizer"], 2: ["--use-distributed-optimizer"],
               3: ["--use-torch-fsdp2"]}[r["zero_stage"]]
@@ -63,6 +69,8 @@ def torchtitan(r: dict, global_batch: int, seq_len: int) -> str:
              f"--parallelism.data_parallel_shard_degree {r['dp'] if shard else 1}",
              f"--parallelism.tensor_parallel_degree {r['tp']}", f"--parallelism.pipeline_parallel_degree {r['pp']}",
              f"--parallelism.context_parallel_degree {r['cp']}"]
+    flags += [f"--parallelism.context_parallel_rotate_method {CP_COMM[r.get('cp_attention', 'ring')][1]}"] \
+        if r["cp"] > 1 else []
     flags += ["--parallelism.enable_async_tensor_parallel"] if r.get("tp_overlap") else []
     flags += [f"--parallelism.expert_parallel_degree {r['ep']}"] if r["ep"] > 1 else []
     if r["zero_stage"] in (1, 2):

@@ -84,6 +84,7 @@ class Candidate:
     virtual_stages: int = 1
     recompute_layers: int | None = None     # --recompute-layers: the first blocks of each stage (None: all)
     tp_overlap: bool = False                # --tp-overlap: chapter 02's SP rings under the chunk matmuls
+    cp_attention: str = "ring"              # --cp-attention (cp > 1): chapter 06's ring, or allgather (Llama 3's)
 
     def layout(self, dtype: str = "fp32"):
         """The course's Layout of these degrees (chapter 06's Layout5D: at cp 1 and ep 1 its groups are
@@ -99,8 +100,9 @@ class Candidate:
     @classmethod
     def of_row(cls, row: dict) -> "Candidate":
         """The candidate a planner row (predict's, or a --json row) describes (a row written before
-        tp_overlap was a field: without it)."""
-        return cls(**{f.name: row.get(f.name, False) if f.name == "tp_overlap" else row[f.name]
+        tp_overlap and cp_attention were fields: without them)."""
+        later = {"tp_overlap": False, "cp_attention": "ring"}
+        return cls(**{f.name: row.get(f.name, later[f.name]) if f.name in later else row[f.name]
                       for f in fields(cls)})
 
 
@@ -112,6 +114,7 @@ class Run:
     seq_len: int
     dtype: str
     attention: str = "flash"    # a GPU's attention kernel (block_time.py): "flash" (fused) or "unfused"
+    full_recompute: str = "early-stop"   # what --recompute full reruns on a GPU (block_time.rerun)
 
 
 def per_unit(run: Run, c: Candidate) -> bool:
@@ -212,10 +215,11 @@ def rank0_traffic(run: Run, c: Candidate, specs) -> tuple[dict, dict]:
         msgs["ep"] = sum(n * m * (3 * r + 2) for n, r in runs)  # each forward: counts, dispatch, combine; backward:
     if c.cp > 1:                                                # dispatch, combine
         kv = cfg.kv_heads_per_rank(c.tp)
-        nbytes["cp"] = sum(n * m * attention_bookkeeping.cp_bytes("ring", rows, run.seq_len, c.cp, kv, cfg.head_dim,
-                                                                  e, forward_runs=r) for n, r in runs)
-        # per hop: each forward's K/V; the backward's K/V and the partial sums of their gradients
-        msgs["cp"] = sum(n * m * (r + 2) * (c.cp - 1) for n, r in runs)
+        nbytes["cp"] = sum(n * m * attention_bookkeeping.cp_bytes(c.cp_attention, rows, run.seq_len, c.cp, kv,
+                                                                  cfg.head_dim, e, forward_runs=r) for n, r in runs)
+        # ring, per hop: each forward's K/V; the backward's K/V and the partial sums of their gradients;
+        # allgather: each forward's all-gather of K/V, the backward's reduce-scatter of their gradients
+        msgs["cp"] = sum(n * m * ((r + 2) * (c.cp - 1) if c.cp_attention == "ring" else r + 1) for n, r in runs)
         if cfg.n_experts:       # each forward's routers sum their (rows, E) int64 counts over cp (× tp under SP)
             joined = {**layout.joined, **parallel_5d.SEQUENCE_JOINED}   # chapter 06's rule: cp × tp under SP
             group = replace(layout, joined=joined).group_size("cp_tp" if c.sequence_parallel else "cp")
@@ -280,7 +284,8 @@ def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, ms
     for g in nbytes:
         link_rate, latency = link_of(g, c, dev, gpus_per_node)
         seconds[g] = nbytes[g] / link_rate + msgs[g] * latency
-    exposed = {**seconds, "dp": max(0.0, seconds["dp"] - idle), "cp": max(0.0, seconds["cp"] - attention)}
+    exposed = {**seconds, "dp": max(0.0, seconds["dp"] - idle),
+               "cp": step_time.cp_exposed(c, seconds["cp"], attention)}
     if per_unit(run, c):          # chapter 01's prefetch: a unit's gather travels while the one before computes
         exposed["dp"] = per_unit_zero.exposed(seconds["dp"], compute, len(per_unit_zero.unit_params(cfg)))
     return {"compute": compute, "bubble": idle, **{f"comm_{g}": t for g, t in exposed.items()}}
@@ -300,7 +305,8 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     specs = schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
     rows = run.global_batch // c.dp // c.microbatches
     peaks = schedule_costs.activation_peaks(cfg, c.recompute, c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
-                             run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel, run.dtype, c.recompute_layers)
+                             run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel, run.dtype, c.recompute_layers,
+                             c.cp, c.cp_attention == "allgather")
     fullest, memory = fullest_rank(run, c, specs, peaks, working_set.gloo(dev))
     nbytes, msgs = rank0_traffic(run, c, specs)
     bubble = pipeline_schedules.theory_bubble(c.schedule, c.pp, c.microbatches, c.virtual_stages) if c.pp > 1 else 0.0
@@ -310,7 +316,8 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     workers = world if dev.cores is None else min(world, dev.cores)
     return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep, "zero_stage": c.zero_stage,
             "recompute": c.recompute, "recompute_layers": c.recompute_layers,
-            "sequence_parallel": c.sequence_parallel, "tp_overlap": c.tp_overlap, "schedule": c.schedule,
+            "sequence_parallel": c.sequence_parallel, "tp_overlap": c.tp_overlap, "cp_attention": c.cp_attention,
+            "schedule": c.schedule,
             "microbatches": c.microbatches, "memory_bytes": {k: int(v) for k, v in memory.items()},
             "comm_bytes": nbytes, "bubble": bubble, "step_time_s": step,
             # model FLOPs over the peak of every rank (common/mfu's definition; recomputation not counted)

@@ -57,20 +57,21 @@ def microbatch_counts(rows: int, pp: int, schedule: str) -> list[int]:
     """The course's default (the largest count ≤ 2·pp that splits the rows, common/cli's rule; a
     multiple of pp for the interleaved schedule) and one row per micro-batch: without a pipeline the
     least activation memory (gradient accumulation), with one the smallest bubble (1F1B keeps at most
-    about p micro-batches in flight whatever m is)."""
+    about p micro-batches in flight whatever m is). Without a pipeline also one micro-batch of every row
+    (no accumulation: the fewest, largest matmuls, as torchtitan runs FSDP)."""
     step = pp if schedule == "interleaved" else 1
     fits = [m for m in range(step, rows + 1, step) if rows % m == 0]
     default = [m for m in fits if m <= 2 * pp]
     if not default:
         return []
-    return sorted({max(default)} | ({rows} if rows in fits else set()))
+    return sorted({max(default)} | ({rows} if rows in fits else set()) | ({1} if pp == 1 else set()))
 
 
-def candidates(cfg, world: int, global_batch: int, gpus_per_node: int):
+def candidates(cfg, world: int, global_batch: int, gpus_per_node: int, cp_attention: str = "ring"):
     """Every distinct layout of `world` ranks, before the chapters' checks: TP inside a node; the batch split
     over the data-parallel ranks (the micro-batches are counted from it); a ZeRO stage only where there is
     a group to shard over (where the Layout's dense gradient group, dp × cp, is one rank, every stage is the
-    same layout as stage 0)."""
+    same layout as stage 0). `cp_attention`: chapter 06's attention of the layouts with cp > 1."""
     for tp in (t for t in divisors(world) if t <= gpus_per_node):
         for cp in divisors(world // tp):
             for pp in divisors(world // (tp * cp)):
@@ -81,7 +82,8 @@ def candidates(cfg, world: int, global_batch: int, gpus_per_node: int):
                     for schedule, v in schedules(cfg, pp):
                         for m in microbatch_counts(global_batch // dp, pp, schedule):
                             degrees = layout_costs.Candidate(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, schedule=schedule,
-                                                             microbatches=m, virtual_stages=v)
+                                                             microbatches=m, virtual_stages=v,
+                                                             cp_attention=cp_attention if cp > 1 else "ring")
                             for zero in (0, 1, 2, 3) if degrees.zero_group() > 1 else (0,):
                                 for mode in MODES:
                                     for sp in (False, True) if tp > 1 else (False,):
@@ -89,9 +91,9 @@ def candidates(cfg, world: int, global_batch: int, gpus_per_node: int):
 
 
 def runnable_candidates(cfg, model: str, world: int, global_batch: int, seq_len: int, gpus_per_node: int,
-                        dtype: str = "fp32") -> tuple[list, int]:
+                        dtype: str = "fp32", cp_attention: str = "ring") -> tuple[list, int]:
     """(the candidates the chapters' scripts accept, how many they refused): runnable.refusal asks each."""
-    every = list(candidates(cfg, world, global_batch, gpus_per_node))
+    every = list(candidates(cfg, world, global_batch, gpus_per_node, cp_attention))
     kept = [c for c in every if runnable.refusal(c, model, cfg, global_batch, seq_len, dtype) is None]
     return kept, len(every) - len(kept)
 
@@ -123,8 +125,9 @@ def plan(args) -> Plan:
             f"--seq-len {args.seq_len} is longer than --model {args.model}'s {cfg.max_seq_len} positions")
     dev = layout_inputs.device_for(args.device, args.dtype, args.world, args.efficiency)
     gpn = nodes(args, dev)
-    run = layout_costs.Run(cfg, args.global_batch, args.seq_len, args.dtype, args.attention)
-    kept, refused = runnable_candidates(cfg, args.model, args.world, args.global_batch, args.seq_len, gpn, args.dtype)
+    run = layout_costs.Run(cfg, args.global_batch, args.seq_len, args.dtype, args.attention, args.full_recompute)
+    kept, refused = runnable_candidates(cfg, args.model, args.world, args.global_batch, args.seq_len, gpn, args.dtype,
+                                        args.cp_attention)
     # full recomputation also as a lever: the fewest blocks per stage that fit (--recompute-layers), the rest kept
     partial = (replace(c, recompute_layers=k) for c in kept if (k := partial_recompute.least_recompute_layers(run, c, dev)))
     rows, tried = [], kept + list(partial)
@@ -152,5 +155,5 @@ def refusal_of(args, dev, wanted: dict) -> str | None:
     overlap = wanted.get("tp_overlap", False)              # --tp-overlap: asked of the scripts too
     return next((runnable.refusal(c, args.model, cfg, args.global_batch, args.seq_len, args.dtype)
                  for c in (replace(c, tp_overlap=overlap) for c in candidates(cfg, args.world, args.global_batch,
-                                                                              nodes(args, dev)))
+                                                                              nodes(args, dev), args.cp_attention))
                  if published.matches(vars(c), wanted)), None)

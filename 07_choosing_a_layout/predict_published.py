@@ -30,14 +30,18 @@ def main() -> None:
         run = published.BY_NAME[name]
         args = choose_layout.parse_args(list(run.argv))
         given = {"ep": 1, "zero_stage": 0, "recompute": "none", "recompute_layers": None, **run.layout, **levers}
+        given.setdefault("cp_attention", "ring")
         c = layout_costs.Candidate(**{k: given[k] for k in ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute",
                                                            "sequence_parallel", "schedule", "microbatches",
-                                                           "virtual_stages", "recompute_layers")})
+                                                           "virtual_stages", "recompute_layers", "cp_attention")})
         cfg = layout_inputs.model_for(args.model)
-        r = layout_costs.predict(layout_costs.Run(cfg, args.global_batch, args.seq_len, args.dtype, args.attention),
+        r = layout_costs.predict(layout_costs.Run(cfg, args.global_batch, args.seq_len, args.dtype, args.attention,
+                                                  args.full_recompute),
                                  c, layout_inputs.device_for(args.device, args.dtype, args.world), args.gpus_per_node)
         said = ", ".join(f"{k} {v:.3g}" for k, v in r["time_parts_s"].items() if v)
-        print(f"{name}: {choose_layout.describe(r)}: step {r['step_time_s']:.2f} s, MFU {r['mfu']:.1%} "
+        theirs = published.mfu_as_published(run, r, cfg, args.seq_len)
+        counted = f", {theirs:.1%} as the authors count it" if run.mfu_attention != "causal" else ""
+        print(f"{name}: {choose_layout.describe(r)}: step {r['step_time_s']:.2f} s, MFU {r['mfu']:.1%}{counted} "
               f"(published {run.measured}); {said}")
 
 

@@ -55,7 +55,7 @@ def flags(c, model: str, cfg, global_batch: int, seq_len: int, dtype: str) -> li
     if script_of(cfg, c) != "zero":
         out += ["--dp", str(c.dp), "--tp", str(c.tp), "--pp", str(c.pp)]
     if c.cp > 1:
-        out += ["--cp", str(c.cp)]
+        out += ["--cp", str(c.cp)] + (["--cp-attention", c.cp_attention] if c.cp_attention != "ring" else [])
     if cfg.n_experts:
         out += ["--ep", str(c.ep)]
     if c.zero_stage:

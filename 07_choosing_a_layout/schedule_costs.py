@@ -64,12 +64,15 @@ def fullest_candidates(specs, pp: int) -> list[int]:
 @lru_cache(maxsize=None)
 def activation_peaks(cfg, mode: str, schedule: str, pp: int, m: int, v: int, rows: int, seq_len: int,
                      positions: int, tp: int, sp: bool, dtype: str = "fp32",
-                     recomputed: int | None = None) -> tuple[tuple[int, int], ...]:
+                     recomputed: int | None = None, cp: int = 1,
+                     gathered_kv: bool = False) -> tuple[tuple[int, int], ...]:
     """((pipeline rank, its peak activation bytes), ...) of the ranks that can peak highest, from the
     ledger in the run's dtype and the schedule's actions (common/activation_ledger.pipeline_peaks), read off the
-    steady schedule (steady_microbatches)."""
+    steady schedule (steady_microbatches). `gathered_kv`: chapter 06's all-gather attention over `cp` ranks
+    keeps every rank's K/V for backward."""
     specs, plan = specs_for(cfg, pp, v, seq_len, schedule), plan_for(schedule, pp, steady_microbatches(pp, m), v)
     ranks = fullest_candidates(specs, pp)
     peaks = activation_ledger.pipeline_peaks(ledger_config(cfg, tp), mode, [plan[r] for r in ranks], specs, rows,
-                                             positions, tp, sp, dtype=dtype, weight_casts=False, recomputed=recomputed)
+                                             positions, tp, sp, cp=cp, gathered_kv=gathered_kv, dtype=dtype,
+                                             weight_casts=False, recomputed=recomputed)
     return tuple(zip(ranks, peaks))

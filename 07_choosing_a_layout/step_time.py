@@ -13,7 +13,8 @@
     comm_dp    DP's gradient reduction (ZeRO: reduce-scatter and all-gather) starts after a stage's last
                backward and hides behind the other stages' cool-down, the bubble: max(0, dp − bubble);
                chapter 01's per-unit ZeRO-3 prefetches the next unit while one computes
-    comm_cp    the ring's K/V hops hide behind attention's own products: max(0, cp − attention)
+    comm_cp    the ring's K/V hops hide behind attention's own products: max(0, cp − attention); the
+               all-gather variant's collectives (--cp-attention allgather) are all exposed
     optimizer  AdamW over the rank's shard of the parameters, one pass over memory: fp32 weight, gradient,
                two moments read, weight and moments written, the bf16 copy written (30 bytes a parameter)
 
@@ -56,13 +57,14 @@ def rank_work(run, c, dev) -> tuple[float, float, float, int]:
     specs = schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
     shape = rank_shape(run, c)
     best = (0.0, 0.0, 0.0)
-    same_run = (repr(cfg), repr(dev.spec), shape, c.recompute)
+    mode = "whole-block" if c.recompute == "full" and run.full_recompute == "whole-block" else c.recompute
+    same_run = (repr(cfg), repr(dev.spec), shape, mode)
     for r in range(c.pp):
         matmul = memory = attention = 0.0
         for s in pipeline_stages.rank_stages(specs, c.pp, r):
             blocks = len(s.layers)
             again = {"none": 0, "selective": blocks, "full": recomputed_of(blocks, c.recompute_layers)}[c.recompute]
-            mm, mem, att = stage_seconds(cfg, shape, dev.spec, blocks, again, c.recompute, s.first, s.last,
+            mm, mem, att = stage_seconds(cfg, shape, dev.spec, blocks, again, mode, s.first, s.last,
                                          key=same_run + (blocks, again, s.first, s.last))
             matmul, memory, attention = matmul + mm, memory + mem, attention + att
         if matmul + memory > sum(best[:2]):
@@ -100,6 +102,12 @@ def optimizer_seconds(run, c, dev, dense: int, experts: int) -> float:
     return dev.spec.op_seconds("vector", 10 * shard, ADAMW_BYTES * shard)
 
 
+def cp_exposed(c, seconds: float, attention: float) -> float:
+    """CP's seconds on the critical path: the ring's hops hide behind attention's own compute (what it does
+    not cover shows); the all-gather runs before the attention that needs it, the reduce-scatter after."""
+    return max(0.0, seconds - attention) if c.cp_attention == "ring" else seconds
+
+
 def gpu_time_parts(run, c, dev, gpus_per_node: int, nbytes: dict, msgs: dict, bubble: float,
                    params: tuple[int, int], per_unit: bool, units: int) -> dict:
     """{compute, memory, bubble, comm_<group>, optimizer: seconds} of one step on a GPU; the step is their sum.
@@ -112,7 +120,8 @@ def gpu_time_parts(run, c, dev, gpus_per_node: int, nbytes: dict, msgs: dict, bu
         seconds["tp"] = tp_rings.exposed_tp(run, c, dev, rank_shape(run, c), seconds["tp"], hop)
     critical = matmul + memory + seconds["tp"] + seconds["ep"] + seconds["pp"]
     idle = critical * bubble / (1 - bubble)
-    exposed = {**seconds, "dp": max(0.0, seconds["dp"] - idle), "cp": max(0.0, seconds["cp"] - attention)}
+    exposed = {**seconds, "dp": max(0.0, seconds["dp"] - idle),
+               "cp": cp_exposed(c, seconds["cp"], attention)}
     if per_unit:                 # chapter 01's prefetch: a unit's gather travels while the one before computes
         exposed["dp"] = per_unit_zero.exposed(seconds["dp"], matmul + memory, units)
     return {"compute": matmul, "memory": memory, "bubble": idle, **{f"comm_{g}": t for g, t in exposed.items()},

@@ -62,14 +62,16 @@ def matmul_params(cfg) -> int:
     return L * (attn + mlp) + D * V                             # + LM head; the embedding is a lookup
 
 
-def attention_flops_per_token(cfg, seq_len: int) -> float:
-    """Attention's QKᵀ and AV per token, forward and backward: 6·L·S·D (see the module docstring)."""
-    return 6 * cfg.n_layers * seq_len * cfg.dim
+def attention_flops_per_token(cfg, seq_len: int, causal: bool = True) -> float:
+    """Attention's QKᵀ and AV per token, forward and backward: 6·L·S·D (see the module docstring);
+    `causal=False`: the whole square, 12·L·S·D, as PaLM's definition of MFU counts it (Chowdhery et al.,
+    Appendix B: 6N + 12·L·H·Q·T), which some published MFUs use."""
+    return (6 if causal else 12) * cfg.n_layers * seq_len * cfg.dim
 
 
-def flops_per_token(cfg, seq_len: int) -> float:
-    """Training FLOPs per token: 6·N_matmul + 6·L·S·D (see the module docstring)."""
-    return 6 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
+def flops_per_token(cfg, seq_len: int, causal: bool = True) -> float:
+    """Training FLOPs per token: 6·N_matmul + 6·L·S·D (see the module docstring; `causal` as above)."""
+    return 6 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len, causal)
 
 
 def recompute_flops_per_token(cfg, seq_len: int, mode: str, blocks: int | None = None) -> float:

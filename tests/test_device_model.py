@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from common.errors import ConfigError
+from common.mfu import matmul_params
 
 ROOT = Path(__file__).resolve().parents[1]
 block_time = import_module("07_choosing_a_layout.block_time")
@@ -19,6 +20,8 @@ framework_flags = import_module("07_choosing_a_layout.framework_flags")
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
 model_files = import_module("07_choosing_a_layout.model_files")
+published = import_module("07_choosing_a_layout.published")
+runnable = import_module("07_choosing_a_layout.runnable")
 
 GPT3 = layout_inputs.model_for("gpt3-175b")
 SMALL = {"vocab_size": 1024, "dim": 512, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden": 1536,
@@ -38,6 +41,63 @@ def test_recomputation_adds_exactly_the_operations_it_reruns():
                             or attention == "unfused" and op.name in block_time.ATTENTION)):
             more = block_time.seconds(block_time.microbatch_ops(GPT3, s, 4, 3, mode, False, False), dev) - base
             assert more == pytest.approx(3 * block_time.seconds([op for op in fwd if kept(op)], dev)), (mode, attention)
+
+
+def test_a_whole_block_recomputation_reruns_the_down_projection_too():
+    """--full-recompute whole-block (Megatron-LM's): each recomputed block's whole forward again, exactly what
+    the course's early stop leaves out (the down projection and the last residual) more."""
+    dev = device_files.load("a100", "bf16")
+    s = block_time.Shape(2048, 2048, 8, False, 1, 2, "unfused")
+    fwd = block_time.block_forward(GPT3, s)
+    assert block_time.rerun(fwd, "whole-block") == fwd
+    early, whole = (block_time.seconds(block_time.microbatch_ops(GPT3, s, 4, 3, mode, False, False), dev)
+                    for mode in ("full", "whole-block"))
+    left_out = [op for op in fwd if op.name in ("mlp down", "residual 2")]
+    assert whole - early == pytest.approx(3 * block_time.seconds(left_out, dev)) and whole > early
+    args = choose_layout.parse_args(["--model", "gpt3-175b", "--world", "64", "--device", "a100", "--dtype", "bf16",
+                                     "--global-batch", "64", "--seq-len", "2048", "--full-recompute", "whole-block"])
+    run = layout_costs.Run(GPT3, 64, 2048, "bf16", "flash", args.full_recompute)
+    c = layout_costs.Candidate(tp=8, pp=8, recompute="full", schedule="interleaved", virtual_stages=3, microbatches=64)
+    dev64 = layout_inputs.device_for("a100", "bf16", 64)
+    steps = {r.full_recompute: layout_costs.predict(r, c, dev64, 8)["step_time_s"]
+             for r in (run, replace(run, full_recompute="early-stop"))}
+    assert steps["whole-block"] > steps["early-stop"]
+    none = layout_costs.predict(run, replace(c, recompute="none"), dev64, 8)["step_time_s"]
+    assert layout_costs.predict(run, replace(c, recompute="selective"), dev64, 8)["step_time_s"] < steps["whole-block"]
+    assert none < steps["early-stop"]
+
+
+def test_a_published_mfu_is_compared_as_its_authors_count_it():
+    """Llama 3's MFU is PaLM's (attention's whole square): the same step, the model's FLOPs with 12·L·S·D of
+    attention instead of the course's causal 6·L·S·D; a run counted as the course counts is left as it is."""
+    cfg, row = layout_inputs.model_for("llama3-405b"), {"mfu": 0.30}
+    run = published.BY_NAME["llama3-405b-131k"]
+    n = 6 * matmul_params(cfg)
+    square = 12 * cfg.n_layers * 131072 * cfg.dim
+    assert published.mfu_as_published(run, row, cfg, 131072) == pytest.approx(0.30 * (n + square) / (n + square / 2))
+    assert published.mfu_as_published(published.BY_NAME["gpt3-175b-full"], row, GPT3, 2048) == 0.30
+
+
+def test_the_all_gather_s_collectives_are_exposed_where_the_ring_hides_its_hops():
+    """--cp-attention allgather on 16 H100 at 32K: fewer bytes than the ring (K/V gathered once, kept for
+    backward), all of them on the critical path, and every rank's K/V among its activations."""
+    cfg = layout_inputs.model_for("llama3-8b")
+    run = layout_costs.Run(cfg, 16, 32768, "bf16")
+    dev = layout_inputs.device_for("h100", "bf16", 16)
+    ring = layout_costs.predict(run, layout_costs.Candidate(dp=2, tp=2, cp=4, zero_stage=1, microbatches=8,
+                                                            sequence_parallel=True), dev, 8)
+    gathered = layout_costs.predict(run, layout_costs.Candidate(dp=2, tp=2, cp=4, zero_stage=1, microbatches=8,
+                                                                sequence_parallel=True, cp_attention="allgather"),
+                                    dev, 8)
+    assert gathered["comm_bytes"]["cp"] < ring["comm_bytes"]["cp"]
+    assert ring["time_parts_s"]["comm_cp"] == 0 < gathered["time_parts_s"]["comm_cp"]
+    # one micro-batch in flight (no pipeline) of 1 row, S/cp positions: bf16 K and V of the 3 other ranks per layer
+    kv = 3 * 2 * 2 * cfg.kv_heads_per_rank(2) * cfg.head_dim * (32768 // 4) * cfg.n_layers
+    assert gathered["memory_bytes"]["peak_activation_bytes"] - ring["memory_bytes"]["peak_activation_bytes"] == kv
+    assert "--cp-attention allgather" in " ".join(runnable.flags(layout_costs.Candidate.of_row(gathered), "llama3-8b",
+                                                                 cfg, 16, 32768, "bf16"))
+    assert "--cp-comm-type allgather" in framework_flags.megatron(gathered, cfg, 16, 32768)
+    assert "context_parallel_rotate_method allgather" in framework_flags.torchtitan(gathered, 16, 32768)
 
 
 def test_a_gelu_model_runs_two_matrices_of_its_width_and_holds_a_swiglus_weights():

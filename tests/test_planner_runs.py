@@ -7,7 +7,9 @@ One group of four ranks runs them all; each run's last step is read against the 
   - the working set beyond the ledger (what every tensor of rank 0 holds at the peak, less its weights,
     gradients, AdamW and measured activations) at cp 2, where a micro-batch holds S/cp positions;
   - each group's bytes, and the ring's messages: one per tensor a ring hop carries (the forward's K and V,
-    the backward's K and V and the partial sums of their gradients), counted on rank 0 (planner_runs.py)."""
+    the backward's K and V and the partial sums of their gradients), counted on rank 0 (planner_runs.py);
+  - the all-gather variant (--cp-attention allgather): its bytes, its collectives, and the activations its
+    gathered K/V add, against the ring's."""
 from dataclasses import fields
 from importlib import import_module
 
@@ -30,7 +32,9 @@ EXPERTS = ["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--cp", "2"]
 RUNS = {**{f"experts ZeRO-{z}": ("tiny-moe", dict(dp=2, ep=2, cp=2, zero_stage=z), EXPERTS + ["--zero-stage", str(z)],
                                  z == 1) for z in (1, 2, 3)},
         "cp 2": ("tiny", dict(dp=2, ep=1, cp=2, zero_stage=0), ["--model", "tiny", "--dp", "2", "--cp", "2"], True),
-        "cp 4": ("tiny", dict(dp=1, ep=1, cp=4, zero_stage=0), ["--model", "tiny", "--dp", "1", "--cp", "4"], False)}
+        "cp 4": ("tiny", dict(dp=1, ep=1, cp=4, zero_stage=0), ["--model", "tiny", "--dp", "1", "--cp", "4"], False),
+        "cp 2 allgather": ("tiny", dict(dp=2, ep=1, cp=2, zero_stage=0, cp_attention="allgather"),
+                           ["--model", "tiny", "--dp", "2", "--cp", "2", "--cp-attention", "allgather"], True)}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +46,8 @@ def runs():
 def planner_row(model: str, layout: dict) -> dict:
     """The planner's row for `layout` on 4 CPU ranks (one stage, 1F1B, 2 micro-batches, no recomputation)."""
     rows = planner.plan(choose_layout.parse_args(["--model", model, "--world", "4", "--device", "cpu",
-                                                  "--global-batch", str(BATCH), "--seq-len", str(SEQ)])).rows
+                                                  "--global-batch", str(BATCH), "--seq-len", str(SEQ),
+                                                  "--cp-attention", layout.get("cp_attention", "ring")])).rows
     want = dict(layout, tp=1, pp=1, microbatches=2, recompute="none", recompute_layers=None, sequence_parallel=False)
     (row,) = [r for r in rows if all(r[k] == v for k, v in want.items())]
     return row
@@ -123,3 +128,23 @@ def test_the_planner_counts_the_messages_of_experts_runs(runs, stage):
     predicted = planner_messages(model, row)
     assert {g: predicted[g] for g in ("dp", "ep", "cp")} == {g: messages.get(g, 0) for g in ("dp", "ep", "cp")}
     assert row["comm_bytes"]["cp"] == rows[-1].get("comm_bytes_cp", 0)
+
+
+def test_the_all_gather_variant_is_planned_as_it_runs(runs):
+    """--cp-attention allgather at cp 2: every group's bytes to the byte; per layer and micro-batch one
+    all-gather of K/V and one reduce-scatter of their gradients; each micro-batch's activations as the run
+    measured them (both variants: the all-gather keeps every rank's K/V for backward, the ring its own)."""
+    activations = {}
+    for name in ("cp 2", "cp 2 allgather"):
+        model, layout, _, _ = RUNS[name]
+        rows, messages = runs[name]
+        row = planner_row(model, layout)
+        for group in ("dp", "tp", "pp", "ep", "cp"):
+            assert row["comm_bytes"][group] == rows[-1].get(f"comm_bytes_{group}",
+                                                            rows[-1].get(f"comm_bytes_{group}_cp", 0)), (name, group)
+        assert planner_messages(model, row)["cp"] == messages["cp"], name
+        activations[name] = row["memory_bytes"]["peak_activation_bytes"], max(rows[-1]["peak_activation_bytes"])
+        assert activations[name][0] == pytest.approx(activations[name][1], rel=1e-3), (name, activations[name])
+    (ring, ring_run), (gathered, gathered_run) = activations.values()
+    assert gathered - ring == gathered_run - ring_run > 0                   # the other rank's K/V, to the byte
+    assert runs["cp 2 allgather"][1]["cp"] == 2 * 2 * PRESETS["tiny"].n_layers       # 2 per layer, m 2
