@@ -22,7 +22,7 @@ from harness import (REFUSAL_TIMEOUT_S, ROOT, assert_one_config_error, assert_sa
                      max_rel_diff, ok, run_group)
 
 TRAIN = "05_moe_expert_parallel.train_moe:main"
-STEPS = 6
+STEPS = 4           # the bias run saves at steps 2 and 4; resumed from 2, its steps 3 and 4 see the restored state
 BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet"]
 MODES = {"dropless": [], "capacity": ["--capacity-factor", "1.0"],
          "bias": ["--router-bias-rate", "0.01"],
@@ -216,15 +216,15 @@ def groups(tmp_path_factory):
             for cf, bias in ((None, False), (0.75, True)):
                 jobs[f"layer ep{ep} cf={cf} bias={bias}"] = ("test_moe_ep:layer_matches_single_device", ep, cf, bias)
         for name, (mode, flags) in RUNS[world].items():
-            saving = ["--checkpoint-dir", ckpt, "--checkpoint-every", "3"] if name == "ep2 bias+capacity" else []
+            saving = ["--checkpoint-dir", ckpt, "--checkpoint-every", "2"] if name == "ep2 bias+capacity" else []
             jobs[name] = (TRAIN, BASE + MODES[mode] + flags + saving)
-        if world == 2:       # the bias run saved at steps 3 and 6 at EP 2: resume from 3 at EP 1 × DP 2
-            jobs["point"] = ("test_moe_ep:point_latest_at", ckpt, "step_000003.pt")
+        if world == 2:       # the bias run saved at steps 2 and 4 at EP 2: resume from 2 at EP 1 × DP 2
+            jobs["point"] = ("test_moe_ep:point_latest_at", ckpt, "step_000002.pt")
             jobs["resumed ep1×dp2"] = (TRAIN, BASE + MODES["bias+capacity"] + ["--ep", "1", "--checkpoint-dir", ckpt,
                                                                               "--resume"])
             jobs.update({f"bad {k}": (TRAIN, ["--steps", "1", "--quiet"] + argv) for k, (argv, _) in BAD.items()})
-        if world == 4:       # and from step 3 again, at EP 4
-            jobs["point"] = ("test_moe_ep:point_latest_at", ckpt, "step_000003.pt")
+        if world == 4:       # and from step 2 again, at EP 4
+            jobs["point"] = ("test_moe_ep:point_latest_at", ckpt, "step_000002.pt")
             jobs["resumed ep4"] = (TRAIN, BASE + MODES["bias+capacity"] + ["--ep", "4", "--checkpoint-dir", ckpt,
                                                                           "--resume"])
         results = run_group(world, list(jobs.values()))
@@ -300,8 +300,8 @@ def test_expert_bytes_per_rank_are_one_over_ep(groups, reference):
 def test_resume_into_another_ep(groups, reference):
     ref = reference["bias+capacity"]
     for world, name in ((2, "resumed ep1×dp2"), (4, "resumed ep4")):
-        resumed = assert_same_run(groups[world][name], ref[3:], name)          # steps 4..6, every rank
-        assert [r["step"] for r in resumed] == list(range(4, STEPS + 1))
+        resumed = assert_same_run(groups[world][name], ref[2:], name)          # steps 3..4, every rank
+        assert [r["step"] for r in resumed] == list(range(3, STEPS + 1))
 
 
 @pytest.mark.parametrize("kind", sorted(BAD))
