@@ -36,6 +36,12 @@ TITAN_SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zb-v": "ZB
 CP_COMM = {"ring": ("p2p", "alltoall"), "allgather": ("allgather", "allgather")}
 
 
+def cp_comm(r: dict) -> tuple[str, str]:
+    """Row `r`'s CP attention as (Megatron-LM's --cp-comm-type, torchtitan's rotate method); a row written
+    before cp_attention was a field is the ring's."""
+    return CP_COMM[r.get("cp_attention", "ring")]
+
+
 def megatron(r: dict, cfg, global_batch: int, seq_len: int) -> str:
     """Megatron-LM's flags for row `r` (pretrain_gpt.py)."""
     rows = global_batch // r["dp"] // r["microbatches"]
@@ -44,8 +50,7 @@ def megatron(r: dict, cfg, global_batch: int, seq_len: int) -> str:
         flags.append(f"--num-layers-per-virtual-pipeline-stage {cfg.n_layers // (r['pp'] * r['virtual_stages'])}")
     flags += ["--sequence-parallel"] if r["sequence_parallel"] else []
     flags += ["--tp-comm-overlap"] if r.get("tp_overlap") else []
-    flags += [f"--context-parallel-size {r['cp']}", f"--cp-comm-type {CP_COMM[r.get('cp_attention', 'ring')][0]}"] \
-        if r["cp"] > 1 else []
+    flags += [f"--context-parallel-size {r['cp']}", f"--cp-comm-type {cp_comm(r)[0]}"] if r["cp"] > 1 else []
     flags += [f"--expert-model-parallel-size {r['ep']}"] if r["ep"] > 1 else []
     flags += {0: [], 1: ["--use-distributed-optimizer"], 2: ["--use-distributed-optimizer"],
               3: ["--use-torch-fsdp2"]}[r["zero_stage"]]
@@ -69,8 +74,7 @@ def torchtitan(r: dict, global_batch: int, seq_len: int) -> str:
              f"--parallelism.data_parallel_shard_degree {r['dp'] if shard else 1}",
              f"--parallelism.tensor_parallel_degree {r['tp']}", f"--parallelism.pipeline_parallel_degree {r['pp']}",
              f"--parallelism.context_parallel_degree {r['cp']}"]
-    flags += [f"--parallelism.context_parallel_rotate_method {CP_COMM[r.get('cp_attention', 'ring')][1]}"] \
-        if r["cp"] > 1 else []
+    flags += [f"--parallelism.context_parallel_rotate_method {cp_comm(r)[1]}"] if r["cp"] > 1 else []
     flags += ["--parallelism.enable_async_tensor_parallel"] if r.get("tp_overlap") else []
     flags += [f"--parallelism.expert_parallel_degree {r['ep']}"] if r["ep"] > 1 else []
     if r["zero_stage"] in (1, 2):

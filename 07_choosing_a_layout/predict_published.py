@@ -29,8 +29,8 @@ def main() -> None:
     for name, levers in FORMS.items():
         run = published.BY_NAME[name]
         args = choose_layout.parse_args(list(run.argv))
-        given = {"ep": 1, "zero_stage": 0, "recompute": "none", "recompute_layers": None, **run.layout, **levers}
-        given.setdefault("cp_attention", "ring")
+        given = {"ep": 1, "zero_stage": 0, "recompute": "none", "recompute_layers": None, "cp_attention": "ring",
+                 **run.layout, **levers}
         c = layout_costs.Candidate(**{k: given[k] for k in ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute",
                                                            "sequence_parallel", "schedule", "microbatches",
                                                            "virtual_stages", "recompute_layers", "cp_attention")})

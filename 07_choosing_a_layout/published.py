@@ -3,9 +3,10 @@ the layout it ran, and what its authors measured (the targets check_layouts.py c
 
 A name works as `--explain NAME` in choose_layout.py: the planner then plans that run's cluster and batch
 and explains the published layout in it. MFU is the authors' own figure (model FLOPs over the datasheet
-peak), compared with the planner's counted the way the authors count it (`mfu_as_published`); a step time is in seconds; a memory is GiB per GPU at the peak of a step, as the authors' logs count
-it (the CUDA caching allocator's most reserved bytes: what the tensors took plus the allocator's slack),
-against the planner's total for its fullest rank.
+peak), compared with the planner's counted the way the authors count it (`mfu_as_published`); a step time
+is in seconds; a memory is GiB per GPU at the peak of a step, as the authors' logs count it (the CUDA
+caching allocator's most reserved bytes: what the tensors took plus the allocator's slack), against the
+planner's total for its fullest rank.
 """
 from dataclasses import dataclass, field
 

@@ -272,6 +272,10 @@ BAD_FLAGS = [
     (["--seq-len", "x"], "--seq-len must be a whole number ≥ 1, got x; e.g. --seq-len 128"),
     (["--json", "/proc/x.json"], "--json /proc/x.json: cannot be created: '/proc' refuses new files"),
     (["--model", "gpt5"], "--model gpt5: unknown model; choose one of tiny"),
+    (["--cp-attention", "ulysses"], "argument --cp-attention: invalid choice: 'ulysses' (choose from 'ring', "
+                                    "'allgather')"),
+    (["--full-recompute", "all"], "argument --full-recompute: invalid choice: 'all' (choose from 'early-stop', "
+                                  "'whole-block')"),
 ]
 
 
