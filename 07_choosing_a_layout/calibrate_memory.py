@@ -82,7 +82,8 @@ def parts(layout: dict) -> tuple[float, tuple, float]:
                                       gloo=True)
     widths = working_set.terms(run.cfg, rows, 128, layout["tp"], e)
     received = working_set.receives(math.prod(message) * e, layout["m"], layout["pp"] == 1, gloo=True)
-    return memory["total"] - memory["working"] + working_set.recomputed(run, c, rows, 128), widths, received
+    backward = sum(memory[k] for k in ("params", "grads", "optim_bytes", "peak_activation_bytes"))   # its moment
+    return backward + working_set.recomputed(run, c, rows, 128), widths, received
 
 
 def head_config(shape: dict):
@@ -107,7 +108,7 @@ def head_parts(shape: dict) -> tuple[float, int]:
     c = layout_costs.Candidate()                                       # one device
     peaks = dict(schedule_costs.activation_peaks(cfg, "none", "1f1b", 1, 1, 1, 2, 128, 128, 1, False, "fp32", None))
     memory = layout_costs.rank_memory(run, c, schedule_costs.specs_for(cfg, 1, 1, 128), 0, peaks[0], gloo=True)
-    return memory["total"] - memory["working"] - memory["optim_bytes"], working_set.logits(cfg, 2, 128, 1)
+    return sum(memory[k] for k in ("params", "grads", "peak_activation_bytes")), working_set.logits(cfg, 2, 128, 1)
 
 
 def fit_head(head_runs: list[dict]) -> float:

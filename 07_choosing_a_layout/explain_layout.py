@@ -156,8 +156,12 @@ def capacity(dev) -> str:
 
 
 def memory_words(mem: dict) -> str:
-    return (f"weights {gib(mem['params'])}, gradients {gib(mem['grads'])}, AdamW {gib(mem['optim_bytes'])}, "
-            f"activations {gib(mem['peak_activation_bytes'])}, working set {gib(mem['working'])}")
+    words = (f"weights {gib(mem['params'])}, gradients {gib(mem['grads'])}, AdamW {gib(mem['optim_bytes'])}, "
+             f"activations {gib(mem['peak_activation_bytes'])}, working set {gib(mem['working'])}")
+    copy = mem.get("gradient_copy", 0)
+    if copy > mem["peak_activation_bytes"] + mem["working"]:        # the gradient sync is the peak
+        words += f"; the peak is the gradient sync's: the gradients' copy {gib(copy)} in the activations' place"
+    return words
 
 
 def decision_tree(rows: list[dict], cfg, dev, args, describe, top: int) -> list[str]:
