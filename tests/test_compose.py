@@ -7,7 +7,7 @@ before each attention) and with experts (each TP rank routes its own positions: 
 counts summed over tp, or cp × tp, the experts' and routers' gradients over tp like the norm gains').
 
 Every layout is compared, step by step and on every rank, with one device (assert_same_run: loss 1e-6,
-gradient norm 1e-5 relative; 3 steps for the runs that save or resume a checkpoint, 2 for the others),
+gradient norm 1e-5 relative; 2 steps, a resumed run's step 3 after the checkpoint of step 2),
 validation included (step 2, and step 3 where there is one: ZeRO-3 gathers its weights for it),
 the mixtures also on `aux_loss` and `z_loss` (1e-5) and the expert loads (equal); every rank's memory by
 component equals chapter 01's formulas for its piece and groups (up to the flat buffers' padding); the
@@ -81,7 +81,7 @@ BAD = {"capacity with SP": (FOUR, ["--model", "tiny-moe", "--dp", "4", "--tp", "
        "S/cp does not split over tp": (FIVE, ["--model", "tiny", "--dp", "2", "--tp", "2", "--pp", "1", "--cp", "2",
                                               "--cp-split", "contiguous", "--seq-len", "34"] + SP,
                                        "use a --seq-len that is a multiple of 4")}
-SHORT = ["--steps", "2"]    # a layout that neither saves nor resumes: step 2 already uses step 1's update
+SHORT = ["--steps", "2"]    # a layout that does not resume: step 2 already uses step 1's update
 PADDING = 256       # bytes: the flat buffers round each unit up to a multiple of N elements
 
 
@@ -114,7 +114,7 @@ class Groups(dict):
                 jobs["point"] = ("test_3d:point_latest_at", self.deepseek, "step_000002.pt")
             ckpt = ["--checkpoint-dir", saving[name], "--checkpoint-every", "2"] if name in saving else \
                 ["--checkpoint-dir", self.deepseek] if name in RESUMES_AT else []
-            steps = [] if name in saving or name in RESUMES_AT else SHORT     # the rest: 2 steps are enough
+            steps = [] if name in RESUMES_AT else SHORT     # the rest, the saving runs too: 2 steps are enough
             jobs[name] = (script, BASE + flags + ckpt + steps)
         if world == 8:
             jobs.update({f"bad {k}": (script, ["--steps", "1", "--quiet"] + argv) for k, (script, argv, _) in BAD.items()})

@@ -1,6 +1,6 @@
 """Chapter 01 data parallelism: every implementation reproduces the single-device run.
 
-Each world size runs in one spawned group (see dp_jobs.py): the losses and gradient norms of 6 steps
+Each world size runs in one spawned group (see dp_jobs.py): the losses and gradient norms of 4 steps
 and the gradients of step 1 of every implementation against world size 1, bucket timing on every
 rank, and every bad input. Single-process: the flat buffers that buckets and ZeRO's units share.
 """

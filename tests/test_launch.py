@@ -1,14 +1,18 @@
 """Launches beyond one torchrun agent on one machine: two "nodes", and a run that loses a rank.
 
 - Two torchrun agents on this host (2 + 2 ranks, node ranks 0 and 1, rendezvous on 127.0.0.1) run the
-  main job's script (at 4 ranks: tp 2 × pp 2) with the same losses and gradient norms, bit for bit, as one
-  agent of 4 ranks: global and local ranks are kept apart everywhere (device, threads, who prints and
-  writes). Two ranks per node are enough for that: local rank 1 of node 1 is global rank 3.
-- A TP run of 12 steps, checkpointed every 3, under `torchrun --max-restarts 2` with the same command
+  main job's script (at 4 ranks: tp 2 × pp 2) with the same losses and gradient norms, bit for bit, as the
+  same 4 ranks in one group on one node: global and local ranks are kept apart everywhere (device, threads,
+  who prints and writes). Two ranks per node are enough for that: local rank 1 of node 1 is global rank 3.
+- A TP run of 9 steps, checkpointed every 3, under `torchrun --max-restarts 2` with the same command
   line that starts it (`--resume` with an empty directory starts at step 1): one rank is killed with
   SIGKILL after step 5, torchrun restarts the group, the run resumes from its last checkpoint and exits
   0 with the losses of an uninterrupted run. The metrics file keeps the rows of both attempts; the
   course's readers take the last row of each step.
+
+The uninterrupted runs each is compared with are spawned by the test harness (tests/harness.py: the
+ranks forked from a process that has imported torch already), not by another torchrun: the same script's
+`main` on the same ranks, without paying torch's imports on every rank once more.
 """
 import os
 import signal
@@ -17,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import ROOT, free_port
+from harness import ROOT, free_port, ok, run_group
 
 from common.metrics import read_metrics
 
@@ -44,8 +48,7 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> str:
 
 def test_two_agents_as_two_nodes_match_one_agent_bit_for_bit(tmp_path):
     one = tmp_path / "one.jsonl"
-    finish(launch(["--standalone", "--nproc_per_node=4"], MAIN_JOB + ["--metrics", str(one)], tmp_path / "one.log"),
-           tmp_path / "one.log")
+    ok(run_group(4, [("04_3d_combined.train_3d:main", MAIN_JOB[1:] + ["--metrics", str(one)])])[0])
     two = tmp_path / "two.jsonl"
     port = free_port()
     node = ["--nnodes=2", "--nproc_per_node=2", "--master-addr=127.0.0.1", f"--master-port={port}"]
@@ -87,12 +90,11 @@ def worker_with_rank(pid: int, rank: int) -> int | None:
 
 
 def test_a_killed_rank_restarts_from_the_last_checkpoint_with_the_same_losses(tmp_path):
-    tp_run = ["02_tensor_parallel/train_tp.py", "--steps", "12", "--seq-len", "32", "--global-batch", "4",
+    tp_run = ["02_tensor_parallel/train_tp.py", "--steps", "9", "--seq-len", "32", "--global-batch", "4",
               "--checkpoint-every", "3", "--resume"]
     straight = tmp_path / "straight.jsonl"
-    finish(launch(["--standalone", "--nproc_per_node=2"],
-                  tp_run + ["--checkpoint-dir", str(tmp_path / "a"), "--metrics", str(straight), "--quiet"],
-                  tmp_path / "straight.log"), tmp_path / "straight.log")
+    ok(run_group(2, [("02_tensor_parallel.train_tp:main",
+                      tp_run[1:] + ["--checkpoint-dir", str(tmp_path / "a"), "--metrics", str(straight), "--quiet"])])[0])
     metrics = tmp_path / "restarted.jsonl"
     log = Path(os.environ.get("LAUNCH_LOG", tmp_path / "restarted.log"))    # LAUNCH_LOG: keep the run's output
     proc = launch(["--standalone", "--nproc_per_node=2", "--max-restarts=2"],
@@ -108,8 +110,8 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_with_the_same_losses(tm
     assert "no checkpoint in" in out and "starts at step 1" in out     # the first attempt, same command
     raw = [int(line.split('"step": ')[1].split(",")[0]) for line in metrics.read_text().splitlines()]
     resumed_at = next(s for prev, s in zip(raw, raw[1:]) if s <= prev)  # the first re-run step
-    assert resumed_at in (4, 7) and raw[-1] == 12                        # after the checkpoint of step 3 (or 6)
+    assert resumed_at in (4, 7) and raw[-1] == 9                         # after the checkpoint of step 3 (or 6)
     rows = read_metrics(metrics)
-    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows] == list(range(1, 10))
     assert [(r["loss"], r["grad_norm"]) for r in rows] == [(r["loss"], r["grad_norm"]) for r in read_metrics(straight)]
     print(f"killed rank 1 (pid {victim}) after step 5; resumed at step {resumed_at}; final loss {rows[-1]['loss']}")

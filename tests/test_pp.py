@@ -9,8 +9,8 @@ import torch
 
 from harness import REFUSAL_TIMEOUT_S, ROOT, assert_same_run, every_rank, ok, run_group
 
-STEPS = 6           # steps 2..6 use AdamW's moments; a resume at step 3 leaves three to compare
-RESUME_AT = 3
+STEPS = 4           # steps 2..4 use AdamW's moments; a resume at step 2 leaves two to compare
+RESUME_AT = 2
 BASE = ["--steps", str(STEPS), "--seq-len", "32", "--global-batch", "8", "--quiet"]
 PP = "03_pipeline_parallel.train_pp:main"
 
@@ -65,7 +65,7 @@ def test_world_2(reference, tmp_path):
     ck = {label: tmp_path / label.replace(" ", "_") for label in ("interleaved v=2 m=4", "zb-h1 m=4")}
     jobs = [(PP, BASE + flags + (["--checkpoint-dir", str(ck[label])] if label in ck else []))
             for label, flags in configs.items()]
-    # resume: 3 steps with pp=2, then steps 4..6 resumed as dp=2 × pp=1 (another layout)
+    # resume: 2 steps with pp=2, then steps 3..4 resumed as dp=2 × pp=1 (another layout)
     resume_dir = tmp_path / "resume"
     jobs += [(PP, BASE[:1] + [str(RESUME_AT)] + BASE[2:] + ["--microbatches", "2", "--checkpoint-dir", str(resume_dir)]),
              (PP, BASE + ["--pp", "1", "--microbatches", "2", "--checkpoint-dir", str(resume_dir), "--resume"])]

@@ -2,18 +2,17 @@
 
 A schedule is added to the course in one place, chapter 03's `pipeline_schedules.SCHEDULES`: in a copy of the
 course whose registry gains the one line `SCHEDULES["gpipe2"] = SCHEDULES["gpipe"]`, chapter 03's and chapter
-04's scripts train with `--schedule gpipe2` to the single-device losses, and chapter 07's planner explains a
-layout that runs it. And the course's own modules import each other without a circle (read from the source).
+04's scripts train with `--schedule gpipe2` to the single-device losses (their `main`, imported from the copy,
+on spawned ranks), and chapter 07's planner explains a layout that runs it. And the course's own modules import each other without a circle (read from the source).
 """
 import ast
-import json
-import os
 import shutil
 import subprocess
 import sys
+from importlib import import_module
 from pathlib import Path
 
-from harness import ROOT, losses, max_rel_diff
+from harness import ROOT, losses, max_rel_diff, ok, run_group
 
 STEPS = ["--steps", "3", "--seq-len", "32", "--global-batch", "8", "--quiet"]
 
@@ -32,23 +31,25 @@ def course_copy(tmp: Path) -> Path:
     return tmp
 
 
-def train(course: Path, ranks: int, script: str, flags: list) -> list[float]:
-    """One launch of `script` on `ranks` ranks in the copy; its losses, step by step."""
-    metrics = course / f"{Path(script).stem}_{ranks}.jsonl"
-    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-                                   if ranks > 1 else [])
-    proc = subprocess.run(launcher + [script, *STEPS, *flags, "--metrics", str(metrics)], cwd=course,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return losses([json.loads(line) for line in metrics.read_text().splitlines()])
+def train_in(course: str, script: str, flags: list) -> list[dict]:
+    """A job on every rank of a spawned group: `script`'s main (a module of the copy, `03_pipeline_parallel.
+    train_pp`) imported from the copy, not from the course, and run with `flags`; its metrics rows."""
+    sys.path.insert(0, course)
+    module = import_module(script)
+    assert Path(module.__file__).is_relative_to(course), module.__file__          # the copy's, with gpipe2
+    return module.main(STEPS + flags)
 
 
 def test_a_schedule_added_in_one_line_trains_and_is_planned(tmp_path):
-    course = course_copy(tmp_path)
-    one_device = train(course, 1, "03_pipeline_parallel/train_pp.py", [])
-    pipeline = train(course, 2, "03_pipeline_parallel/train_pp.py", ["--schedule", "gpipe2", "--microbatches", "2"])
-    grid = train(course, 2, "04_3d_combined/train_3d.py", ["--dp", "1", "--tp", "1", "--pp", "2", "--schedule",
-                                                           "gpipe2", "--microbatches", "2", "--sample-tokens", "0"])
+    course = str(course_copy(tmp_path))
+    (one_device,) = run_group(1, [("test_pp_registry:train_in", course, "03_pipeline_parallel.train_pp", [])])
+    pipeline, grid = run_group(2, [
+        ("test_pp_registry:train_in", course, "03_pipeline_parallel.train_pp", ["--schedule", "gpipe2",
+                                                                                "--microbatches", "2"]),
+        ("test_pp_registry:train_in", course, "04_3d_combined.train_3d", ["--dp", "1", "--tp", "1", "--pp", "2",
+                                                                          "--schedule", "gpipe2", "--microbatches",
+                                                                          "2", "--sample-tokens", "0"])])
+    one_device, pipeline, grid = (losses(ok(r)) for r in (one_device, pipeline, grid))
     assert len(one_device) == 3 and max_rel_diff(pipeline, one_device) <= 1e-6, (pipeline, one_device)
     assert max_rel_diff(grid, one_device) <= 1e-6, (grid, one_device)
     plan = subprocess.run([sys.executable, "07_choosing_a_layout/choose_layout.py", "--model", "tiny", "--world", "2",
