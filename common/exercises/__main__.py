@@ -6,7 +6,7 @@ from pathlib import Path
 
 from common.errors import ConfigError
 
-from . import catalog, commands, museum, wrong_answers
+from . import catalog, commands, copy_suite, museum, wrong_answers
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -29,6 +29,8 @@ def parse(argv=None) -> argparse.Namespace:
     wr.add_argument("wrong_id", nargs="?", default=None, help="EXERCISE.NAME (e.g. 06.merge.no_max), or 'list'")
     wr.add_argument("--out", type=Path, default=None)
     wr.add_argument("--check", action="store_true", help="plant each wrong answer (or the one named) and grade it")
+    cp = sub.add_parser("copies", help="a fresh student copy of each chapter against its own tests: fails only on open exercises?")
+    cp.add_argument("--chapter", default="all", help=f"{', '.join(catalog.CHAPTERS)}, or 'all' (the default)")
     return p.parse_args(argv)
 
 
@@ -39,6 +41,8 @@ def main(argv=None) -> int:
             return museum.main(args)
         if args.command == "wrong":
             return wrong_answers.main(args)
+        if args.command == "copies":
+            return copy_suite.main(args.chapter)
         return commands.main(args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
