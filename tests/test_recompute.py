@@ -23,12 +23,12 @@ DP, TP, PP, MOE = ("01_data_parallel.train_dp:main", "02_tensor_parallel.train_t
                    "03_pipeline_parallel.train_pp:main", "05_moe_expert_parallel.train_moe:main")
 ZERO = "01_data_parallel.train_zero:main"
 LAYOUTS = {  # world -> {label: (script, flags)}
-    1: {"1 rank": (DP, []), "1 rank, S×4, 2 micro-batches": (DP, ["--seq-len", "128", "--microbatches", "2"])},
+    1: {"1 rank": (DP, []), "1 rank, S×2, 2 micro-batches": (DP, ["--seq-len", "64", "--microbatches", "2"])},
     2: {"TP 2": (TP, ["--tp", "2"]),
         "TP 2 + SP": (TP, ["--tp", "2", "--sequence-parallel"]),
-        "TP 2 + SP, S×4": (TP, ["--tp", "2", "--sequence-parallel", "--seq-len", "128"]),
+        "TP 2 + SP, S×2": (TP, ["--tp", "2", "--sequence-parallel", "--seq-len", "64"]),
         "1F1B pp 2": (PP, ["--pp", "2", "--schedule", "1f1b", "--microbatches", "4"]),
-        "1F1B pp 2, S×4": (PP, ["--pp", "2", "--schedule", "1f1b", "--microbatches", "4", "--seq-len", "128"]),
+        "1F1B pp 2, S×2": (PP, ["--pp", "2", "--schedule", "1f1b", "--microbatches", "4", "--seq-len", "64"]),
         "ZB-H1 pp 2": (PP, ["--pp", "2", "--schedule", "zb-h1", "--microbatches", "4"]),
         "EP 2": (MOE, ["--ep", "2", "--router-bias-rate", "0.01"]),
         # ZeRO-3 frees each unit's weights after its forward: a recomputation gathers them again
