@@ -7,7 +7,7 @@
 # `--timeline` and draws what really happened.
 #
 # `make notebooks` executes it into `notebooks/pipeline_bubbles.ipynb`; every plot is also saved under
-# `notebooks/figures/`. `NOTEBOOK_QUICK=1` keeps it short (2 ranks, 2 steps, 1F1B and ZB-H1) for the
+# `notebooks/figures/`. `NOTEBOOK_QUICK=1` keeps it short (2 ranks, 2 steps, ZB-H1 alone) for the
 # tests; otherwise 4 ranks and four schedules.
 
 # %%
@@ -66,7 +66,7 @@ show_png(plot_timeline.plot(panels, out_dir / "simulated.png", "units"), "bubble
 
 # %%
 traces = []
-SCHEDULES = [("1f1b", 1), ("zb-h1", 1)] if QUICK else [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+SCHEDULES = [("zb-h1", 1)] if QUICK else [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
 for name, v in SCHEDULES:
     trace = out_dir / f"{name}.json"
     launch("03_pipeline_parallel/train_pp.py", P,

@@ -55,11 +55,11 @@ def pytest_ignore_collect(collection_path, config):
 # others finish (a fresh clone's run on 2 cores: 531 s alphabetically, 471 s in this order with the cuts that
 # came with it). The order is the worker seconds of each file in a fresh clone's `make test` (pytest
 # --junitxml), longest first; the rest follow alphabetically.
-LONGEST_FIRST = ("test_compose", "test_3d", "test_notebooks_3", "test_notebooks_1", "test_moe_ep", "test_4d",
-                 "test_cp", "test_launch", "test_notebooks_2", "test_dp", "test_exercises", "test_dp_cli",
-                 "test_cli_runs", "test_pp", "test_planner_runs", "test_compile", "test_recompute", "test_zero",
-                 "test_tp_overlap", "test_choose_layout", "test_runnable", "test_tp", "test_checkpoint_safety",
-                 "test_device_model")
+LONGEST_FIRST = ("test_notebooks_3", "test_notebooks_1", "test_3d", "test_compose", "test_launch", "test_dp_cli",
+                 "test_notebooks_2", "test_cli_runs", "test_pp", "test_cp", "test_planner_runs", "test_tp_overlap",
+                 "test_moe_ep", "test_recompute", "test_compile", "test_zero", "test_runnable", "test_choose_layout",
+                 "test_4d", "test_tp", "test_exercises", "test_checkpoint_safety", "test_dp", "test_museum",
+                 "test_one_gpu", "test_exercises_cli", "test_pp_registry", "test_compare_metrics")
 
 
 def file_order(item) -> int:
