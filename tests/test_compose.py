@@ -145,6 +145,7 @@ def test_every_layout_is_one_device(groups, reference, world, name):
 
 
 def test_llama3_miniature_resumes_on_one_device_and_its_activations_are_the_ledgers(groups, reference):
+    ok(groups[16]["Llama 3 miniature"])            # the run that saves the checkpoint: its own error first
     assert_same_run(groups[1]["resumed on one"], reference["dense"][2:], "Llama 3 miniature resumed on one device")
     for rank, history in enumerate(every_rank(groups[16]["Llama 3 miniature"])):
         assert history[-1]["peak_activation_bytes"] == history[-1]["activation_bytes_predicted"], rank

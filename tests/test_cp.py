@@ -132,6 +132,7 @@ def test_every_cp_layout_matches_one_device(groups, reference, name):
 
 def test_timeline_records_every_ranks_ring_steps(groups):
     """--timeline: one Chrome trace, every rank's ring forward spans (compute with its CPU seconds, wait, post)."""
+    ok(groups[4]["cp2 × dp2 ring contiguous, selective recompute"])   # the run that writes it: its own error first
     events = json.loads(Path(groups["timeline"]).read_text())["traceEvents"]
     compute = [e for e in events if e.get("cat") == "compute"]
     assert {e["tid"] for e in compute} == {0, 1, 2, 3} and all(e["args"]["cpu_s"] >= 0 for e in compute)
