@@ -171,28 +171,10 @@ def rank_memory(run: Run, c: Candidate, specs, pp_rank: int, peak_activation: in
     else:
         memory = memory_by_component(run, c, peak_activation, dense, experts)
     working = working_set.of_rank(run, c, mine, pp_rank, gloo)
-    copy = 0 if per_unit(run, c) else gradient_copy(run, c, dense, experts)
+    copy = 0 if per_unit(run, c) else working_set.gradient_copy(state_groups(run, c, dense, experts), c.zero_stage)
     return {**memory, "working": working, "gradient_copy": copy,
-            "total": peak_total(memory["total"] - memory["peak_activation_bytes"], memory["peak_activation_bytes"],
-                                working, copy)}
-
-
-def gradient_copy(run: Run, c: Candidate, dense: int, experts: int) -> int:
-    """The bytes of the flat copy of a rank's gradients that the replicated optimizer sums (ZeRO stage 0):
-    chapter 01's AsyncGradAllReduce copies each stage's gradients of a kind into one bucket when they are
-    final and keeps every bucket until the step waits for them, so after the last backward the rank holds its
-    gradients twice. A kind summed over a group of one copies nothing; ZeRO's flat buffers are the gradients
-    themselves (no copy)."""
-    if c.zero_stage:
-        return 0
-    return sum(M for M, N in state_groups(run, c, dense, experts) if N > 1)          # fp32, as the gradients
-
-
-def peak_total(held: float, activations: float, working: float, copy: float) -> float:
-    """A rank's peak: what it holds through the step (weights, gradients, AdamW) plus the larger of its two
-    moments: the backward (activations in flight and the working set around them) or the gradient sync after
-    it (the activations freed, the gradients' copy in their place)."""
-    return held + max(activations + working, copy)
+            "total": working_set.peak_total(memory["total"] - memory["peak_activation_bytes"],
+                                            memory["peak_activation_bytes"], working, copy)}
 
 
 def rank0_traffic(run: Run, c: Candidate, specs) -> tuple[dict, dict]:

@@ -17,6 +17,9 @@ by common/live_memory.py), it is:
                 start (pipeline_executor.py, "When to post"), so a stage that is not the last holds the
                 m − 1 gradients it has not consumed yet (one micro-batch's boundary tensor each); with NCCL
                 one action ahead, so one. Counted, not fitted.
+  the sync      a second moment, after the last backward: under ZeRO-0 the gradients copied into the
+                all-reduce's buckets, the activations freed (`gradient_copy`); a rank's peak is the larger
+                of the two moments (`peak_total`). Counted, not fitted.
   headroom      on a GPU, the part of its memory a run cannot use: the CUDA context and the caching
                 allocator's fragmentation, stated as HEADROOM of the device (a layout fits when its total
                 is within the rest); on a CPU none (no allocator cache; the operating system's pages).
@@ -88,6 +91,22 @@ def recomputed(run, c, rows: int, positions: int) -> int:
                                                           dtype=run.dtype, weight_casts=False)
                  for mode in ("none", "full")}
     return one_block["none"] - one_block["full"]
+
+
+def gradient_copy(groups, zero_stage: int) -> int:
+    """The bytes of the flat copy of a rank's gradients that the replicated optimizer sums (ZeRO stage 0),
+    `groups` ((fp32 bytes, ranks) of each kind of state: layout_costs.state_groups): chapter 01's
+    AsyncGradAllReduce copies each stage's gradients of a kind into one bucket when they are final and keeps
+    every bucket until the step waits for them, so after the last backward the rank holds its gradients twice.
+    A kind summed over a group of one copies nothing; ZeRO's flat buffers are the gradients themselves."""
+    return 0 if zero_stage else sum(M for M, N in groups if N > 1)          # fp32, as the gradients
+
+
+def peak_total(held: float, activations: float, working: float, copy: float) -> float:
+    """A rank's peak: what it holds through the step (weights, gradients, AdamW) plus the larger of its two
+    moments: the backward (activations in flight and the working set around them) or the gradient sync after
+    it (the activations freed, the gradients' copy in their place)."""
+    return held + max(activations + working, copy)
 
 
 def gloo(dev) -> bool:
