@@ -24,12 +24,13 @@ run: $(STAMP)
 	$(TORCHRUN) --nproc_per_node=8 04_3d_combined/train_3d.py --metrics runs/3d/metrics.jsonl
 	$(PY) 04_3d_combined/plot_loss.py runs/3d/metrics.jsonl
 
-# The whole test suite (CPU, gloo; about 7½ to 8½ minutes on 2 cores from a fresh clone, setup included). Four workers on two cores: part of a test's
-# time is spent waiting (ranks starting, messages between ranks that share the cores, a killed rank's peers
-# timing out), which the others fill; every rank takes one thread (tests/conftest.py). Each worker takes a
-# whole file at a time (its tests share their spawned groups), the longest files first (tests/conftest.py's
-# LONGEST_FIRST: --no-loadscope-reorder keeps that order, where pytest-xdist would hand out the files with the
-# most tests first, whatever their time). `make test CHAPTER=03`: one chapter's tests
+# The whole test suite (CPU, gloo; about 7½ to 8½ minutes on 2 cores from a fresh clone, setup included). Four
+# workers on two cores: part of a test's time is spent waiting (ranks starting, messages between ranks that
+# share the cores, a killed rank's peers timing out), which the others fill; every rank takes one thread
+# (tests/conftest.py). Each worker takes a whole file at a time (its tests share their spawned groups), the
+# longest files first (tests/conftest.py's LONGEST_FIRST: --no-loadscope-reorder keeps that order, where
+# pytest-xdist would hand out the files with the most tests first, whatever their time). `make test CHAPTER=03`:
+# one chapter's tests
 # (01 … 07, or common: tests/conftest.py maps each test file to its chapter, each notebook by its name).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder $(if $(filter-out all,$(CHAPTER)),--chapter $(CHAPTER)) tests

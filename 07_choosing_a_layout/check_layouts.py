@@ -234,8 +234,7 @@ def memory_bars(ax, shown: list[dict], labels: list[str], unit: float = 2**30) -
         vals = [r["memory_bytes"][part] / unit for r in shown]
         ax.barh(range(len(shown)), vals, left=left, label=part.replace("_", " "))
         left = [b + v for b, v in zip(left, vals)]
-    beyond = [max(0, r["memory_bytes"].get("gradient_copy", 0) - r["memory_bytes"]["peak_activation_bytes"]
-                  - r["memory_bytes"]["working"]) / unit for r in shown]      # the gradient sync's peak, where higher
+    beyond = [working_set.sync_beyond(r["memory_bytes"]) / unit for r in shown]   # the gradient sync's peak, if higher
     if any(beyond):
         ax.barh(range(len(shown)), beyond, left=left, label="gradient copy (sync peak)", hatch="//")
     ax.set_yticks(range(len(shown)), labels, fontsize=7)

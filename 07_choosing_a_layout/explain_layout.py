@@ -25,6 +25,7 @@ from common.model import count_parameters
 from common.recompute import MODES
 
 published = import_module("07_choosing_a_layout.published")
+working_set = import_module("07_choosing_a_layout.working_set")             # this chapter: the two moments' peak
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")     # chapter 03: the schedules
 
 FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero": "zero_stage", "recompute": "recompute",
@@ -158,9 +159,9 @@ def capacity(dev) -> str:
 def memory_words(mem: dict) -> str:
     words = (f"weights {gib(mem['params'])}, gradients {gib(mem['grads'])}, AdamW {gib(mem['optim_bytes'])}, "
              f"activations {gib(mem['peak_activation_bytes'])}, working set {gib(mem['working'])}")
-    copy = mem.get("gradient_copy", 0)
-    if copy > mem["peak_activation_bytes"] + mem["working"]:        # the gradient sync is the peak
-        words += f"; the peak is the gradient sync's: the gradients' copy {gib(copy)} in the activations' place"
+    if working_set.sync_beyond(mem):                                 # the gradient sync is the peak
+        words += f"; the peak is the gradient sync's: the gradients' copy {gib(mem['gradient_copy'])} in the " \
+                 "activations' place"
     return words
 
 

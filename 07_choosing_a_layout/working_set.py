@@ -109,6 +109,12 @@ def peak_total(held: float, activations: float, working: float, copy: float) -> 
     return held + max(activations + working, copy)
 
 
+def sync_beyond(memory: dict) -> float:
+    """How far a rank's gradient-sync moment rises above its backward's (0 when the backward is the peak):
+    what `peak_total` adds for the sync, for the words and the bars that show it."""
+    return max(0, memory.get("gradient_copy", 0) - memory["peak_activation_bytes"] - memory["working"])
+
+
 def gloo(dev) -> bool:
     """Does chapter 03's executor post every receive of a step at its start (gloo: a CPU's ranks)?"""
     return dev.cores is not None

@@ -68,7 +68,8 @@ def test_killed_run_resumes_exactly(tmp_path):
     deadline = time.time() + 180
     while not (ck / "latest").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.005)
-    assert (ck / "latest").exists(), f"the run saved no checkpoint; its error output:\n{read(tmp_path, 'killed')[1][-3000:]}"
+    assert (ck / "latest").exists(), \
+        f"the run saved no checkpoint; its error output:\n{read(tmp_path, 'killed')[1][-3000:]}"
     for pid in _children(proc.pid):
         os.kill(pid, signal.SIGKILL)                     # no clean-up, no last save: a crash
     proc.kill()

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.exercises import catalog, grader, run_tests
+from common.exercises import catalog, copy_suite, grader, run_tests
 from harness import ROOT
 
 CHEAPEST_BUG = "06.bug1"
@@ -80,6 +80,7 @@ def test_grade_refuses_a_repo_that_is_not_a_course_copy_and_unknown_names(tmp_pa
     _refused(_cli("grade", "--bug", "no.such_bug", "--repo", str(empty)), "no bug 'no.such_bug'", "bug list")
     _refused(_cli("grade", "--chapter", "99"), "--chapter 99", "01", "all")
     _refused(_cli("make", "--chapter", "99", "--out", str(tmp_path / "new")), "--chapter 99")
+    _refused(_cli("copies", "--chapter", "99"), "--chapter 99", "01", "all")
     _refused(_cli("grade", "--bug", CHEAPEST_BUG, "--chapter", "02"), "--bug", "--chapter")
     assert not (tmp_path / "new").exists()
 
@@ -115,6 +116,18 @@ def test_only_a_passed_test_is_done():
     assert run_tests.outcome([passed, skip])["status"] == "skipped"
     assert run_tests.outcome([passed, {"status": "incomplete", "line": "", "text": ""}])["status"] == "failed"
     assert run_tests.outcome([passed, passed])["status"] == "passed"
+
+
+def test_a_copy_s_failure_is_an_open_exercise_s_only_where_its_stub_shows():
+    """`make copies`' verdict on each record: a failure whose text holds an open exercise's stub is that
+    exercise's; any other failure (a missing file, an exercise of another chapter) is the copy's own."""
+    mine, other = catalog.for_chapter("06")[0], catalog.for_chapter("02")[0]
+    failed = lambda text: {"status": "failed", "line": "E   AssertionError", "text": text}   # noqa: E731
+    records = {"a": {"status": "passed", "line": "", "text": ""}, "b": {"status": "skipped", "line": "x", "text": ""},
+               "c": failed(f"NotImplementedError: exercise {mine.id}: …"), "d": failed("FileNotFoundError: latest"),
+               "e": failed(f"NotImplementedError: exercise {other.id}: …")}
+    assert copy_suite.classify(records, [mine]) == {"passed": ["a"], "skipped": ["b"], "open exercise": ["c"],
+                                                    "other": ["d", "e"]}
 
 
 def test_run_tests_records_skips_and_import_errors_as_no_pass(tmp_path):

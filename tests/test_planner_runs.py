@@ -23,6 +23,7 @@ choose_layout = import_module("07_choosing_a_layout.choose_layout")
 planner = import_module("07_choosing_a_layout.planner")
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
+explain_layout = import_module("07_choosing_a_layout.explain_layout")
 
 FIVE = "planner_runs:run_counting_messages"
 BATCH, SEQ = 8, 64
@@ -89,7 +90,7 @@ def test_the_working_set_at_cp_2_is_the_runs(runs):
     assert predicted == pytest.approx(measured, rel=0.2), (predicted, measured)
     model, layout, _, _ = RUNS["experts ZeRO-1"]
     mem = planner_row(model, layout)["memory_bytes"]
-    assert mem["gradient_copy"] == 0
+    assert mem["gradient_copy"] == 0 and "gradient sync" not in explain_layout.memory_words(mem)
     assert mem["total"] == pytest.approx(runs["experts ZeRO-1"][0][-1]["live_peak_bytes"], rel=0.06)
 
 
@@ -103,6 +104,7 @@ def test_a_dense_ring_peaks_at_the_gradient_sync_as_the_planner_says(runs):
     last, mem = rows[-1], planner_row(model, layout)["memory_bytes"]
     assert mem["gradient_copy"] == last["grad_bytes"]
     assert mem["gradient_copy"] > mem["peak_activation_bytes"] + mem["working"]
+    assert "the peak is the gradient sync's" in explain_layout.memory_words(mem)          # what --explain says
     assert mem["total"] == pytest.approx(last["live_peak_bytes"], rel=0.01), (mem["total"], last["live_peak_bytes"])
 
 

@@ -29,7 +29,8 @@ def parse(argv=None) -> argparse.Namespace:
     wr.add_argument("wrong_id", nargs="?", default=None, help="EXERCISE.NAME (e.g. 06.merge.no_max), or 'list'")
     wr.add_argument("--out", type=Path, default=None)
     wr.add_argument("--check", action="store_true", help="plant each wrong answer (or the one named) and grade it")
-    cp = sub.add_parser("copies", help="a fresh student copy of each chapter against its own tests: fails only on open exercises?")
+    cp = sub.add_parser("copies", help="a fresh student copy of each chapter against its own tests: "
+                                       "does it fail only on its open exercises?")
     cp.add_argument("--chapter", default="all", help=f"{', '.join(catalog.CHAPTERS)}, or 'all' (the default)")
     return p.parse_args(argv)
 

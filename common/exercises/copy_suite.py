@@ -9,6 +9,7 @@ of the copy's stubs, the NotImplementedError that stands in for the exercise's b
 every other failure is the copy's own fault (a link into a file the copy leaves out, a test that reads an
 answer key it does not have, a fixture that needs the reference) and the command exits 1 naming it."""
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -18,8 +19,6 @@ from pathlib import Path
 from .catalog import CHAPTERS, for_chapter
 from .student_copy import make_student_copy, stub_prefix
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def run_chapter_tests(copy: Path, chapter: str, outcomes: Path, timeout_s: float = 1800) -> float:
     """The chapter's tests in `copy`, each outcome written to `outcomes`; returns the seconds they took."""
@@ -27,7 +26,7 @@ def run_chapter_tests(copy: Path, chapter: str, outcomes: Path, timeout_s: float
            "-p", "common.exercises.outcome_plugin", f"--outcomes={outcomes}", "--chapter", chapter, "tests"]
     started = time.perf_counter()
     subprocess.run(cmd, cwd=copy, capture_output=True, text=True, timeout=timeout_s,
-                   env={**__import__("os").environ, "PYTHONPATH": str(copy)})
+                   env={**os.environ, "PYTHONPATH": str(copy)})
     return time.perf_counter() - started
 
 
@@ -40,7 +39,7 @@ def classify(records: dict, exercises: list) -> dict[str, list[str]]:
             out["passed"].append(node)
         elif rec["status"] == "skipped":
             out["skipped"].append(node)
-        elif any(stub_prefix(ex) in rec.get("text", "") + rec.get("line", "") for ex in exercises):
+        elif any(stub_prefix(ex) in rec["line"] + rec["text"] for ex in exercises):
             out["open exercise"].append(node)
         else:
             out["other"].append(node)
