@@ -17,7 +17,7 @@ it over the replicas (zero_sharding.ZeroOptimizer; chapter 04's zero_3d.ShardedO
 is summed in the background as soon as it is final (`grads_ready`, chapter 03's pipeline stages:
 AsyncGradAllReduce), and `sync_gradients` waits for those sums. Without one (None) the trainer sums
 the replicas itself (chapter 01's all-reduce after backward, or its buckets in backward), or there is
-nothing to sum. `optimizer`: the torch optimizer stepping the tensors (default AdamW, as everywhere in
+nothing to sum. `optimizer`: what steps the tensors (default the course's AdamW, common/optim.py, as everywhere in
 the course; PyTorch's ZeroRedundancyOptimizer for its ZeRO-1 comparison, zero_torch.py).
 """
 from common.optim import build_adamw, clip_by_global_norm, optim_bytes, set_lr, zero_grads

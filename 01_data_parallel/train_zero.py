@@ -30,7 +30,6 @@ from common.training import (StepTimer, global_sum, resume_state, run_identity, 
 zero_sharding = import_module("01_data_parallel.zero_sharding")
 zero_accounting = import_module("01_data_parallel.zero_accounting")
 zero_stage3 = import_module("01_data_parallel.zero_stage3")
-zero_torch = import_module("01_data_parallel.zero_torch")
 
 FORMULAS = {0: "M(1+1+α)", 1: "2M + αM/N", 2: "M + (1+α)M/N", 3: "(1+1+α)M/N"}
 
@@ -157,9 +156,10 @@ def build_trainer(args, model, group, device):
     2, zero_stage3.py for 3) or PyTorch's (zero_torch.py). Each exposes the same verbs."""
     kw = dict(lr=args.lr, weight_decay=args.weight_decay, tokens_per_step=args.global_batch * args.seq_len,
               bf16=args.dtype == "bf16")
-    if args.impl == "torch" and args.zero_stage == 1:
-        return zero_torch.torch_zero1(model, group, **kw)
-    if args.impl == "torch":
+    if args.impl == "torch":    # imported only when asked for: FSDP2's DTensors cost every rank ~0.8 s of CPU
+        zero_torch = import_module("01_data_parallel.zero_torch")
+        if args.zero_stage == 1:
+            return zero_torch.torch_zero1(model, group, **kw)
         return zero_torch.TorchFSDP2(model, group, device, args.zero_stage, **kw)
     if args.zero_stage == 3:
         return zero_stage3.ZeroStage3(model, zero_sharding.model_units(model), group, prefetch=not args.no_prefetch,

@@ -34,7 +34,6 @@ from common.training import (StepTimer, global_sum, resume_state, run_identity, 
 
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")
 tp_trainer = import_module("02_tensor_parallel.tp_trainer")
-dtensor_tp = import_module("02_tensor_parallel.dtensor_tp")
 
 
 def parse_args(argv=None):
@@ -142,7 +141,8 @@ def build_trainer(args, model, mesh, device):
     siblings with the same verbs and the same arguments. In torchtitan's order: cut the model first
     (each rank keeps its slices), build the optimizer on those slices, hand both to the trainer."""
     tp_group = mesh.group("tp")
-    if args.impl == "torch":
+    if args.impl == "torch":               # imported only when asked for: DTensor costs every rank ~0.8 s of CPU
+        dtensor_tp = import_module("02_tensor_parallel.dtensor_tp")
         Trainer = dtensor_tp.DTensorTrainer
         model = dtensor_tp.parallelize_with_dtensor(model, tp_group, device, args.sequence_parallel)
     else:                                  # --tp-overlap: ours only (tp_degree refuses it with DTensor)

@@ -42,8 +42,13 @@ schedule_simulator = import_module("03_pipeline_parallel.schedule_simulator")   
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")         # the model cut into stages
 measured_executor = import_module("03_pipeline_parallel.measured_executor")     # runs a schedule, measured
 pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")       # the loop's verbs
-torch_pipelining = import_module("03_pipeline_parallel.torch_pipelining")       # --impl torch
 replicated_adamw = import_module("01_data_parallel.replicated_adamw")           # chapter 01: the optimizer
+
+
+def torch_pipelining():
+    """PyTorch's runtime (--impl torch), imported only when asked for: torch.distributed.pipelining costs every
+    rank ~1 s of CPU."""
+    return import_module("03_pipeline_parallel.torch_pipelining")
 
 
 class Layout(NamedTuple):
@@ -90,9 +95,10 @@ def pipeline_layout(args, world: int) -> Layout:
     v = pipeline_schedules.stages_from_flag(args.schedule, args.virtual_stages)     # the V: always 2
     check_common(args, dp=dp, microbatches=m, split_w=schedule.split_w)
     if args.impl == "torch":
-        torch_class = torch_pipelining.TORCH_SCHEDULES.get(args.schedule)
+        known = torch_pipelining().TORCH_SCHEDULES
+        torch_class = known.get(args.schedule)
         require(torch_class is not None, f"--impl torch: torch.distributed.pipelining has no {args.schedule} "
-                                         f"schedule; use one of {', '.join(torch_pipelining.TORCH_SCHEDULES)}")
+                                         f"schedule; use one of {', '.join(known)}")
         require(m >= pp * v or torch_class == "ScheduleGPipe",
                 f"torch.distributed.pipelining's {args.schedule} needs --microbatches ≥ the number of stages "
                 f"({pp * v}); use --microbatches {pp * v}")
@@ -189,8 +195,8 @@ def build_trainer(args, layout, model, optimizer, specs, my_specs, plan, mesh, a
     tokens_per_step = args.global_batch * args.seq_len
     if args.impl == "torch":
         scaled_loss = lambda logits, y: loss_sum(logits, y) / tokens_per_step     # noqa: E731
-        return torch_pipelining.TorchPipelineTrainer(args.schedule, model, my_specs, len(specs), layout.m, scaled_loss,
-                                                     optimizer, pp_group, device)
+        return torch_pipelining().TorchPipelineTrainer(args.schedule, model, my_specs, len(specs), layout.m,
+                                                       scaled_loss, optimizer, pp_group, device)
     executor = measured_executor.MeasuredExecutor(
         model, specs, mesh.coord("pp"), mesh.group_ranks["pp"], pp_group, act_shape=act_shape,   # (mb, S, D)
         loss_fn=loss_sum, loss_scale=tokens_per_step, device=device,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from common import checkpoint
 from common.errors import ConfigError, require
 from common.moe_args import moe_model_config
-from common.optim import saved_step
+from common.optim import AdamW, saved_step
 
 
 def run_identity(args) -> dict:
@@ -23,7 +23,7 @@ def run_identity(args) -> dict:
             "global_batch": args.global_batch, "seq_len": args.seq_len}
 
 
-def optim_state_by_name(optimizer: torch.optim.Optimizer, named_params, to_full=lambda name, t: t) -> dict:
+def optim_state_by_name(optimizer: AdamW, named_params, to_full=lambda name, t: t) -> dict:
     """AdamW's per-parameter state keyed by parameter name; `to_full` turns a local shard into the
     full tensor (identity when this rank holds whole tensors)."""
     out = {}

@@ -84,11 +84,11 @@ def _profile(rank: int, world: int, path: str, args, seconds: float) -> None:
             f.write(json.dumps({"world": world, "job": path, "args": str(args)[:300], "s": round(seconds, 2)}) + "\n")
 
 
-# Ranks are forked from one server process per test session that has already imported torch, including
-# torch._dynamo (which torch.optim imports when the first optimizer is built): a rank then starts in
-# milliseconds instead of paying ~2.5 s of imports, 8 ranks sharing 2 cores ~10 s per group. The server
+# Ranks are forked from one server process per test session that has already imported torch: a rank then
+# starts in milliseconds instead of paying ~2 s of imports, 8 ranks sharing 2 cores ~8 s per group. (Not the
+# compiler, torch._dynamo: only test_compile.py's ranks use it, and they import it themselves.) The server
 # never computes, so its children start with no thread pool to inherit (forking after compute can hang).
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "harness"]
+PRELOAD = ["torch", "torch.distributed", "harness"]
 
 
 def _context():

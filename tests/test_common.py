@@ -17,7 +17,7 @@ from common.comm import CommCounter
 from common.data import TextData, decode, encode, shard_rows
 from common.errors import ConfigError
 from common.metrics import RunLog, format_bytes, read_metrics
-from common.optim import build_adamw, clip_by_global_norm, decays, lr_at
+from common.optim import AdamW, build_adamw, clip_by_global_norm, decays, lr_at, set_lr
 from harness import ROOT
 
 
@@ -77,6 +77,36 @@ def test_weight_decay_is_chosen_by_name():
     a, b = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
     opt = build_adamw([("w.weight", a), ("attn_norm.weight", b)], lr=1e-3, weight_decay=0.1)
     assert [(g["weight_decay"], len(g["params"])) for g in opt.param_groups] == [(0.1, 1), (0.0, 1)]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "fused"])
+def test_adamw_is_torchs_to_the_bit(fused):
+    """The course's AdamW beside torch.optim.AdamW with the same kernel (the loop: foreach=False; fused: the
+    CPU's fused kernel), six steps of two groups (weight decay 0.1 and 0) with a changing learning rate and
+    gradients of very different sizes: every weight and both moments equal to the bit after each step. A tensor
+    without a gradient at a step is left alone and its count does not move."""
+    torch.manual_seed(0)
+    ours_p = [torch.randn(s, requires_grad=True) for s in [(5, 3), (7,), (4, 4)]]
+    theirs_p = [p.detach().clone().requires_grad_() for p in ours_p]
+
+    def groups(ps):
+        return [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
+    ours = AdamW(groups(ours_p), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    theirs = torch.optim.AdamW(groups(theirs_p), lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
+                               **({"fused": True} if fused else {"foreach": False}))
+    for step in range(1, 7):
+        for i, (a, b) in enumerate(zip(ours_p, theirs_p)):
+            g = None if (step, i) == (3, 1) else torch.randn_like(a) * 10.0 ** (2 * i - 2)
+            a.grad, b.grad = g, (None if g is None else g.clone())
+        for opt in (ours, theirs):
+            set_lr(opt, 3e-3 * step / 6)
+            opt.step()
+        for a, b in zip(ours_p, theirs_p):
+            assert torch.equal(a, b), step
+    for a, b in zip(ours_p, theirs_p):
+        assert {k: v.dtype for k, v in ours.state[a].items()} == {k: v.dtype for k, v in theirs.state[b].items()}
+        assert all(torch.equal(ours.state[a][k], theirs.state[b][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert ours.state[ours_p[1]]["step"].item() == 5
 
 
 def test_clip_by_global_norm_matches_torch():

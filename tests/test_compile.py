@@ -82,16 +82,24 @@ def test_a_recomputed_block_compiles_its_body_and_reruns_it_eagerly():
 
 
 def test_a_process_that_never_compiles_does_not_import_the_compiler():
-    """The marks of what runs eagerly ask for the compiler only while it traces (common/compile.py's `eager`):
-    a run that refuses its flags, the planner or a notebook's kernel imports every chapter's layers and not the
-    compiler (torch._dynamo: about 1.5 s of CPU in every such process)."""
-    code = ("import sys, importlib\n"
+    """The marks of what runs eagerly ask for the compiler only while it traces (common/compile.py's `eager`), and
+    the course's AdamW has no compiler guard to trip (common/optim.py): a run that refuses its flags, the planner,
+    a notebook's kernel or a rank that trains imports every chapter's layers and script, steps the optimizer, and
+    imports neither the compiler (torch._dynamo, about 1 s of CPU in every such process) nor, unless --impl torch
+    asks for them, PyTorch's DTensor and pipeline runtimes (torch.distributed.tensor, .pipelining: ~0.8 s)."""
+    code = ("import sys, importlib, torch\n"
             "for m in ('common.comm', 'common.model', '05_moe_expert_parallel.expert_parallel',\n"
-            "          '06_context_parallel.context_parallel', '04_3d_combined.train_3d'):\n"
+            "          '06_context_parallel.context_parallel', '01_data_parallel.train_dp', '01_data_parallel.train_zero',\n"
+            "          '02_tensor_parallel.train_tp', '03_pipeline_parallel.train_pp', '04_3d_combined.train_3d',\n"
+            "          '05_moe_expert_parallel.train_moe', '06_context_parallel.train_cp'):\n"
             "    importlib.import_module(m)\n"
-            "print('torch._dynamo' in sys.modules)")
+            "from common.optim import build_adamw\n"
+            "w = torch.nn.Parameter(torch.ones(2)); w.grad = torch.ones(2)\n"
+            "build_adamw([('w.weight', w)], 1e-3, 0.1).step()\n"
+            "print([m for m in ('torch._dynamo', 'torch.distributed.tensor', 'torch.distributed.pipelining')\n"
+            "       if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "False", out.stderr
+    assert out.stdout.strip() == "[]", out.stderr
 
 
 def refusal(script: str, argv: list) -> str:

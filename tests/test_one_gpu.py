@@ -12,7 +12,7 @@ import torch
 from common import bench_overhead, gpu_check, preset_training
 from common.metrics import RunLog
 from common.model import PRESETS
-from common.optim import adamw_kernel, build_adamw
+from common.optim import build_adamw
 
 
 def test_every_preset_has_training_defaults_and_tiny_keeps_its_rate():
@@ -43,10 +43,9 @@ def test_metrics_rows_hold_the_gpus_peak_memory_and_null_without_one(tmp_path):
 
 def test_adamw_is_fused_on_a_gpu_and_the_plain_loop_on_a_cpu():
     weight = torch.nn.Parameter(torch.zeros(2, 2))
-    assert adamw_kernel([("w", weight)]) == {"foreach": False}
-    assert build_adamw([("w", weight)], 1e-3, 0.1).defaults["foreach"] is False
+    assert build_adamw([("w", weight)], 1e-3, 0.1).defaults["fused"] is False
     with mock.patch.object(torch.Tensor, "is_cuda", new=True):
-        assert adamw_kernel([("w", weight)]) == {"fused": True}
+        assert build_adamw([("w", weight)], 1e-3, 0.1).defaults["fused"] is True
 
 
 def test_the_plain_loop_reaches_the_scripts_losses():
