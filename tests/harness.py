@@ -17,6 +17,7 @@ same function a user runs under torchrun runs here.
 import importlib
 import json
 import multiprocessing as mp
+from multiprocessing import forkserver
 import os
 import queue as queue_module
 import shutil
@@ -84,16 +85,27 @@ def _profile(rank: int, world: int, path: str, args, seconds: float) -> None:
             f.write(json.dumps({"world": world, "job": path, "args": str(args)[:300], "s": round(seconds, 2)}) + "\n")
 
 
-# Ranks are forked from one server process per test session that has already imported torch: a rank then
-# starts in milliseconds instead of paying ~2 s of imports, 8 ranks sharing 2 cores ~8 s per group. (Not the
-# compiler, torch._dynamo: only test_compile.py's ranks use it, and they import it themselves.) The server
-# never computes, so its children start with no thread pool to inherit (forking after compute can hang).
-PRELOAD = ["torch", "torch.distributed", "harness"]
+# Ranks are forked from one server process per test session that has already imported torch and what the
+# ranks import after it (rank_preload.py): a rank then starts in milliseconds instead of paying ~2.5 s of
+# imports, 8 ranks sharing 2 cores ~10 s per group. The server never computes, so its children start with no
+# thread pool to inherit (forking after compute can hang).
+PRELOAD = ["torch", "torch.distributed", "harness", "rank_preload"]
 
 
 def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    # The server imports PRELOAD by name but, in Python 3.11, without our sys.path: it gets the course and tests/
+    # through PYTHONPATH, set only while it starts (it keeps it, and so do its ranks).
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")] + ([before] if before else []))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     return ctx
 
 

@@ -35,6 +35,8 @@ def train_in(course: str, script: str, flags: list) -> list[dict]:
     """A job on every rank of a spawned group: `script`'s main (a module of the copy, `03_pipeline_parallel.
     train_pp`) imported from the copy, not from the course, and run with `flags`; its metrics rows."""
     sys.path.insert(0, course)
+    for name in [n for n in sys.modules if n.split(".")[0] == "common" or n[:1].isdigit()]:
+        del sys.modules[name]          # the course's own, which the ranks start with (harness.PRELOAD)
     module = import_module(script)
     assert Path(module.__file__).is_relative_to(course), module.__file__          # the copy's, with gpipe2
     return module.main(STEPS + flags)
