@@ -1,7 +1,7 @@
 """Jobs for the chapter 01 data-parallel tests, and the one spawned group per world size that runs them.
 
-test_dp.py and test_dp_cli.py both read the world-2 group's results; `world_results` runs each world's
-group once per pytest session (starting ranks costs seconds on a 2-core machine).
+test_dp.py reads each world's group from several tests; `world_results` runs each world's group once per
+pytest session (starting ranks costs seconds on a 2-core machine).
 """
 import functools
 import tempfile
@@ -22,7 +22,7 @@ GRAD_ARGS = ["--seq-len", "32", "--global-batch", "8", "--quiet"]
 GRAD_VARIANTS = {"naive": ["--impl", "naive"], "bucketed": ["--impl", "bucketed", "--bucket-mb", "0.5"],
                  "torch": ["--impl", "torch", "--bucket-mb", "0.5"],
                  "bucketed+accumulation": ["--impl", "bucketed", "--bucket-mb", "0.5", "--microbatches", "2"]}
-# The run that test_dp_cli.py kills and resumes under torchrun; here it runs uninterrupted (2 ranks).
+# The run that test_dp_cli.py kills and resumes under torchrun, and runs uninterrupted on 2 spawned ranks.
 RESUME_ARGS = ["--steps", "10", "--checkpoint-every", "4", "--quiet"]
 
 
@@ -136,7 +136,6 @@ def world_results(world: int) -> dict:
         jobs["launches"] = ("dp_jobs:bucket_launches", 0.25)
         jobs.update({f"bad/{k}": (TRAIN, ["--steps", "2", "--quiet"] + argv)
                      for k, argv in make_bad_inputs(tmp).items()})
-        jobs["uninterrupted"] = (TRAIN, RESUME_ARGS)
     names = list(jobs)
     results = run_group(world, [jobs[n] for n in names])
     results += [[("error", "not run: an earlier job failed")] * world] * (len(names) - len(results))

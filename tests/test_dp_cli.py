@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dp_jobs import RESUME_ARGS, world_results
-from harness import REFUSAL_TIMEOUT_S, ROOT, losses, ok
+from dp_jobs import RESUME_ARGS, TRAIN
+from harness import REFUSAL_TIMEOUT_S, ROOT, losses, ok, run_group
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 SCRIPT = str(ROOT / "01_data_parallel" / "train_dp.py")
@@ -83,7 +83,8 @@ def test_killed_run_resumes_exactly(tmp_path):
     rows = read_metrics(tmp_path / "resumed.jsonl")
     assert [r["step"] for r in rows] == list(range(k + 1, 11))
 
-    uninterrupted = losses(ok(world_results(2)["uninterrupted"]))          # the same run, never stopped
+    (never_stopped,) = run_group(2, [(TRAIN, RESUME_ARGS)])               # the same run, never stopped
+    uninterrupted = losses(ok(never_stopped))
     for r in rows:
         want = uninterrupted[r["step"] - 1]
         assert abs(r["loss"] - want) <= 1e-6 * abs(want), (r["step"], r["loss"], want)
