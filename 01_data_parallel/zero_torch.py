@@ -82,7 +82,7 @@ class TorchFSDP2:
 
     def zero_grad(self) -> None:
         self.measured = measured_memory(self.model, self.optimizer)   # the gradients still exist: measure now
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)

@@ -101,14 +101,12 @@ class AdamW:
                                 lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                                 eps=group["eps"], maximize=False, grad_scale=None, found_inf=None)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self) -> None:
+        """Every gradient dropped (set to None), as PyTorch's reference trainers expect; the course's own trainers
+        zero theirs in place (zero_grads below), where flat buffers and hooks hold them."""
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    if set_to_none:
-                        p.grad = None
-                    else:
-                        p.grad.zero_()
+                p.grad = None
 
 
 def saved_step(optimizer: AdamW, step: torch.Tensor, device) -> torch.Tensor:
@@ -174,8 +172,7 @@ def clip_to(norm: float, max_norm: float, grads) -> None:
 
 def zero_grads(optimizer: AdamW) -> None:
     """Every gradient the optimizer updates set to zero in place, in one call (not set to None: the flat
-    buffers and hooks that hold them stay). `AdamW.zero_grad(set_to_none=False)` would zero them one by
-    one."""
+    buffers and hooks that hold them stay)."""
     by_kind = {}                       # one call per kind of tensor (a list may not mix DTensors with tensors)
     for group in optimizer.param_groups:
         for p in group["params"]:

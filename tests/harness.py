@@ -92,6 +92,12 @@ def _profile(rank: int, world: int, path: str, args, seconds: float) -> None:
 PRELOAD = ["torch", "torch.distributed", "harness", "rank_preload"]
 
 
+def modules_loaded(names: list) -> list:
+    """A job: which of `names` this rank has imported before its first job (rank_preload.py's, if the server
+    preloaded them)."""
+    return [n for n in names if n in sys.modules]
+
+
 def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)

@@ -102,6 +102,14 @@ def test_a_process_that_never_compiles_does_not_import_the_compiler():
     assert out.stdout.strip() == "[]", out.stderr
 
 
+def test_spawned_ranks_start_with_what_they_would_import_preloaded():
+    """The other side: the tests' ranks fork from a server that has already imported the training scripts and
+    the compiler (tests/rank_preload.py), so a rank that recomputes or pipelines pays neither at its start."""
+    from rank_preload import MODULES
+    (loaded,) = run_group(1, [("harness:modules_loaded", MODULES)])
+    assert every_rank(loaded) == [MODULES], loaded
+
+
 def refusal(script: str, argv: list) -> str:
     """The one-line ConfigError `script` raises for argv, before it would create the process group."""
     with mock.patch.object(dist, "init_process_group", side_effect=AssertionError("reached training")), \
