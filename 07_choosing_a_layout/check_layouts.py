@@ -16,7 +16,8 @@ At scale: each published configuration is planned on its cluster; the table give
 per GPU for the published layout (the closest one the planner enumerates), where it ranks, and the
 planner's own first choice. Where the authors published a step's memory (torchtitan's Llama 3.1 8B on 8
 GPUs, FSDP: the allocator's most reserved GiB per GPU), that is the target: the planner's total for the
-layout, its fullest rank at the peak of a step, stands against it.
+layout, its fullest rank at the peak of a step, stands against it, and beside it the same run as
+torchtitan's own code holds it (torchtitan_memory.py).
 """
 import argparse
 import json
@@ -43,6 +44,7 @@ GROUPS = ("dp", "tp", "pp")
 published = import_module("07_choosing_a_layout.published")           # this chapter: the published runs
 calibrate_cpu = import_module("07_choosing_a_layout.calibrate_cpu")   # this chapter: the CPU's time model
 working_set = import_module("07_choosing_a_layout.working_set")       # this chapter: beyond the ledger
+torchtitan_memory = import_module("07_choosing_a_layout.torchtitan_memory")   # this chapter: torchtitan's code
 
 
 def last_row(flags: list, steps: int) -> dict:
@@ -175,7 +177,11 @@ def measured_cells(run, mine: dict | None) -> tuple[str, str]:
         return "-", f"{mine['mfu']:.1%} MFU" if mine else "-"
     unit = {"mfu": lambda x: f"{x:.1%}", "step_time_s": lambda x: f"{x:.2f} s",
             "memory_gib": lambda x: f"{x:,.1f} GiB"}[key]
-    return f"{what} {unit(run.measured[key])}", unit(predicted_value(run, mine, key)) if mine else "-"
+    predicted = unit(predicted_value(run, mine, key)) if mine else "-"
+    if key == "memory_gib" and run.framework == "torchtitan":       # the course's code, then torchtitan's
+        theirs = torchtitan_memory.of_args(choose_layout.parse_args(list(run.argv)))["total"] / 2**30
+        predicted = f"{predicted} (the course's code); {unit(theirs)} (torchtitan's, torchtitan_memory.py)"
+    return f"{what} {unit(run.measured[key])}", predicted
 
 
 def check_published() -> tuple[list[str], tuple]:

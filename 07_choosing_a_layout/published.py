@@ -24,6 +24,7 @@ class Published:
     # or its whole square (PaLM's definition, Chowdhery et al. 2022, Appendix B: 6N + 12·L·H·Q·T per token)
     mfu_attention: str = "causal"
     schedules: tuple = ()         # the pipeline schedules its framework ran (none named: every one the planner has)
+    framework: str = ""           # a framework whose own code this chapter also models (torchtitan_memory.py)
 
 
 def _llama(world: int, seq: int, batch: int, *more: str) -> tuple:
@@ -82,7 +83,7 @@ RUNS = [
               dict(dp=8, tp=1, pp=1, cp=1, zero_stage=3, recompute="selective", microbatches=1), {"memory_gib": 82.4},
               "torchtitan docs/performance.md, Table 1 (1D Parallelism, FSDP): Llama 3.1 8B on 8 H100 (96 GB), local "
               "batch 2, global batch 16, seq len 8192, bf16, selective activation checkpointing: 82.4 GiB per GPU "
-              "(max reserved) eager, 77.0 GiB with torch.compile"),
+              "(max reserved) eager, 77.0 GiB with torch.compile", framework="torchtitan"),
 ]
 BY_NAME = {r.name: r for r in RUNS}
 
