@@ -212,6 +212,8 @@ def test_a_killed_rank_makes_the_others_exit_with_a_clear_error(tmp_path):
     try:
         deadline = time.time() + 120
         while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+            exited = [p for p in procs if p.poll() is not None]      # a rank that failed: say why, do not wait on
+            assert not exited, f"a rank exited before the kill:\n{exited[0].communicate()[1][-2000:]}"
             time.sleep(0.2)
         assert metrics.exists(), "training never started"
         procs[3].send_signal(signal.SIGKILL)
