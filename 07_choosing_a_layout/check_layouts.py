@@ -37,14 +37,13 @@ layout_costs = import_module("07_choosing_a_layout.layout_costs")
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
 choose_layout = import_module("07_choosing_a_layout.choose_layout")
-planner = import_module("07_choosing_a_layout.planner")
 RESULTS = HERE / "results"
 GROUPS = ("dp", "tp", "pp")
 
 published = import_module("07_choosing_a_layout.published")           # this chapter: the published runs
+check_published = import_module("07_choosing_a_layout.check_published")   # this chapter: the published table
 calibrate_cpu = import_module("07_choosing_a_layout.calibrate_cpu")   # this chapter: the CPU's time model
 working_set = import_module("07_choosing_a_layout.working_set")       # this chapter: beyond the ledger
-torchtitan_memory = import_module("07_choosing_a_layout.torchtitan_memory")   # this chapter: torchtitan's code
 
 
 def last_row(flags: list, steps: int) -> dict:
@@ -137,102 +136,6 @@ def time_words(points, what: str) -> str:
             f"({len(points)} runs); predicted ÷ measured {min(ratios):.2f}–{max(ratios):.2f}.")
 
 
-def published_rows(argv, layout: dict) -> tuple[str, list[dict], dict | None, int | None]:
-    """(device name, every row the planner made, the published layout's best-ranked row or None, its rank
-    among the rows that fit or None)."""
-    args = choose_layout.parse_args(list(argv))
-    rows, dev, _ = planner.plan(args)
-    fitting = [r for r in rows if r["fits"]]
-    matches = [r for r in rows if published.matches(r, layout)]
-    mine = matches[0] if matches else None                                   # rows are in ranking order
-    rank = fitting.index(mine) + 1 if mine in fitting else None
-    return dev.name, rows, mine, rank
-
-
-def measured_words(run) -> tuple[str, str]:
-    """(the word for what the authors measured, its key in run.measured and in predicted_value's rows)."""
-    for key, word in (("mfu", "MFU"), ("step_time_s", "step"), ("memory_gib", "memory")):
-        if key in run.measured:
-            return word, key
-    return "-", ""
-
-
-def predicted_value(run, row: dict, key: str) -> float:
-    """The planner's number for measured key `key` of published run `run`: its MFU counted as the authors
-    count theirs (published.mfu_as_published), its step time, or its fullest rank's total in GiB."""
-    if key == "memory_gib":
-        return row["memory_bytes"]["total"] / 2**30
-    if key == "mfu":
-        args = choose_layout.parse_args(list(run.argv))
-        return published.mfu_as_published(run, row, layout_inputs.model_for(args.model), args.seq_len)
-    return row[key]
-
-
-def measured_cells(run, mine: dict | None) -> tuple[str, str]:
-    """(published, predicted) table cells, the same quantity in the same unit: "MFU 43.0%" against the row's
-    MFU, "step 13.75 s" against its step time, "memory 82.4 GiB" against its fullest rank's GiB per GPU; with
-    no published number, the planner's MFU alone."""
-    what, key = measured_words(run)
-    if not key:
-        return "-", f"{mine['mfu']:.1%} MFU" if mine else "-"
-    unit = {"mfu": lambda x: f"{x:.1%}", "step_time_s": lambda x: f"{x:.2f} s",
-            "memory_gib": lambda x: f"{x:,.1f} GiB"}[key]
-    predicted = unit(predicted_value(run, mine, key)) if mine else "-"
-    if key == "memory_gib" and run.framework == "torchtitan":       # the course's code, then torchtitan's
-        theirs = torchtitan_memory.of_args(choose_layout.parse_args(list(run.argv)))["total"] / 2**30
-        predicted = f"{predicted} (the course's code); {unit(theirs)} (torchtitan's, torchtitan_memory.py)"
-    return f"{what} {unit(run.measured[key])}", predicted
-
-
-def check_published() -> tuple[list[str], tuple]:
-    lines = ["| run | published layout (its best-ranked form here) | published | predicted | memory per GPU | "
-             "rank among the layouts that fit | its step ÷ the fastest's | planner's first choice |",
-             "|---|---|---|---|---|---|---|---|"]
-    plot_case = None
-    for run in published.RUNS:
-        line, fitting, mine = published_line(run)
-        lines.append(line)
-        if run.name == "llama3-405b-8k-16384gpu":
-            plot_case = (run.name, fitting, mine)
-    lines += ["", "Sources:"] + [f"- {run.name}: {run.source}" for run in published.RUNS]
-    return lines, plot_case
-
-
-def published_line(run) -> tuple[str, list[dict], dict | None]:
-    """(the table's row for one published run, the layouts that fit, the published layout's row)."""
-    device, rows, mine, rank = published_rows(run.argv, run.layout)
-    fitting = [r for r in rows if r["fits"]]
-    best = fitting[0] if fitting else None
-    said, predicted = measured_cells(run, mine)
-    memory = f"{mine['memory_bytes']['total'] / 2**30:,.1f} GiB{'' if mine['fits'] else ' (does not fit)'}" \
-        if mine else "-"
-    place = f"{rank:,} of {len(fitting):,} (top {rank / len(fitting):.1%})" if rank else "-"
-    first = f"{choose_layout.describe(best)}: {best['step_time_s']:.2f} s, MFU {best['mfu']:.1%}" if best else "-"
-    return (f"| {run.name} ({device}) | {choose_layout.describe(mine) if mine else 'not runnable here'} | "
-            f"{said} | {predicted} | {memory} | {place} | {against_fastest(run, mine, fitting)} | {first} |"), \
-        fitting, mine
-
-
-def against_fastest(run, mine: dict | None, fitting: list[dict]) -> str:
-    """The published layout's step over the fastest that fits: among every layout the planner runs, and among
-    those with the schedules its framework ran (published.Published.schedules)."""
-    if not (mine and mine["fits"]):
-        return "-"
-    ratio = f"{mine['step_time_s'] / fitting[0]['step_time_s']:.2f}×"
-    own = [r for r in fitting if r["schedule"] in run.schedules]
-    return ratio + (f" ({mine['step_time_s'] / own[0]['step_time_s']:.2f}× among {', '.join(run.schedules)})"
-                    if own and own[0] is not fitting[0] else "")
-
-
-def replace_published_line(name: str, path: Path) -> str:
-    """Plan one published run again and put its row in place of the old one in `path` (the other runs take
-    minutes each): for a change that touches one run only."""
-    line = published_line(published.BY_NAME[name])[0]
-    old = path.read_text().splitlines()
-    path.write_text("\n".join(line if row.startswith(f"| {name} (") else row for row in old) + "\n")
-    return line
-
-
 def memory_bars(ax, shown: list[dict], labels: list[str], unit: float = 2**30) -> None:
     """One horizontal bar per row: its fullest rank's memory by component, in `unit` bytes."""
     left = [0.0] * len(shown)
@@ -295,10 +198,10 @@ def main():
     args = p.parse_args()
     RESULTS.mkdir(exist_ok=True)
     if args.only:
-        print(replace_published_line(args.only, RESULTS / "layouts_published.md"))
+        print(check_published.replace_published_line(args.only, RESULTS / "layouts_published.md"))
         return
     if not args.here:
-        lines, case = check_published()
+        lines, case = check_published.table()
         (RESULTS / "layouts_published.md").write_text("Command: `python 07_choosing_a_layout/check_layouts.py`\n\n"
                                                        + "\n".join(lines) + "\n")
         plot_memory(case, RESULTS / "layouts_memory.png")

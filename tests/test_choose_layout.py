@@ -169,21 +169,21 @@ def test_a_published_memory_is_checked_against_the_fullest_rank_s_total():
     targets keep their own cells. No plan is made
     here (planning the run takes a while): the cells of a row written by hand. Llama 3's MFU is compared as
     its authors count it (published.mfu_as_published)."""
-    check_layouts = import_module("07_choosing_a_layout.check_layouts")
+    check_published = import_module("07_choosing_a_layout.check_published")
     published = import_module("07_choosing_a_layout.published")
     run = published.BY_NAME["torchtitan-llama3-8b"]
     args = choose_layout.parse_args(["--explain", run.name])                  # its flags plan its cluster and batch
     assert (args.model, args.world, args.global_batch, args.seq_len, args.dtype) == ("llama3-8b", 8, 16, 8192, "bf16")
     r = {"memory_bytes": {"total": 3 * 2**29}, "mfu": 0.4321, "step_time_s": 1.234}    # 1.5 GiB
-    assert check_layouts.predicted_value(run, r, "memory_gib") == 1.5
+    assert check_published.predicted_value(run, r, "memory_gib") == 1.5
     theirs = "68.2 GiB (torchtitan's, torchtitan_memory.py)"               # the same run as torchtitan's code holds it
-    assert check_layouts.measured_cells(run, r) == ("memory 82.4 GiB", f"1.5 GiB (the course's code); {theirs}")
-    assert check_layouts.measured_cells(run, None) == ("memory 82.4 GiB", f"- (the course's code); {theirs}")
-    assert check_layouts.measured_cells(published.BY_NAME["llama3-405b-8k-8192gpu"], r) == \
+    assert check_published.measured_cells(run, r) == ("memory 82.4 GiB", f"1.5 GiB (the course's code); {theirs}")
+    assert check_published.measured_cells(run, None) == ("memory 82.4 GiB", f"- (the course's code); {theirs}")
+    assert check_published.measured_cells(published.BY_NAME["llama3-405b-8k-8192gpu"], r) == \
         ("MFU 43.0%", "44.9%")                      # the row's 43.21 % counted as Llama 3 counts (attention's square)
-    assert check_layouts.measured_cells(published.BY_NAME["gpt3-175b-full"], r) == \
+    assert check_published.measured_cells(published.BY_NAME["gpt3-175b-full"], r) == \
         ("step 18.13 s", "1.23 s")
-    assert check_layouts.measured_cells(published.BY_NAME["deepseek-v3"], r) == ("-", "43.2% MFU")
+    assert check_published.measured_cells(published.BY_NAME["deepseek-v3"], r) == ("-", "43.2% MFU")
 
 
 def test_step_time_is_the_sum_of_its_parts_and_the_bubble_is_chapter_03s():

@@ -12,6 +12,7 @@ from common.model import PRESETS
 
 calibrate_cpu = import_module("07_choosing_a_layout.calibrate_cpu")
 check_layouts = import_module("07_choosing_a_layout.check_layouts")
+check_published = import_module("07_choosing_a_layout.check_published")
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
 per_unit_zero = import_module("07_choosing_a_layout.per_unit_zero")
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
@@ -63,7 +64,7 @@ def test_only_replans_one_published_row_and_the_committed_one_is_current(tmp_pat
     stale = committed[:mine] + [f"| {name} (h100) | stale |"] + committed[mine + 1:]
     path = tmp_path / "layouts_published.md"
     path.write_text("\n".join(stale) + "\n")
-    line = check_layouts.replace_published_line(name, path)
+    line = check_published.replace_published_line(name, path)
     assert path.read_text().splitlines() == committed and line == committed[mine]
 
 
