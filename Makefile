@@ -62,10 +62,11 @@ gpu-check:
 	$(GPU_PY) common/gpu_check.py
 
 # A GPU's own device file for chapter 07's planner (its matmul rate by size, fused attention, copy bandwidth):
-# 07_choosing_a_layout/devices/<gpu>-measured.json. Without CUDA it says so and exits 0; without PyTorch it
-# says so in one line and exits 1.
+# 07_choosing_a_layout/devices/<gpu>-measured.json; `make gpu-efficiency GPUS=8` also measures NCCL all-reduces
+# among a node's 8 GPUs (the links' efficiency and latency). Without CUDA it says so and exits 0; without
+# PyTorch it says so in one line and exits 1.
 gpu-efficiency:
-	$(GPU_PY) 07_choosing_a_layout/gpu_efficiency.py
+	$(if $(GPUS),$(GPU_PY) -m torch.distributed.run --nproc_per_node=$(GPUS),$(GPU_PY)) 07_choosing_a_layout/gpu_efficiency.py
 
 # Each notebooks/*.py (jupytext percent format) becomes notebooks/*.ipynb, executed through the kernel
 # so it opens with its outputs and plots; the plots are also saved as PNGs under notebooks/figures/.

@@ -1,6 +1,7 @@
 """A GPU's own device file, measured: the same form as devices/*.json (device_files.py), from this GPU's runs.
 
     python 07_choosing_a_layout/gpu_efficiency.py        # (make gpu-efficiency) → devices/<gpu>-measured.json
+    torchrun --nproc_per_node=8 07_choosing_a_layout/gpu_efficiency.py      # (make gpu-efficiency GPUS=8) and NCCL
     python 07_choosing_a_layout/choose_layout.py --device 07_choosing_a_layout/devices/h100-sxm-measured.json ...
 
 The described files carry datasheet rates and published efficiencies. This one measures, on the GPU it
@@ -11,8 +12,10 @@ runs on, what the planner's step time reads (and copies the rest from the descri
     attention_efficiency  torch's fused causal attention (scaled_dot_product_attention), forward and
                           backward, at 8 sequences of 4,096 with head dim 128: its products' FLOP/s
     hbm                   a copy of 1 MB to 1 GB: the best rate is the bandwidth, each size's share of it a row
-    networks              kept from the described file (NCCL among several GPUs is not measured yet; the
-                          writer takes a measured share of the line rate as `nccl` when there is one)
+    networks              under torchrun with several GPUs of one node, the first tier's efficiency and
+                          latency from NCCL all-reduces among them (collective_efficiency.py: nccl-tests'
+                          busbw over the line rate; the smallest size's time); the rest kept from the
+                          described file (one GPU: all of it)
     processing            "roofline": a measured rate already includes the traffic (or the arithmetic) of
                           the operation it timed, so the two are not added again
 
@@ -21,9 +24,11 @@ line and exits 0; without PyTorch (a Python before `make setup`) it says so in o
 """
 import argparse
 import json
+import os
 import re
 import sys
 import time
+from importlib import import_module
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +50,8 @@ def described_name(gpu: str) -> str | None:
 
 def device_file(base: dict, measured: dict, gpu: str, stamp: str) -> dict:
     """The described file `base` with what was measured in place of what it described.
-    `measured`: {"matmul": [(FLOPs, share)], "flash": share, "copy": [(bytes, bytes/s)], "nccl": share | None}."""
+    `measured`: {"matmul": [(FLOPs, share)], "flash": share, "copy": [(bytes, bytes/s)],
+    "nccl": collective_efficiency.summary() | None}."""
     said = f"measured on {gpu} ({stamp}) by gpu_efficiency.py"
     out = json.loads(json.dumps(base))
     out["name"] = f"{gpu} (measured)"
@@ -63,9 +69,14 @@ def device_file(base: dict, measured: dict, gpu: str, stamp: str) -> dict:
                   + [[0, round(copies[-1][1] / best, 3)]],
                   "source": f"capacity: {out['hbm']['source']}; bandwidth: {said}, a copy, read + written bytes "
                             f"per second, the best size's; the share of it each size reached"}
-    if measured.get("nccl"):
-        out["networks"][0] = {**out["networks"][0], "efficiency": round(measured["nccl"], 3),
-                              "source": f"{out['networks'][0]['source']}; efficiency {said}: NCCL all-gather"}
+    if measured.get("nccl"):           # a busbw above the line rate (NVLink SHARP, say) counts as the line rate
+        net, tier = measured["nccl"], out["networks"][0]
+        out["networks"][0] = {**tier, "efficiency": float(f"{min(1.0, net['busbw'] / (tier['gbps'] * 1e9)):.4g}"),
+                              "latency_us": round(net["latency"] * 1e6, 1),
+                              "source": f"bandwidth: {tier['source'].split(';')[0].removeprefix('bandwidth: ')}; "
+                                        f"efficiency and latency {said}: all-reduces among {net['ranks']} GPUs, "
+                                        f"busbw {net['busbw'] / 1e9:,.1f} GB/s at {net['at'] / 2**20:,.0f} MiB "
+                                        f"over the line rate, and one of {min(net['sizes'])[0]} bytes"}
     out["processing"] = {"mode": "roofline", "source": f"{said}: each rate includes its operation's own traffic"}
     return out
 
@@ -124,23 +135,39 @@ def main(argv=None) -> int:
     torch = import_torch("gpu-efficiency", "07_choosing_a_layout/gpu_efficiency.py")
     if torch is None:
         return 1
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    say = print if rank == 0 else (lambda *_: None)
     if not torch.cuda.is_available():
-        print("gpu_efficiency: no CUDA device here, nothing measured; the planner keeps the described devices/*.json")
+        say("gpu_efficiency: no CUDA device here, nothing measured; the planner keeps the described devices/*.json")
         return 0
     gpu = torch.cuda.get_device_name()
     name = described_name(gpu)
     if name is None:
-        print(f"gpu_efficiency: {gpu} has no described file in devices/ to start from; nothing written")
+        say(f"gpu_efficiency: {gpu} has no described file in devices/ to start from; nothing written")
         return 0
+    if world > 1:                       # torchrun: the other GPUs wait while rank 0 sweeps its own, then NCCL
+        import torch.distributed as dist
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
     from common import mfu
+    collective_efficiency = import_module("07_choosing_a_layout.collective_efficiency")   # imports torch
+    measured = measure(mfu.peak_flops("cuda", "bf16"), args.seconds) if rank == 0 else {}
+    one_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+    measured["nccl"] = collective_efficiency.measure() if world > 1 and one_node else None
+    if world > 1:
+        dist.destroy_process_group()
+    if rank:
+        return 0
     base = json.loads((DEVICES / f"{name}.json").read_text())
-    measured = measure(mfu.peak_flops("cuda", "bf16"), args.seconds)
     path = DEVICES / f"{name}-measured.json"
     stamp = f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
     path.write_text(dumps(device_file(base, measured, gpu, stamp)))
+    nccl = measured["nccl"]
+    links = (f", NCCL all-reduce busbw {nccl['busbw'] / 1e9:,.0f} GB/s among {nccl['ranks']} GPUs" if nccl else
+             "; the links kept as described" + ("" if one_node else " (the ranks span nodes: not measured)"))
     print(f"{gpu}: matmul {min(e for _, e in measured['matmul']):.1%}–{max(e for _, e in measured['matmul']):.1%} "
           f"of the peak, fused attention {measured['flash']:.1%}, copy "
-          f"{max(r for _, r in measured['copy']) / 1e9:,.0f} GB/s; written: {path}")
+          f"{max(r for _, r in measured['copy']) / 1e9:,.0f} GB/s{links}; written: {path}")
     return 0
 
 

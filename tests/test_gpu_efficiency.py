@@ -1,6 +1,6 @@
 """Chapter 07's device files: every GPU number with its source, a bad file refused naming its field, and a
-measured file (gpu_efficiency.py) read back as the planner reads a described one. No GPU is needed: the
-measurement here is written by hand."""
+measured file (gpu_efficiency.py) read back as the planner reads a described one. No GPU is needed: the GPU's
+own measurement here is written by hand; the links' (collective_efficiency.py) is measured on two CPU ranks."""
 import json
 import subprocess
 import sys
@@ -11,8 +11,11 @@ import pytest
 
 from common.errors import ConfigError
 
+from harness import every_rank, run_group
+
 ROOT = Path(__file__).resolve().parents[1]
 gpu_efficiency = import_module("07_choosing_a_layout.gpu_efficiency")
+collective_efficiency = import_module("07_choosing_a_layout.collective_efficiency")
 device_files = import_module("07_choosing_a_layout.device_files")
 block_time = import_module("07_choosing_a_layout.block_time")
 
@@ -58,16 +61,43 @@ def test_a_bad_device_file_is_refused_naming_its_field(tmp_path, edit, field):
 
 def test_a_measured_file_is_read_back_as_the_planner_reads_a_described_one(tmp_path):
     base = json.loads(device_files.path_of("h100-sxm").read_text())
+    nccl = collective_efficiency.summary([(8, 20e-6), (2**20, 12e-6 + 2**20 / 300e9), (2**28, 2**28 / 220e9),
+                                          (2**30, 2**30 / 200e9)], 8)         # the best is not the largest
     fake = {"matmul": [(1e8, 0.2), (5e10, 0.7), (4e11, 0.8)], "flash": 0.55,
-            "copy": [(2e6, 1.0e12), (2e9, 3.0e12), (2e8, 2.7e12)], "nccl": 0.8}
+            "copy": [(2e6, 1.0e12), (2e9, 3.0e12), (2e8, 2.7e12)], "nccl": nccl}
     path = tmp_path / "h100-measured.json"
     path.write_text(gpu_efficiency.dumps(gpu_efficiency.device_file(base, fake, "NVIDIA H100 80GB HBM3", "test")))
     dev = device_files.load(str(path), "bf16")
     assert dev.matmul == ((400e9, 0.8), (50e9, 0.7), (0.0, 0.2)) and dev.flash == 0.55
     assert dev.hbm_rate == 3.0e12 and dev.hbm[:2] == ((2e9, 1.0), (200e6, 0.9))
     assert dev.hbm[2][0] == 0 and dev.hbm[2][1] == pytest.approx(1 / 3, abs=1e-3)
-    assert dev.overlap and dev.tiers[0].rate == pytest.approx(450e9 * 0.8) and dev.peak == device_files.load(
-        "h100-sxm", "bf16").peak
+    busbw = 220e9 * 2 * 7 / 8              # 256 MiB at 220 GB/s among 8: nccl-tests' busbw, 385 of the line's 450
+    assert nccl["busbw"] == pytest.approx(busbw) and nccl["at"] == 2**28 and nccl["latency"] == 20e-6
+    assert dev.tiers[0].rate == pytest.approx(busbw, rel=1e-3) and dev.tiers[0].latency == pytest.approx(20e-6)
+    assert dev.tiers[1] == device_files.load("h100-sxm", "bf16").tiers[1]          # across nodes: as described
+    assert dev.overlap and dev.peak == device_files.load("h100-sxm", "bf16").peak
+
+
+def measure_links() -> dict:
+    """A job: collective_efficiency's sweep on this CPU's ranks (gloo), small sizes, few repetitions."""
+    return collective_efficiency.measure(sizes=(8, 2**16, 2**20), reps=3, device="cpu")
+
+
+def test_the_links_measured_on_two_ranks_are_written_and_read_back(tmp_path):
+    """The measurement gpu_efficiency.py makes among a node's GPUs, made with gloo on two CPU ranks: every size
+    timed, the bus bandwidth nccl-tests' of the best, and a file written from it that the planner loads with
+    that rate and the smallest all-reduce's time as its first tier."""
+    nccl, other = every_rank(run_group(2, [("test_gpu_efficiency:measure_links",)])[0])
+    assert nccl == other                                     # each size the slowest rank's time, on every rank
+    assert [size for size, _ in nccl["sizes"]] == [8, 2**16, 2**20] and nccl["ranks"] == 2
+    assert nccl["busbw"] == max(collective_efficiency.busbw(b, t, 2) for b, t in nccl["sizes"][1:]) > 0
+    base = json.loads(device_files.path_of("h100-sxm").read_text())
+    fake = {"matmul": [(4e11, 0.8), (1e8, 0.2)], "flash": 0.5, "copy": [(2e9, 3e12), (2e6, 1e12)], "nccl": nccl}
+    path = tmp_path / "measured.json"
+    path.write_text(gpu_efficiency.dumps(gpu_efficiency.device_file(base, fake, "a CPU (gloo)", "test")))
+    dev = device_files.load(str(path), "bf16")
+    assert dev.tiers[0].rate == pytest.approx(nccl["busbw"], rel=1e-3)
+    assert dev.tiers[0].latency == pytest.approx(nccl["sizes"][0][1], abs=1e-7)
 
 
 def test_without_cuda_the_measurement_says_so_in_one_line_and_exits_0():
