@@ -19,7 +19,7 @@ layout_inputs = import_module("07_choosing_a_layout.layout_inputs")        # thi
 published = import_module("07_choosing_a_layout.published")                # this chapter: the published runs
 
 # The levers each published run's paper leaves to the planner, as results/layouts_published.md has them.
-FORMS = {"llama3-405b-8k-8192gpu": dict(recompute="full", virtual_stages=7, microbatches=32),
+FORMS = {"llama3-405b-8k-8192gpu": dict(recompute="full", recompute_layers=1, virtual_stages=7, microbatches=32),
          "llama3-405b-8k-16384gpu": dict(recompute="full", recompute_layers=1, virtual_stages=7, microbatches=16),
          "llama3-405b-131k": dict(recompute="full", recompute_layers=1, virtual_stages=7, microbatches=16),
          "gpt3-175b-selective": {}, "gpt3-175b-full": {}}

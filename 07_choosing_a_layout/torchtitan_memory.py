@@ -2,7 +2,7 @@
 (`torchtitan-llama3-8b`: Llama 3.1 8B under FSDP on 8 GPUs, two sequences of 8K in one micro-batch, selective
 activation checkpointing, 82.4 GiB per GPU) against a prediction of the code that ran it.
 
-The planner predicts the course's code: for that run 148.5 GiB (§6 of the README: autocast keeps a bf16 cast of
+The planner predicts the course's code: for that run 148.6 GiB (§6 of the README: autocast keeps a bf16 cast of
 every weight for the backward, and the course's selective recomputation keeps every matmul's input). torchtitan's
 code keeps less in three places, each counted here from what the code does:
 

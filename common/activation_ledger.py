@@ -32,9 +32,10 @@ Compared with the GPT count: no dropout masks (no dropout), no 5as/h term (the S
 log-sum-exp per head and position, never the S×S scores), two norm outputs where LayerNorm keeps its
 input, and SwiGLU's four F-wide tensors where a GeLU MLP keeps two of 4h.
 
-Under bf16 autocast the ledger has its own terms (bf16_layer_terms, bf16_weight_copies): what stays fp32
-(the residual stream, the norms, the loss) and what autocast casts, each nn.Linear its own copy of its
-input and of its weight. It keeps about 0.7 of the fp32 bytes, not half.
+Under bf16 autocast the ledger has its own terms (bf16_layer_terms, bf16_weight_copies, bf16_rope_casts):
+what stays fp32 (the residual stream, the norms, the loss, SP's kept input shards, CP's attention output)
+and what autocast casts, each nn.Linear its own copy of its input and of its weight, each block its own
+copies of the RoPE tables. It keeps about 0.7 of the fp32 bytes, not half.
 
 Around the layers: the embedding keeps nothing but the token ids (the step's input, not counted; under
 TP its own shifted int64 ids and an fp32 mask), the head its final norm and the lm_head's input (both
@@ -69,11 +70,12 @@ def attention_kernel_term(cfg, tp: int = 1, kv_copies: int = 1) -> Term:
                 FP32 * (2 * h + 2 * k * kv_copies) * cfg.head_dim + 4 * h, NOT_FULL)
 
 
-def layer_terms(cfg, tp: int = 1, kv_copies: int = 1, dtype: str = "fp32") -> list[Term]:
+def layer_terms(cfg, tp: int = 1, kv_copies: int = 1, dtype: str = "fp32", sequence_parallel: bool = False,
+                cp: int = 1) -> list[Term]:
     """One block's saved tensors, per position (bytes), as the table in the module docstring; under bf16
     autocast, bf16_layer_terms."""
     if dtype == "bf16":
-        return bf16_layer_terms(cfg, tp, kv_copies)
+        return bf16_layer_terms(cfg, tp, kv_copies, sequence_parallel, cp)
     D, hd, F, h = cfg.dim, cfg.head_dim, cfg.ffn_hidden // tp, cfg.n_heads // tp
     return [
         Term("block input x (residual stream)", FP32 * D, EVERY, sp_shard=True),
@@ -90,37 +92,64 @@ def layer_terms(cfg, tp: int = 1, kv_copies: int = 1, dtype: str = "fp32") -> li
     ]
 
 
-def bf16_layer_terms(cfg, tp: int = 1, kv_copies: int = 1) -> list[Term]:
-    """One block's saved tensors under bf16 autocast, measured with the activation meter on one rank and on
-    a pipeline's stages (tests/test_bf16.py, within 0.5 %): the residual stream and RMSNorm stay fp32 (the
-    weights are fp32; a norm computes in fp32); every nn.Linear saves its own bf16 cast of its input (wq, wk
-    and wv three copies of the norm output, gate and up two), and its output is bf16; SDPA keeps bf16 q, k,
-    v and out with an fp32 log-sum-exp; SwiGLU's tensors are bf16. So it is not the fp32 ledger halved: it
-    keeps about 0.7 of it. Under TP and CP the terms are split as the fp32 ones are (not measured)."""
+def bf16_layer_terms(cfg, tp: int = 1, kv_copies: int = 1, sequence_parallel: bool = False,
+                     cp: int = 1) -> list[Term]:
+    """One block's saved tensors under bf16 autocast, measured with the activation meter on one rank, on a
+    pipeline's stages, under TP with and without SP and under CP (tests/test_bf16.py, within 0.5 %): the
+    residual stream and RMSNorm stay fp32 (the weights are fp32; a norm computes in fp32); every nn.Linear saves
+    its own bf16 cast of its input (wq, wk and wv three copies of the norm output, gate and up two), and its
+    output is bf16; SDPA keeps bf16 q, k, v and out with an fp32 log-sum-exp; SwiGLU's tensors are bf16. So
+    it is not the fp32 ledger halved: it keeps about 0.7 of it. Under SP chapter 02's gather-then-column
+    function saves its input shard as it came, fp32, once for all the linears it feeds (the casts it makes
+    inside are gone when it returns); under CP chapter 06's attention keeps its running out in fp32 (its
+    softmax math runs with autocast off)."""
     D, hd, F, h, k = cfg.dim, cfg.head_dim, cfg.ffn_hidden // tp, cfg.n_heads // tp, cfg.kv_heads_per_rank(tp)
+    if sequence_parallel and tp > 1:
+        norm_outputs = [Term("norm output shard (fp32), kept once by SP's gather for wq, wk, wv", FP32 * D, NOT_FULL,
+                             sp_shard=True),
+                        Term("norm output shard (fp32), kept once by SP's gather for gate, up", FP32 * D, NOT_FULL,
+                             sp_shard=True)]
+    else:
+        norm_outputs = [Term("norm output, cast to bf16 by wq, wk, wv (three copies)", 3 * BF16 * D, NOT_FULL,
+                             sp_shard=True),
+                        Term("norm output, cast to bf16 by gate and up (two copies)", 2 * BF16 * D, NOT_FULL,
+                             sp_shard=True)]
+    out = FP32 if cp > 1 else BF16
     return [
         Term("block input x (residual stream, fp32)", FP32 * D, EVERY, sp_shard=True),
         Term("attention norm: x·rms, rms (fp32)", FP32 * (D + 1), NONE_ONLY, sp_shard=True),
-        Term("norm output, cast to bf16 by wq, wk, wv (three copies)", 3 * BF16 * D, NOT_FULL, sp_shard=True),
-        Term("attention kernel: bf16 q, k, v, out; fp32 log-sum-exp",
-             BF16 * (2 * h + 2 * k * kv_copies) * hd + 4 * h, NOT_FULL),
+        norm_outputs[0],
+        Term(f"attention kernel: bf16 q, k, v; {'fp32' if cp > 1 else 'bf16'} out; fp32 log-sum-exp",
+             BF16 * (h + 2 * k * kv_copies) * hd + out * h * hd + 4 * h, NOT_FULL),
         Term("attention output (wo input, bf16)", BF16 * h * hd, NOT_FULL),
         Term("residual after attention (fp32)", FP32 * D, NOT_FULL, sp_shard=True),
         Term("MLP norm: x·rms, rms (fp32)", FP32 * (D + 1), NONE_ONLY, sp_shard=True),
-        Term("norm output, cast to bf16 by gate and up (two copies)", 2 * BF16 * D, NOT_FULL, sp_shard=True),
+        norm_outputs[1],
         Term("gate, up outputs (bf16)", BF16 * 2 * F, NOT_FULL),
         Term("silu(gate) (bf16)", BF16 * F, NONE_ONLY),
         Term("silu(gate)·up (down input, bf16)", BF16 * F, NOT_FULL),
     ]
 
 
-def bf16_weight_copies(cfg, n_layers: int, mode: str, last: bool, tp: int = 1) -> int:
+def bf16_weight_copies(cfg, n_layers: int, mode: str, last: bool, tp: int = 1, sequence_parallel: bool = False) -> int:
     """The bf16 casts of the weights that autocast makes in a forward and each nn.Linear saves for backward:
     a micro-batch holds its own (a block recomputed whole saves none until its backward), the head's
-    always. This rank's shards under TP."""
+    always. This rank's shards under TP. Under SP the column-parallel weights (wq, wk, wv, gate, up, the
+    head's) are cast inside SP's gather-then-column function, which saves the fp32 weights themselves: only
+    the row-parallel wo and down keep casts."""
     D, hd, F, h, k = cfg.dim, cfg.head_dim, cfg.ffn_hidden // tp, cfg.n_heads // tp, cfg.kv_heads_per_rank(tp)
-    block = BF16 * D * ((2 * h + 2 * k) * hd + 3 * F)
-    return (n_layers * block if mode != "full" else 0) + (BF16 * D * cfg.vocab_size // tp if last else 0)
+    if sequence_parallel and tp > 1:
+        block, head = BF16 * D * (h * hd + F), 0
+    else:
+        block, head = BF16 * D * ((2 * h + 2 * k) * hd + 3 * F), BF16 * D * cfg.vocab_size // tp
+    return (n_layers * block if mode != "full" else 0) + (head if last else 0)
+
+
+def bf16_rope_casts(cfg, positions: int) -> int:
+    """Under bf16 autocast RoPE multiplies q and k by cos and sin cast to bf16 in each block, and the products
+    keep those casts: (positions, hd/2) each, four per block and micro-batch, whatever its rows (the fp32
+    tables themselves are then kept by nothing)."""
+    return 4 * positions * (cfg.head_dim // 2) * BF16
 
 
 def embedding_terms(cfg, tp: int = 1) -> list[Term]:
@@ -129,12 +158,17 @@ def embedding_terms(cfg, tp: int = 1) -> list[Term]:
     return [Term("local ids (int64), mask (fp32)", INT64 + FP32, EVERY)] if tp > 1 else []
 
 
-def head_terms(cfg, tp: int = 1, dtype: str = "fp32") -> list[Term]:
+def head_terms(cfg, tp: int = 1, dtype: str = "fp32", sequence_parallel: bool = False) -> list[Term]:
     D, V = cfg.dim, cfg.vocab_size
     if dtype == "bf16" and tp == 1:      # the loss runs in fp32 under autocast: it keeps an fp32 log-softmax
         return [Term("final norm: x, x·rms, rms (fp32)", FP32 * (2 * D + 1), EVERY, sp_shard=True),
                 Term("lm_head input (bf16 cast)", BF16 * D, EVERY, sp_shard=True),
                 Term("log-softmax (B, S, V), fp32", FP32 * V, EVERY), Term("targets (int64)", INT64, EVERY)]
+    if dtype == "bf16" and not sequence_parallel:     # TP's lm_head, a linear under autocast: its input's cast
+        return [Term("final norm: x, x·rms, rms (fp32)", FP32 * (2 * D + 1), EVERY),
+                Term("lm_head input (bf16 cast)", BF16 * D, EVERY),
+                Term("softmax (B, S, V/tp)", FP32 * V // tp, EVERY),
+                Term("local targets (int64), mask (bool)", INT64 + 1, EVERY)]
     if tp == 1:
         loss = [Term("log-softmax (B, S, V)", FP32 * V, EVERY), Term("targets (int64)", INT64, EVERY)]
     else:        # the vocab-parallel cross-entropy's own saved tensors
@@ -180,14 +214,18 @@ def microbatch_bytes(cfg, mode: str, rows: int, positions: int, n_layers: int, f
     shard = positions // tp if sequence_parallel else positions
     kv_copies = cp if gathered_kv else 1
     k = recomputed_of(n_layers, recomputed)
-    terms = layer_terms(cfg, tp, kv_copies, dtype)
+    terms = layer_terms(cfg, tp, kv_copies, dtype, sequence_parallel, cp)
     total = sum(count * terms_bytes(terms, m, rows, positions, shard) for count, m in ((k, mode), (n_layers - k, "none")))
     if dtype == "bf16" and weight_casts:
-        total += bf16_weight_copies(cfg, k, mode, last, tp) + bf16_weight_copies(cfg, n_layers - k, "none", False, tp)
+        total += bf16_weight_copies(cfg, k, mode, last, tp, sequence_parallel) + \
+            bf16_weight_copies(cfg, n_layers - k, "none", False, tp, sequence_parallel)
     if first:
         total += terms_bytes(embedding_terms(cfg, tp), mode, rows, positions, shard)
     if last:       # (the vocab-parallel loss keeps no scalar: it saves its own three tensors)
-        total += terms_bytes(head_terms(cfg, tp, dtype), mode, rows, positions, shard) + (LOSS_SCALAR if tp == 1 else 0)
+        total += terms_bytes(head_terms(cfg, tp, dtype, sequence_parallel), mode, rows, positions, shard) + \
+            (LOSS_SCALAR if tp == 1 else 0)
+    if dtype == "bf16":          # each block keeps its own bf16 casts of the RoPE tables (a full one keeps none)
+        return total + (n_layers - (k if mode == "full" else 0)) * bf16_rope_casts(cfg, positions)
     return total + (rope_tables_bytes(cfg, cp, positions) if n_layers else 0)
 
 
