@@ -10,12 +10,14 @@ One group of four ranks runs them all; each run's last step is read against the 
   - each group's bytes, and the ring's messages: one per tensor a ring hop carries (the forward's K and V,
     the backward's K and V and the partial sums of their gradients), counted on rank 0 (planner_runs.py);
   - the all-gather variant (--cp-attention allgather): its bytes, its collectives, and the activations its
-    gathered K/V add, against the ring's."""
+    gathered K/V add, against the ring's;
+  - the bf16 ledger where the dimensions meet: TP 2 with SP under CP 2, and a 2-stage pipeline under CP 2."""
 from dataclasses import fields
 from importlib import import_module
 
 import pytest
 
+from common import activation_ledger
 from common.model import PRESETS
 from harness import ok, run_group
 
@@ -36,7 +38,11 @@ RUNS = {**{f"experts ZeRO-{z}": ("tiny-moe", dict(dp=2, ep=2, cp=2, zero_stage=z
         "cp 2": ("tiny", dict(dp=2, ep=1, cp=2, zero_stage=0), ["--model", "tiny", "--dp", "2", "--cp", "2"], True),
         "cp 4": ("tiny", dict(dp=1, ep=1, cp=4, zero_stage=0), ["--model", "tiny", "--dp", "1", "--cp", "4"], False),
         "cp 2 allgather": ("tiny", dict(dp=2, ep=1, cp=2, zero_stage=0, cp_attention="allgather"),
-                           ["--model", "tiny", "--dp", "2", "--cp", "2", "--cp-attention", "allgather"], True)}
+                           ["--model", "tiny", "--dp", "2", "--cp", "2", "--cp-attention", "allgather"], True),
+        "bf16 tp 2 +SP × cp 2": ("tiny", dict(tp=2, cp=2), ["--model", "tiny", "--dp", "1", "--tp", "2", "--cp", "2",
+                                                          "--sequence-parallel", "--dtype", "bf16"], False),
+        "bf16 pp 2 × cp 2": ("tiny", dict(pp=2, cp=2), ["--model", "tiny", "--dp", "1", "--pp", "2", "--cp", "2",
+                                                      "--dtype", "bf16"], False)}
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +168,21 @@ def test_the_all_gather_variant_is_planned_as_it_runs(runs):
     (ring, ring_run), (gathered, gathered_run) = activations.values()
     assert gathered - ring == gathered_run - ring_run > 0                   # the other rank's K/V, to the byte
     assert runs["cp 2 allgather"][1]["cp"] == 2 * 2 * PRESETS["tiny"].n_layers       # 2 per layer, m 2
+
+
+def test_the_bf16_ledger_holds_where_tp_sp_cp_and_a_pipeline_meet(runs):
+    """Each rank's measured activation peak against common/activation_ledger's bf16 terms (the planner's own,
+    with each micro-batch's weight casts, which the meter sees): TP 2 with SP under CP 2 to the byte, each
+    stage of a 1F1B pipeline under CP 2 within 1 KiB (measured: the first exact, the second 1,024 bytes apart,
+    CP's 512 per micro-batch as in fp32). 2 micro-batches of 4 sequences, 32 of the 64 positions a CP rank."""
+    cfg = PRESETS["tiny"]
+    rows, _ = runs["bf16 tp 2 +SP × cp 2"]
+    predicted = activation_ledger.microbatch_bytes(cfg, "none", 4, SEQ // 2, cfg.n_layers, tp=2,
+                                                   sequence_parallel=True, cp=2, dtype="bf16")
+    assert max(rows[-1]["peak_activation_bytes"]) == predicted
+    rows, _ = runs["bf16 pp 2 × cp 2"]
+    specs = import_module("03_pipeline_parallel.pipeline_stages").stage_specs(cfg, 2, 1, SEQ)
+    plan = import_module("03_pipeline_parallel.pipeline_schedules").build_schedule("1f1b", 2, 2, 1)
+    predicted = activation_ledger.pipeline_peaks(cfg, "none", plan, specs, 4, SEQ // 2, cp=2, dtype="bf16")
+    measured = rows[-1]["peak_activation_bytes"]                       # each stage's, as rank 0 gathered them
+    assert all(abs(m - p) <= 1024 for m, p in zip(measured, predicted)) and len(measured) == 2, (measured, predicted)
