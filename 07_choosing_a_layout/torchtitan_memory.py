@@ -9,9 +9,9 @@ code keeps less in three places, each counted here from what the code does:
   state        FSDP2 (fully_shard on each block and on the root) computing in bf16 weights, reducing in fp32:
                the fp32 master weights and AdamW's two moments, sharded over the N ranks; the gradients are set
                to None as the step starts, so at the loss they do not exist yet. Each block's bf16 weights are
-               gathered for its forward and freed after it; the root's (embedding, final norm, output layer) stay
-               gathered from the forward to the backward (fully_shard leaves the root unsharded after forward,
-               whose backward would gather them at once).
+               gathered for its forward and freed after it, but the last block's (its backward comes first, and
+               torchtitan leaves it gathered) and the root's (embedding, final norm, output layer: fully_shard
+               leaves the root unsharded after forward, whose backward would gather them at once).
   activations  torchtitan's default selective checkpointing, by operator ("op"): a block keeps its input and the
                outputs of the operators on its save list, every other matmul (the 1st, 3rd, 5th and 7th of wq,
                wk, wv, wo, gate, up, down) and the attention kernel (its output and fp32 log-sum-exp), and
@@ -33,9 +33,10 @@ What it leaves out is the allocator: the published number is the most the CUDA c
 tensors' peak plus what it kept cached around them (blocks split and freed between tensors of 8 GiB and of a
 few MiB). This file predicts the tensors; what the cache adds over them needs a GPU to measure.
 """
+import math
 from importlib import import_module
 
-from common.model import count_parameters
+from common.model import count_parameters, parameter_shapes
 
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")        # this chapter: models and devices
 
@@ -76,9 +77,10 @@ def peak(cfg, world: int, rows: int, seq_len: int, mode: str = "selective") -> d
     """One rank's bytes by component at the loss's backward, for `rows` sequences of `seq_len` in one
     micro-batch on each of `world` FSDP ranks, and the total."""
     n, t = count_parameters(cfg), rows * seq_len
+    block = sum(math.prod(shape) for shape in parameter_shapes(cfg)["block"].values())
     parts = {"master weights (fp32, 1/N)": FP32 * n / world,
              "AdamW moments (fp32, 1/N)": 2 * FP32 * n / world,
-             "root gathered (bf16)": BF16 * (2 * cfg.vocab_size * cfg.dim + cfg.dim),
+             "root and last block gathered (bf16)": BF16 * (2 * cfg.vocab_size * cfg.dim + cfg.dim + block),
              "activations": t * (cfg.n_layers * block_bytes(cfg, mode) + head_bytes(cfg)),
              "loss": loss_moments(cfg, t)["backward"]}
     return {**parts, "total": sum(parts.values())}

@@ -101,8 +101,8 @@ ROWS, SEQ = 4, 64
 
 
 def fsdp2_step_peak() -> int:
-    """A job: torchtitan's step in miniature on the course's model. fully_shard on each block and on the root
-    (bf16 weights to compute, fp32 reductions), the op policy on each block, torch's AdamW, the gradients set to
+    """A job: torchtitan's step in miniature on the course's model. fully_shard on each block (the last one left
+    gathered after its forward) and on the root (bf16 weights to compute, fp32 reductions), the op policy on each block, torch's AdamW, the gradients set to
     None as a step starts, cross-entropy of the logits cast to fp32, the logits deleted before backward. Returns
     the second step's peak in bytes (the first has no AdamW moments yet), everything the rank holds included.
     FSDP2 frees a block's gathered weights by emptying their storage in place, which the meter reads again
@@ -119,8 +119,8 @@ def fsdp2_step_peak() -> int:
         block.forward = lambda x, cos, sin, body=block.body: checkpoint(
             body, x, cos, sin, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(op_policy()[0]))
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, mp_policy=precision)
+    for i, block in enumerate(model.layers):     # torchtitan's: the last block stays gathered for its backward
+        fully_shard(block, mp_policy=precision, reshard_after_forward=i < len(model.layers) - 1)
     fully_shard(model, mp_policy=precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(dist.get_rank())
