@@ -9,9 +9,9 @@ code keeps less in three places, each counted here from what the code does:
   state        FSDP2 (fully_shard on each block and on the root) computing in bf16 weights, reducing in fp32:
                the fp32 master weights and AdamW's two moments, sharded over the N ranks; the gradients are set
                to None as the step starts, so at the loss they do not exist yet. Each block's bf16 weights are
-               gathered for its forward and freed after it, but the last block's (its backward comes first, and
-               torchtitan leaves it gathered) and the root's (embedding, final norm, output layer: fully_shard
-               leaves the root unsharded after forward, whose backward would gather them at once).
+               gathered for its forward and freed after it, except two sets that stay gathered: the last
+               block's (its backward comes first; torchtitan does not reshard it) and the root's (embedding,
+               final norm, output layer: fully_shard leaves the root unsharded after forward).
   activations  torchtitan's default selective checkpointing, by operator ("op"): a block keeps its input and the
                outputs of the operators on its save list, every other matmul (the 1st, 3rd, 5th and 7th of wq,
                wk, wv, wo, gate, up, down) and the attention kernel (its output and fp32 log-sum-exp), and
