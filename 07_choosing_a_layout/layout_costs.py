@@ -124,7 +124,8 @@ def per_unit(run: Run, c: Candidate) -> bool:
 
 def rank_parameters(run: Run, c: Candidate, stages) -> tuple[int, int]:
     """(dense, expert) parameters one rank holds of `stages`, as the Layout counts each stage."""
-    per_stage = [c.layout(run.dtype).stage_parameters(run.cfg, s) for s in stages]
+    layout = c.layout(run.dtype)
+    per_stage = [layout.stage_parameters(run.cfg, s) for s in stages]
     return sum(d for d, _ in per_stage), sum(x for _, x in per_stage)
 
 

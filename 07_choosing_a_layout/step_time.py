@@ -48,17 +48,31 @@ def tier_of(span: int, gpus_per_node: int, dev):
 
 def spans(c) -> dict:
     """How many consecutive ranks each group spans on the Layout's grid (edp, ep, pp, cp, tp), TP fastest."""
-    return {g: c.layout().group_span(g) for g in ("tp", "cp", "pp", "ep", "dp")}
+    layout = c.layout()
+    return {g: layout.group_span(g) for g in ("tp", "cp", "pp", "ep", "dp")}
 
 
-def rank_work(run, c, dev) -> tuple[float, float, float, int]:
-    """(matmul s, memory s, attention s) of the busiest pipeline rank's m micro-batches."""
+def rank_work(run, c, dev) -> tuple[float, float, float]:
+    """(matmul s, memory s, attention s) of the busiest pipeline rank's m micro-batches; computed once for the
+    layouts that differ only where it does not look (their ZeRO stage, say)."""
     cfg = run.cfg
-    specs = schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
     shape = rank_shape(run, c)
-    best = (0.0, 0.0, 0.0)
     mode = "whole-block" if c.recompute == "full" and run.full_recompute == "whole-block" else c.recompute
     same_run = (repr(cfg), repr(dev.spec), shape, mode)
+    key = same_run + (run.seq_len, c.pp, c.virtual_stages, c.schedule, c.recompute, c.recompute_layers,
+                      c.microbatches)
+    if key not in _RANK_WORK:
+        _RANK_WORK[key] = _rank_work(run, c, dev, shape, mode, same_run)
+    return _RANK_WORK[key]
+
+
+_RANK_WORK: dict = {}
+
+
+def _rank_work(run, c, dev, shape, mode: str, same_run: tuple) -> tuple[float, float, float]:
+    cfg = run.cfg
+    specs = schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
+    best = (0.0, 0.0, 0.0)
     for r in range(c.pp):
         matmul = memory = attention = 0.0
         for s in pipeline_stages.rank_stages(specs, c.pp, r):
