@@ -164,18 +164,16 @@ def head_terms(cfg, tp: int = 1, dtype: str = "fp32", sequence_parallel: bool = 
         return [Term("final norm: x, x·rms, rms (fp32)", FP32 * (2 * D + 1), EVERY, sp_shard=True),
                 Term("lm_head input (bf16 cast)", BF16 * D, EVERY, sp_shard=True),
                 Term("log-softmax (B, S, V), fp32", FP32 * V, EVERY), Term("targets (int64)", INT64, EVERY)]
-    if dtype == "bf16" and not sequence_parallel:     # TP's lm_head, a linear under autocast: its input's cast
-        return [Term("final norm: x, x·rms, rms (fp32)", FP32 * (2 * D + 1), EVERY),
-                Term("lm_head input (bf16 cast)", BF16 * D, EVERY),
-                Term("softmax (B, S, V/tp)", FP32 * V // tp, EVERY),
-                Term("local targets (int64), mask (bool)", INT64 + 1, EVERY)]
     if tp == 1:
         loss = [Term("log-softmax (B, S, V)", FP32 * V, EVERY), Term("targets (int64)", INT64, EVERY)]
     else:        # the vocab-parallel cross-entropy's own saved tensors
         loss = [Term("softmax (B, S, V/tp)", FP32 * V // tp, EVERY),
                 Term("local targets (int64), mask (bool)", INT64 + 1, EVERY)]
-    return [Term("final norm: x, x·rms, rms", FP32 * (2 * D + 1), EVERY, sp_shard=True),
-            Term("lm_head input", FP32 * D, EVERY, sp_shard=True)] + loss          # gathered again in backward
+    if dtype == "bf16" and not sequence_parallel:    # TP's lm_head, a linear under autocast: its input's bf16 cast
+        head_input = Term("lm_head input (bf16 cast)", BF16 * D, EVERY)
+    else:                                            # (SP's gather keeps the fp32 shard, gathered again in backward)
+        head_input = Term("lm_head input", FP32 * D, EVERY, sp_shard=True)
+    return [Term("final norm: x, x·rms, rms", FP32 * (2 * D + 1), EVERY, sp_shard=True), head_input] + loss
 
 
 def deferred_terms(cfg, tp: int = 1) -> list[Term]:
