@@ -11,7 +11,8 @@ One group of four ranks runs them all; each run's last step is read against the 
     the backward's K and V and the partial sums of their gradients), counted on rank 0 (planner_runs.py);
   - the all-gather variant (--cp-attention allgather): its bytes, its collectives, and the activations its
     gathered K/V add, against the ring's;
-  - the bf16 ledger where the dimensions meet: TP 2 with SP under CP 2, and a 2-stage pipeline under CP 2."""
+  - the bf16 ledger where the dimensions meet: TP 2 with SP under CP 2, a 2-stage pipeline under CP 2, and all
+    three at once (a group of eight ranks of its own)."""
 from dataclasses import fields
 from importlib import import_module
 
@@ -186,3 +187,16 @@ def test_the_bf16_ledger_holds_where_tp_sp_cp_and_a_pipeline_meet(runs):
     predicted = activation_ledger.pipeline_peaks(cfg, "none", plan, specs, 4, SEQ // 2, cp=2, dtype="bf16")
     measured = rows[-1]["peak_activation_bytes"]                       # each stage's, as rank 0 gathered them
     assert all(abs(m - p) <= 1024 for m, p in zip(measured, predicted)) and len(measured) == 2, (measured, predicted)
+
+
+def test_the_bf16_ledger_holds_with_tp_sp_cp_and_a_pipeline_at_once():
+    """TP 2 with SP × CP 2 × a 2-stage 1F1B pipeline, bf16, on eight ranks: each stage's activation peak is the
+    ledger's to the byte (measured: exact)."""
+    cfg = PRESETS["tiny"]
+    argv = RUN + ["--model", "tiny", "--dp", "1", "--tp", "2", "--pp", "2", "--cp", "2", "--sequence-parallel",
+                  "--dtype", "bf16"]
+    rows, _ = ok(run_group(8, [(FIVE, "06_context_parallel.train_5d", argv, False)])[0])
+    specs = import_module("03_pipeline_parallel.pipeline_stages").stage_specs(cfg, 2, 1, SEQ)
+    plan = import_module("03_pipeline_parallel.pipeline_schedules").build_schedule("1f1b", 2, 2, 1)
+    assert rows[-1]["peak_activation_bytes"] == activation_ledger.pipeline_peaks(
+        cfg, "none", plan, specs, 4, SEQ // 2, tp=2, sequence_parallel=True, cp=2, dtype="bf16")
