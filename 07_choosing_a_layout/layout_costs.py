@@ -141,14 +141,17 @@ def memory_by_component(run: Run, c: Candidate, peak_activation: int, dense: int
     """One rank's bytes by component at the peak of a step, as chapter 04's Trainer3D holds them under ZeRO
     (its `memory_formula` gives the same between steps): the fp32 weights whole and the full gradients
     (ZeRO-3 gathers the weights once per step and keeps them for every micro-batch; from stage 2 the
-    gradients accumulate in full buffers until the reduce-scatter after the schedule), AdamW's moments
-    sharded from stage 1 (chapter 01's formula per group: dense over dp × cp, experts over edp × cp).
-    `held` is what stays between steps: chapter 01's zero_memory_components for each group."""
+    gradients accumulate in full buffers until the reduce-scatter after the schedule), and beside those full
+    buffers the shards that stay through the step (from stage 2 the gradient shard the optimizer reads, at
+    stage 3 the weight shard the gather starts from: measured, calibrate_memory.py's held-out ZeRO runs),
+    AdamW's moments sharded from stage 1 (chapter 01's formula per group: dense over dp × cp, experts over
+    edp × cp). `held` is what stays between steps: chapter 01's zero_memory_components for each group."""
     out = dict.fromkeys(("params", "grads", "optim_bytes"), 0.0)
     held = dict.fromkeys(("params", "grads", "optim_bytes"), 0.0)
     for M, N in state_groups(run, c, dense, experts):                               # fp32 master weights
         between = zero_accounting.zero_memory_components(c.zero_stage, M, N)
-        out["params"], out["grads"] = out["params"] + M, out["grads"] + M
+        out["params"] += M + (between["param_bytes"] if c.zero_stage >= 3 else 0)
+        out["grads"] += M + (between["grad_bytes"] if c.zero_stage >= 2 else 0)
         out["optim_bytes"] += between["optim_bytes"]
         for k, key in (("params", "param_bytes"), ("grads", "grad_bytes"), ("optim_bytes", "optim_bytes")):
             held[k] += between[key]

@@ -115,8 +115,9 @@ def test_bytes_equal_the_chapters_formulas():
 
 def test_memory_is_what_the_grid_trainers_hold():
     """At the peak of a step the grid's trainers hold the weights whole (ZeRO-3 gathers them once per step)
-    and the full gradients (stages 2-3 reduce-scatter after the schedule); AdamW's moments are sharded from
-    stage 1. Between steps, chapter 01's formula per stage (the runs' memory_formula). Data parallelism
+    and the full gradients (stages 2-3 reduce-scatter after the schedule), and beside them the shards that stay
+    through the step (the gradient shard from stage 2, the weight shard at stage 3); AdamW's moments are
+    sharded from stage 1. Between steps, chapter 01's formula per stage (the runs' memory_formula). Data parallelism
     alone under ZeRO-3 runs as chapter 01's, a unit at a time: the shards, two units' weights and two
     units' gradients (test_zero.py checks them against its runs)."""
     plain = row(TINY, 4, 1, 1, m=2)["memory_bytes"]
@@ -124,8 +125,10 @@ def test_memory_is_what_the_grid_trainers_hold():
     held = {1: M + M + 2 * M / 4, 2: M + M / 4 + 2 * M / 4, 3: M / 4 + M / 4 + 2 * M / 4}
     for stage, tp in ((1, 1), (2, 1), (3, 2)):          # tp 2: ZeRO-3 on chapter 04's grid
         mem = row(TINY, 4, tp, 1, m=2, zero=stage)["memory_bytes"]
-        whole = M if tp == 1 else mem["params"]          # (tp 2: each rank its TP shard, whole)
-        assert [mem["params"], mem["grads"], mem["optim_bytes"]] == [whole, whole, int(2 * whole / 4)], stage
+        whole = 2 * mem["optim_bytes"]                   # two moments of a quarter: this rank's weights (tp 2: its TP shard)
+        assert whole == M or tp == 2, stage
+        assert [mem["params"], mem["grads"]] == [whole + (whole / 4 if stage == 3 else 0),
+                                                 whole + (whole / 4 if stage >= 2 else 0)], stage
         if tp == 1:
             assert mem["held_between_steps"] == int(held[stage]), stage
     assert runnable.script_of(TINY.cfg, layout_costs.Candidate(dp=4, zero_stage=3, microbatches=2)) == "zero"
