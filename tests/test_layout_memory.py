@@ -35,12 +35,21 @@ def test_every_calibration_run_is_predicted_within_5_percent():
 
 def test_recomputation_and_zero_which_the_fit_never_saw():
     """Selective and full recomputation (the block rebuilt for its backward), ZeRO-1, 2 and 3 on the grid
-    (their full buffers emptied between steps and filled again), each within 5 %."""
+    (their full buffers emptied between steps and filled again, their shards kept beside them), each within
+    3 % (measured: 2.8 % at most; ZeRO-3 was 4.6 % short while its two shards went uncounted)."""
     a, b, _ = working_set.load()
     assert len(COMMITTED["held_out"]) == 5
     for r in COMMITTED["held_out"]:
         predicted = calibrate_memory.predicted(r["layout"], (a, b))
-        assert predicted == pytest.approx(r["live_peak_bytes"], rel=0.05), calibrate_memory.name(r["layout"])
+        assert predicted == pytest.approx(r["live_peak_bytes"], rel=0.03), calibrate_memory.name(r["layout"])
+    # what ZeRO-2 and 3 save against the same layout without ZeRO (a fitted run), measured and predicted, within
+    # 10 % of the saving (measured: 2.3 % and 4.0 %; a shard left out of the count is 17–20 % off)
+    plain = next(r for r in COMMITTED["runs"] if r["layout"] == dict(dp=4, tp=2, pp=1, m=2))
+    for r in COMMITTED["held_out"]:
+        if r["layout"].get("zero", 0) >= 2:
+            saved = plain["live_peak_bytes"] - r["live_peak_bytes"]
+            predicted = calibrate_memory.predicted(plain["layout"], (a, b)) - calibrate_memory.predicted(r["layout"], (a, b))
+            assert predicted == pytest.approx(saved, rel=0.10), calibrate_memory.name(r["layout"])
 
 
 def test_a_wide_vocabulary_measured_now_is_the_committed_run():
