@@ -24,7 +24,7 @@ run: $(STAMP)
 	$(TORCHRUN) --nproc_per_node=8 04_3d_combined/train_3d.py --metrics runs/3d/metrics.jsonl
 	$(PY) 04_3d_combined/plot_loss.py runs/3d/metrics.jsonl
 
-# The whole test suite (CPU, gloo; about 7 minutes on 2 cores from a fresh clone, setup included). Four
+# The whole test suite (CPU, gloo; 7 to 8 minutes on 2 cores from a fresh clone, setup included). Four
 # workers on two cores: part of a test's time is spent waiting (ranks starting, messages between ranks that
 # share the cores, a killed rank's peers timing out), which the others fill; every rank takes one thread
 # (tests/conftest.py). Each worker takes a whole file at a time (its tests share their spawned groups), the
