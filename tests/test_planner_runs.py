@@ -171,6 +171,16 @@ def test_the_all_gather_variant_is_planned_as_it_runs(runs):
     assert runs["cp 2 allgather"][1]["cp"] == 2 * 2 * PRESETS["tiny"].n_layers       # 2 per layer, m 2
 
 
+def bf16_pipeline_peaks(**layout) -> list[int]:
+    """The bf16 ledger's activation peak of each stage of a 2-stage 1F1B run of tiny (2 micro-batches of 4
+    sequences, SEQ // cp positions a rank), each micro-batch with its own weight casts, as the meter sees them."""
+    cfg = PRESETS["tiny"]
+    specs = import_module("03_pipeline_parallel.pipeline_stages").stage_specs(cfg, 2, 1, SEQ)
+    plan = import_module("03_pipeline_parallel.pipeline_schedules").build_schedule("1f1b", 2, 2, 1)
+    return activation_ledger.pipeline_peaks(cfg, "none", plan, specs, 4, SEQ // layout.get("cp", 1), dtype="bf16",
+                                            **layout)
+
+
 def test_the_bf16_ledger_holds_where_tp_sp_cp_and_a_pipeline_meet(runs):
     """Each rank's measured activation peak against common/activation_ledger's bf16 terms (the planner's own,
     with each micro-batch's weight casts, which the meter sees): TP 2 with SP under CP 2 to the byte, each
@@ -182,9 +192,7 @@ def test_the_bf16_ledger_holds_where_tp_sp_cp_and_a_pipeline_meet(runs):
                                                    sequence_parallel=True, cp=2, dtype="bf16")
     assert max(rows[-1]["peak_activation_bytes"]) == predicted
     rows, _ = runs["bf16 pp 2 × cp 2"]
-    specs = import_module("03_pipeline_parallel.pipeline_stages").stage_specs(cfg, 2, 1, SEQ)
-    plan = import_module("03_pipeline_parallel.pipeline_schedules").build_schedule("1f1b", 2, 2, 1)
-    predicted = activation_ledger.pipeline_peaks(cfg, "none", plan, specs, 4, SEQ // 2, cp=2, dtype="bf16")
+    predicted = bf16_pipeline_peaks(cp=2)
     measured = rows[-1]["peak_activation_bytes"]                       # each stage's, as rank 0 gathered them
     assert all(abs(m - p) <= 1024 for m, p in zip(measured, predicted)) and len(measured) == 2, (measured, predicted)
 
@@ -192,11 +200,7 @@ def test_the_bf16_ledger_holds_where_tp_sp_cp_and_a_pipeline_meet(runs):
 def test_the_bf16_ledger_holds_with_tp_sp_cp_and_a_pipeline_at_once():
     """TP 2 with SP × CP 2 × a 2-stage 1F1B pipeline, bf16, on eight ranks: each stage's activation peak is the
     ledger's to the byte (measured: exact)."""
-    cfg = PRESETS["tiny"]
     argv = RUN + ["--model", "tiny", "--dp", "1", "--tp", "2", "--pp", "2", "--cp", "2", "--sequence-parallel",
                   "--dtype", "bf16"]
     rows, _ = ok(run_group(8, [(FIVE, "06_context_parallel.train_5d", argv, False)])[0])
-    specs = import_module("03_pipeline_parallel.pipeline_stages").stage_specs(cfg, 2, 1, SEQ)
-    plan = import_module("03_pipeline_parallel.pipeline_schedules").build_schedule("1f1b", 2, 2, 1)
-    assert rows[-1]["peak_activation_bytes"] == activation_ledger.pipeline_peaks(
-        cfg, "none", plan, specs, 4, SEQ // 2, tp=2, sequence_parallel=True, cp=2, dtype="bf16")
+    assert rows[-1]["peak_activation_bytes"] == bf16_pipeline_peaks(tp=2, sequence_parallel=True, cp=2)

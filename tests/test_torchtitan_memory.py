@@ -8,7 +8,8 @@ from importlib import import_module
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                    noop_context_fn)
 
 from common.live_memory import LiveTensors, held_tensors
 from common.model import Block, ModelConfig, build_model, rope_tables
@@ -42,9 +43,8 @@ def kept_per_position(block, cos, sin, rows: int, seq: int, policy=None) -> tupl
         torch.manual_seed(1)
         x = torch.randn(rows, seq, CFG.dim, dtype=torch.bfloat16, requires_grad=True)
         before = live.live - x.untyped_storage().nbytes()
-        context = (lambda: create_selective_checkpoint_contexts(policy)) if policy else None
-        y = checkpoint(block.body, x, cos, sin, use_reentrant=False,
-                       **({"context_fn": context} if context else {}))
+        context = (lambda: create_selective_checkpoint_contexts(policy)) if policy else noop_context_fn
+        y = checkpoint(block.body, x, cos, sin, use_reentrant=False, context_fn=context)
         kept = live.live - before - y.untyped_storage().nbytes()
         y.float().square().sum().backward()
     return kept / (rows * seq), x.grad
