@@ -16,7 +16,7 @@ carries:
     s_byte   seconds per byte a rank sends + receives, the copies through shared memory included
 
 FLOPs, collectives and bytes per rank are the planner's own (common/mfu.flops_per_token,
-layout_costs.rank0_traffic), so the three constants are all this file fits. It fits them on chapter 04's
+layout_costs.rank_traffic), so the three constants are all this file fits. It fits them on chapter 04's
 8-rank bench (results/3d_bench.md: ten layouts of dp × tp × pp and the 1-rank run, median step times) by
 least squares on the relative error, and checks them on runs it did not see: chapter 06's context-parallel
 timings (results/time.md: S 128–512, cp 1, 2, 4). Both tables come from commands their headers name; rerun
@@ -70,7 +70,7 @@ def per_rank_work(layout: dict) -> tuple[float, float, float, float]:
     cfg, L = PRESETS[layout["model"]], layout
     run = layout_costs.Run(cfg, L["batch"], L["seq"], "fp32")
     c = layout_costs.Candidate(dp=L["dp"], tp=L["tp"], pp=L["pp"], cp=L["cp"], microbatches=L["m"])
-    nbytes, msgs = layout_costs.rank0_traffic(run, c, schedule_costs.specs_for(cfg, L["pp"], 1, L["seq"]))
+    nbytes, msgs = layout_costs.rank_traffic(run, c, schedule_costs.specs_for(cfg, L["pp"], 1, L["seq"]))
     world = c.layout().world
     flops = mfu.flops_per_token(cfg, L["seq"]) * L["batch"] * L["seq"] / world
     return world / CORES, flops, sum(msgs.values()), sum(nbytes.values())

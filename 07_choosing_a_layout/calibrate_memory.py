@@ -36,6 +36,7 @@ from common.model import PRESETS, build_model, loss_sum  # noqa: E402
 bench_3d = import_module("04_3d_combined.bench_3d")                   # chapter 04: the 8-rank layouts
 check_layouts = import_module("07_choosing_a_layout.check_layouts")   # this chapter: a short run's last row
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
+layout_memory = import_module("07_choosing_a_layout.layout_memory")
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
 working_set = import_module("07_choosing_a_layout.working_set")
 
@@ -78,7 +79,7 @@ def parts(layout: dict) -> tuple[float, tuple, float]:
     rows, e = message[0], c.layout().element_size
     peaks = dict(schedule_costs.activation_peaks(run.cfg, mode, "1f1b", c.pp, c.microbatches, 1, rows, 128, 128,
                                                  c.tp, False, "fp32", None))
-    memory = layout_costs.rank_memory(run, c, schedule_costs.specs_for(run.cfg, c.pp, 1, 128, "1f1b"), 0, peaks[0],
+    memory = layout_memory.rank_memory(run, c, schedule_costs.specs_for(run.cfg, c.pp, 1, 128, "1f1b"), 0, peaks[0],
                                       gloo=True)
     widths = working_set.terms(run.cfg, rows, 128, layout["tp"], e)
     received = working_set.receives(math.prod(message) * e, layout["m"], layout["pp"] == 1, gloo=True)
@@ -107,7 +108,7 @@ def head_parts(shape: dict) -> tuple[float, int]:
     run = layout_costs.Run(cfg, 2, 128, "fp32")
     c = layout_costs.Candidate()                                       # one device
     peaks = dict(schedule_costs.activation_peaks(cfg, "none", "1f1b", 1, 1, 1, 2, 128, 128, 1, False, "fp32", None))
-    memory = layout_costs.rank_memory(run, c, schedule_costs.specs_for(cfg, 1, 1, 128), 0, peaks[0], gloo=True)
+    memory = layout_memory.rank_memory(run, c, schedule_costs.specs_for(cfg, 1, 1, 128), 0, peaks[0], gloo=True)
     return sum(memory[k] for k in ("params", "grads", "peak_activation_bytes")), working_set.logits(cfg, 2, 128, 1)
 
 

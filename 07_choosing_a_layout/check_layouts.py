@@ -34,6 +34,7 @@ from common.model import PRESETS  # noqa: E402
 
 bench_3d = import_module("04_3d_combined.bench_3d")                   # chapter 04: the 8-rank layouts
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
+layout_memory = import_module("07_choosing_a_layout.layout_memory")
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
 choose_layout = import_module("07_choosing_a_layout.choose_layout")
@@ -86,7 +87,7 @@ def predicted_here(name: str, dev) -> tuple[dict, list[int], dict]:
     c = layout_costs.Candidate(dp=dp, tp=tp, pp=pp, microbatches=m)
     specs, plan = schedule_costs.specs_for(run.cfg, pp, 1, 128), schedule_costs.plan_for("1f1b", pp, m, 1)
     peaks = activation_ledger.pipeline_peaks(run.cfg, "none", plan, specs, 16 // dp // m, 128, tp)
-    return layout_costs.predict(run, c, dev, 8), peaks, layout_costs.rank_memory(run, c, specs, 0, peaks[0], gloo=True)
+    return layout_costs.predict(run, c, dev, 8), peaks, layout_memory.rank_memory(run, c, specs, 0, peaks[0], gloo=True)
 
 
 def check_here(steps: int) -> tuple[list[str], list[tuple]]:

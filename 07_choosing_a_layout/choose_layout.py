@@ -19,6 +19,7 @@ published ones by check_layouts.py (the chapter's README shows both tables).
 tp_overlap (--tp-overlap: the plan's own rows never, --explain tpo asks for it), schedule, virtual_stages,
 microbatches, memory_bytes {params, grads, optim_bytes,
 peak_activation_bytes, working (working_set.py), total, held_between_steps} (the fullest pipeline rank's, fullest_pp_rank),
+busiest_pp_rank (the pipeline rank whose work and collectives a GPU's step time is; 0 on a CPU),
 comm_bytes {dp, tp, pp, ep, cp} (per optimizer step, global rank 0's, sent + received: the metrics'
 comm_bytes_*), bubble, step_time_s, mfu (the model's FLOPs over every rank's peak), time_parts_s (a GPU's
 compute, memory, bubble, comm_<group>, optimizer: step_time.py), fits, command (null for a published shape: its miniature is
@@ -50,7 +51,7 @@ framework_flags = import_module("07_choosing_a_layout.framework_flags")  # this 
 
 SCHEMA = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute", "recompute_layers", "sequence_parallel",
           "tp_overlap", "cp_attention", "schedule", "virtual_stages",
-          "microbatches", "memory_bytes", "fullest_pp_rank", "comm_bytes", "bubble", "step_time_s", "mfu",
+          "microbatches", "memory_bytes", "fullest_pp_rank", "busiest_pp_rank", "comm_bytes", "bubble", "step_time_s", "mfu",
           "time_parts_s", "fits", "command")
 
 

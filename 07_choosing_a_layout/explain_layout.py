@@ -209,7 +209,7 @@ def explain_one(spec: dict, rows: list[dict], dev, describe, refusal_of, run_it)
            f"  memory, its fullest pipeline rank ({r['fullest_pp_rank']}) at the peak of a step: "
            f"{memory_words(mem)}; total {gib(mem['total'])}, {gib(mem['held_between_steps'])} "
            f"of weights, gradients and AdamW held between steps",
-           f"  time per step {r['step_time_s']:.4g} s (MFU {r['mfu']:.1%}): "
+           f"  time per step {r['step_time_s']:.4g} s (MFU {r['mfu']:.1%}{busiest(r, dev)}): "
            + ", ".join(f"{k.replace('_', ' ')} {parts[k]:.3g} s" for k in WORDS if parts.get(k))]
     if r is not first:
         gaps = sorted(((parts.get(k, 0) - first["time_parts_s"].get(k, 0), k) for k in WORDS), reverse=True)
@@ -217,6 +217,11 @@ def explain_one(spec: dict, rows: list[dict], dev, describe, refusal_of, run_it)
                    + ", ".join(f"{k.replace('_', ' ')} {d:+.3g} s" for d, k in gaps if abs(d) > 1e-12))
     said = [wrap(line.strip(), "  " if i else "") for i, line in enumerate(out)]
     return [x for lines in said[:3] + [run_lines(run_it(r), "  ")] + said[3:] for x in lines]
+
+
+def busiest(r: dict, dev) -> str:
+    """Which pipeline rank's work and collectives the time is, on a GPU with a pipeline (a CPU's: rank 0's)."""
+    return f"; pipeline rank {r['busiest_pp_rank']}, the busiest" if dev.spec is not None and r["pp"] > 1 else ""
 
 
 def run_lines(text: str, indent: str = "") -> list[str]:

@@ -2,8 +2,8 @@
 
 Every number comes from a formula a chapter proved on real runs, imported from that chapter:
 
-    parameters, gradients, AdamW    chapter 01's ZeRO formulas, zero_accounting.zero_memory_bytes(stage, M, N)
-                                    (DP alone under ZeRO-3: chapter 01's per-unit form, per_unit_zero.py)
+    parameters, gradients, AdamW    chapter 01's ZeRO formulas per kind of state (layout_memory.py; DP alone
+                                    under ZeRO-3: chapter 01's per-unit form, per_unit_zero.py)
     activations                     common/activation_ledger.pipeline_peaks: the ledger's bytes per micro-batch
                                     on each stage, times what the schedule keeps in flight (chapter 03's actions,
                                     schedule_costs.py)
@@ -16,15 +16,17 @@ Every number comes from a formula a chapter proved on real runs, imported from t
                                     cp: this chapter's attention_bookkeeping.cp_bytes, per layer and micro-batch
 
 Under --recompute full each block's forward runs again in backward, its tp, ep and cp exchanges with it,
-as far as backward needs them (each chapter's formula takes the mode). The bytes are global rank 0's,
-the rank a run's metrics report (its comm_bytes_*); the memory is the fullest pipeline rank's, the one
-that decides whether a layout fits. The step time is a model, stated:
+as far as backward needs them (each chapter's formula takes the mode). The bytes of a row are global rank
+0's, the rank a run's metrics report (its comm_bytes_*; rank_traffic counts any pipeline rank's); a GPU's
+step time takes the busiest pipeline rank's, whose work and collectives are the step's critical path
+(step_time.rank_work; under a V schedule rank 0 holds both ends of the model and the fewest blocks). The
+memory is the fullest pipeline rank's, the one that decides whether a layout fits. The step time is a
+model, stated:
 
     compute   model FLOPs of the step (common/mfu.flops_per_token; plus, under full recomputation, each
               block's forward again up to what backward needs: common/mfu.recompute_flops_per_token)
-              ÷ (ranks × peak × efficiency); on a CPU the ranks share
-              its cores, so the divisor has at most as many ranks as cores; on a GPU with a measured
-              curve (gpu_efficiency.py) the efficiency falls with the rank's matmul size (matmul_flops)
+              ÷ (ranks × peak × efficiency); on a CPU the ranks share its cores, so the divisor has at
+              most as many ranks as cores (on a GPU every operation at its own rate instead: step_time.py)
     bubble    compute × b / (1 − b): the slots every rank idles (none on a CPU with more ranks than cores:
               an idle rank lends its core to a busy one)
     links     per group, bytes ÷ the link's rate + messages × its latency; the link is NVLink when the
@@ -52,9 +54,9 @@ pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")  #
 expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")   # chapter 05: all-to-all bytes
 attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # chapter 06: the ring's bytes
 parallel_5d = import_module("06_context_parallel.parallel_5d")             # chapters 04-06: the Layout
-runnable = import_module("07_choosing_a_layout.runnable")                  # this chapter: which script runs it
 per_unit_zero = import_module("07_choosing_a_layout.per_unit_zero")        # this chapter: chapter 01's ZeRO-3
 working_set = import_module("07_choosing_a_layout.working_set")            # this chapter: beyond the ledger
+layout_memory = import_module("07_choosing_a_layout.layout_memory")        # this chapter: what a rank holds
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")      # this chapter: in flight, messages
 step_time = import_module("07_choosing_a_layout.step_time")                # this chapter: a GPU's step, by operation
 
@@ -117,86 +119,23 @@ class Run:
     full_recompute: str = "early-stop"   # what --recompute full reruns on a GPU (block_time.rerun)
 
 
-def per_unit(run: Run, c: Candidate) -> bool:
-    """Does chapter 01's ZeRO-3 run layout `c` (runnable.py): one unit's weights gathered at a time."""
-    return runnable.script_of(run.cfg, c) == "zero"
-
-
-def rank_parameters(run: Run, c: Candidate, stages) -> tuple[int, int]:
-    """(dense, expert) parameters one rank holds of `stages`, as the Layout counts each stage."""
-    layout = c.layout(run.dtype)
-    per_stage = [layout.stage_parameters(run.cfg, s) for s in stages]
-    return sum(d for d, _ in per_stage), sum(x for _, x in per_stage)
-
-
-def state_groups(run: Run, c: Candidate, dense: int, experts: int) -> tuple[tuple[int, int], ...]:
-    """((fp32 bytes M, ranks N), ...) of each kind of state a rank holds, over the group the Layout sums its
-    gradients over (and ZeRO shards it over): dense over dp × cp, experts over edp × cp."""
-    layout = c.layout(run.dtype)
-    groups = layout.gradient_groups()
-    return tuple((4 * n, layout.group_size(groups[kind])) for kind, n in (("dense", dense), ("experts", experts)))
-
-
-def memory_by_component(run: Run, c: Candidate, peak_activation: int, dense: int, experts: int) -> dict:
-    """One rank's bytes by component at the peak of a step, as chapter 04's Trainer3D holds them under ZeRO
-    (its `memory_formula` gives the same between steps): the fp32 weights whole and the full gradients
-    (ZeRO-3 gathers the weights once per step and keeps them for every micro-batch; from stage 2 the
-    gradients accumulate in full buffers until the reduce-scatter after the schedule), and beside those full
-    buffers the shards that stay through the step (from stage 2 the gradient shard the optimizer reads, at
-    stage 3 the weight shard the gather starts from: measured, calibrate_memory.py's held-out ZeRO runs),
-    AdamW's moments sharded from stage 1 (chapter 01's formula per group: dense over dp × cp, experts over
-    edp × cp). `held` is what stays between steps: chapter 01's zero_memory_components for each group."""
-    out = dict.fromkeys(("params", "grads", "optim_bytes"), 0.0)
-    held = dict.fromkeys(("params", "grads", "optim_bytes"), 0.0)
-    for M, N in state_groups(run, c, dense, experts):                               # fp32 master weights
-        between = zero_accounting.zero_memory_components(c.zero_stage, M, N)
-        out["params"] += M + (between["param_bytes"] if c.zero_stage >= 3 else 0)
-        out["grads"] += M + (between["grad_bytes"] if c.zero_stage >= 2 else 0)
-        out["optim_bytes"] += between["optim_bytes"]
-        for k, key in (("params", "param_bytes"), ("grads", "grad_bytes"), ("optim_bytes", "optim_bytes")):
-            held[k] += between[key]
-    act = peak_activation                    # the ledger in the run's dtype (bf16: its own measured terms)
-    if run.dtype == "bf16":
-        # one bf16 copy of this rank's weights, as a bf16 run keeps: the course's autocast casts them again for
-        # every micro-batch and each one in flight keeps its own (activation_ledger.bf16_weight_copies, measured),
-        # a cost of fp32 master weights under autocast that a bf16 training of this size would not pay
-        out["params"] += 2 * (dense + experts)
-    return {**out, "peak_activation_bytes": act, "total": sum(out.values()) + act,
-            "held_between_steps": sum(held.values())}
-
-
-def rank_memory(run: Run, c: Candidate, specs, pp_rank: int, peak_activation: int, gloo: bool) -> dict:
-    """What pipeline rank `pp_rank` holds, by component, with `peak_activation` bytes of activations and
-    its working set (working_set.py; `gloo`: the executor posts every receive of a step at its start)."""
-    mine = pipeline_stages.rank_stages(specs, c.pp, pp_rank)
-    dense, experts = rank_parameters(run, c, mine)
-    if per_unit(run, c):
-        memory = per_unit_zero.memory(per_unit_zero.unit_params(run.cfg), c.dp, run.dtype, peak_activation)
-    else:
-        memory = memory_by_component(run, c, peak_activation, dense, experts)
-    working = working_set.of_rank(run, c, mine, pp_rank, gloo)
-    copy = 0 if per_unit(run, c) else working_set.gradient_copy(state_groups(run, c, dense, experts), c.zero_stage)
-    return {**memory, "working": working, "gradient_copy": copy,
-            "total": working_set.peak_total(memory["total"] - memory["peak_activation_bytes"],
-                                            memory["peak_activation_bytes"], working, copy)}
-
-
-def rank0_traffic(run: Run, c: Candidate, specs) -> tuple[dict, dict]:
-    """({group: bytes}, {group: messages}) global rank 0 sends + receives in one step."""
+def rank_traffic(run: Run, c: Candidate, specs, pp_rank: int = 0) -> tuple[dict, dict]:
+    """({group: bytes}, {group: messages}) the first rank of pipeline rank `pp_rank` (global rank 0 at
+    pp_rank 0) sends + receives in one step."""
     cfg, m, v, layout = run.cfg, c.microbatches, c.virtual_stages, c.layout(run.dtype)
     message = layout.message_shape(cfg, run.global_batch, run.seq_len, c.sequence_parallel)   # (rows, S/cp[/tp], D)
     rows, positions, e = message[0], layout.positions(run.seq_len), layout.element_size
-    mine = pipeline_stages.rank_stages(specs, c.pp, 0)
+    mine = pipeline_stages.rank_stages(specs, c.pp, pp_rank)
     layers = sum(len(s.layers) for s in mine)
     # full recomputation reruns the forward's exchanges in the blocks it recomputes: (blocks, forward runs)
     rerun = recomputed_blocks(mine, c.recompute_layers) if c.recompute == "full" else 0
     runs = ((rerun, 2), (layers - rerun, 1))
     nbytes, msgs = dict.fromkeys(("dp", "tp", "pp", "ep", "cp"), 0), dict.fromkeys(("dp", "tp", "pp", "ep", "cp"), 0)
-    unit_by_unit = per_unit(run, c)
+    unit_by_unit = per_unit_zero.runs(run, c)
     if unit_by_unit and c.dp > 1:                    # chapter 01's ZeRO-3: every unit, every micro-batch
         nbytes["dp"], msgs["dp"] = per_unit_zero.traffic(per_unit_zero.unit_params(cfg), c.dp, m)
     for s in mine:
-        for M, N in state_groups(run, c, *rank_parameters(run, c, [s])):
+        for M, N in layout_memory.state_groups(run, c, *layout_memory.rank_parameters(run, c, [s])):
             if N > 1 and M and not unit_by_unit:
                 nbytes["dp"] += (collective_bytes("all_reduce", M, N) if c.zero_stage == 0 else
                                  int(2 * zero_accounting.zero_sent_share(c.zero_stage, N, per_microbatch=False) * M))
@@ -212,9 +151,9 @@ def rank0_traffic(run: Run, c: Candidate, specs) -> tuple[dict, dict]:
         # ~UNIT_MB (zero_sharding), two collectives each a step (1: all-reduce, all-gather; 2: reduce-scatter,
         # all-gather; 3: all-gather, reduce-scatter)
         msgs["dp"] += sum(2 * math.ceil(M / (zero_sharding.UNIT_MB * 2**20))
-                          for M, N in state_groups(run, c, *rank_parameters(run, c, mine)) if N > 1 and M)
+                          for M, N in layout_memory.state_groups(run, c, *layout_memory.rank_parameters(run, c, mine)) if N > 1 and M)
     if c.pp > 1:
-        msgs["pp"] = schedule_costs.rank0_messages(c.schedule, c.pp, m, v)
+        msgs["pp"] = schedule_costs.rank_messages(c.schedule, c.pp, m, v, pp_rank)
         nbytes["pp"] = msgs["pp"] * math.prod(message) * e
     if c.ep > 1 and cfg.n_experts:
         nbytes["ep"] = sum(int(expert_parallel.expected_ep_bytes(n, rows * m * positions, cfg.top_k, cfg.dim,
@@ -261,15 +200,16 @@ def link_of(group: str, c: Candidate, dev, gpus_per_node: int) -> tuple[float, f
     return (dev.intra, dev.latency_intra) if inside else (dev.inter, dev.latency_inter)
 
 
-def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, msgs: dict, bubble: float) -> dict:
+def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, msgs: dict, bubble: float,
+               pp_rank: int = 0) -> dict:
     """{compute, bubble, comm_<group>: seconds} of one step (a GPU's also memory and optimizer: step_time.py);
-    the step is their sum (the module docstring)."""
+    the step is their sum (the module docstring). `nbytes`, `msgs`: pipeline rank `pp_rank`'s (rank_traffic)."""
     cfg, world = run.cfg, c.layout().world
     if dev.spec is not None:        # a GPU: every operation at its own rate on the device file (step_time.py)
         mine = pipeline_stages.rank_stages(schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len,
-                                                                    c.schedule), c.pp, 0)
-        params = list(rank_parameters(run, c, mine))
-        return step_time.gpu_time_parts(run, c, dev, gpus_per_node, nbytes, msgs, bubble, params, per_unit(run, c),
+                                                                    c.schedule), c.pp, pp_rank)
+        params = list(layout_memory.rank_parameters(run, c, mine))
+        return step_time.gpu_time_parts(run, c, dev, gpus_per_node, nbytes, msgs, bubble, params, per_unit_zero.runs(run, c),
                                         len(per_unit_zero.unit_params(cfg)))
     blocks = recomputed_blocks(schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule), c.recompute_layers)
     flops = (flops_per_token(cfg, run.seq_len) + recompute_flops_per_token(cfg, run.seq_len, c.recompute, blocks)) \
@@ -293,17 +233,9 @@ def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, ms
         seconds[g] = nbytes[g] / link_rate + msgs[g] * latency
     exposed = {**seconds, "dp": max(0.0, seconds["dp"] - idle),
                "cp": step_time.cp_exposed(c, seconds["cp"], attention)}
-    if per_unit(run, c):          # chapter 01's prefetch: a unit's gather travels while the one before computes
+    if per_unit_zero.runs(run, c):          # chapter 01's prefetch: a unit's gather travels while the one before computes
         exposed["dp"] = per_unit_zero.exposed(seconds["dp"], compute, len(per_unit_zero.unit_params(cfg)))
     return {"compute": compute, "bubble": idle, **{f"comm_{g}": t for g, t in exposed.items()}}
-
-
-def fullest_rank(run: Run, c: Candidate, specs, peaks, gloo: bool) -> tuple[int, dict]:
-    """(pipeline rank, its memory by component) of the fullest rank: each rank its own weights, its own
-    activations (the ends hold the embedding and the head, the first ranks keep the most micro-batches in
-    flight) and its own working set; the fullest decides whether the layout fits."""
-    return max(((r, rank_memory(run, c, specs, r, peak, gloo)) for r, peak in peaks),
-               key=lambda rank_mem: rank_mem[1]["total"])
 
 
 def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
@@ -314,11 +246,12 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
     peaks = schedule_costs.activation_peaks(cfg, c.recompute, c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
                              run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel, run.dtype, c.recompute_layers,
                              c.cp, c.cp_attention == "allgather")
-    fullest, memory = fullest_rank(run, c, specs, peaks, working_set.gloo(dev))
-    nbytes, msgs = rank0_traffic(run, c, specs)
+    fullest, memory = layout_memory.fullest_rank(run, c, specs, peaks, working_set.gloo(dev))
+    nbytes, msgs = rank_traffic(run, c, specs)                                  # global rank 0's: the metrics'
+    busiest = step_time.rank_work(run, c, dev).pp_rank if dev.spec is not None else 0   # the critical path's rank
+    critical = (nbytes, msgs) if busiest == 0 else rank_traffic(run, c, specs, busiest)
     bubble = pipeline_schedules.theory_bubble(c.schedule, c.pp, c.microbatches, c.virtual_stages) if c.pp > 1 else 0.0
-
-    parts = time_parts(run, c, dev, gpus_per_node, nbytes, msgs, bubble)
+    parts = time_parts(run, c, dev, gpus_per_node, *critical, bubble, busiest)
     step, tokens = sum(parts.values()), run.global_batch * run.seq_len
     workers = world if dev.cores is None else min(world, dev.cores)
     return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "cp": c.cp, "ep": c.ep, "zero_stage": c.zero_stage,
@@ -330,4 +263,4 @@ def predict(run: Run, c: Candidate, dev, gpus_per_node: int) -> dict:
             # model FLOPs over the peak of every rank (common/mfu's definition; recomputation not counted)
             "mfu": flops_per_token(cfg, run.seq_len) * tokens / (workers * dev.peak) / step,
             "fits": working_set.fits(memory, dev), "time_parts_s": parts,
-            "virtual_stages": c.virtual_stages, "fullest_pp_rank": fullest}
+            "virtual_stages": c.virtual_stages, "fullest_pp_rank": fullest, "busiest_pp_rank": busiest}

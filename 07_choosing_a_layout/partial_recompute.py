@@ -8,7 +8,7 @@ one is enough.
 """
 from importlib import import_module
 
-layout_costs = import_module("07_choosing_a_layout.layout_costs")      # this chapter: one layout's numbers
+layout_memory = import_module("07_choosing_a_layout.layout_memory")    # this chapter: what a rank holds
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")  # this chapter: in flight, messages
 working_set = import_module("07_choosing_a_layout.working_set")        # this chapter: the fits test
 
@@ -25,7 +25,7 @@ def least_recompute_layers(run, c, dev) -> int | None:
     def fits(k):
         peaks = schedule_costs.activation_peaks(run.cfg, "full", c.schedule, c.pp, c.microbatches, c.virtual_stages, rows,
                                                  run.seq_len, run.seq_len // c.cp, c.tp, c.sequence_parallel, run.dtype, k)
-        return working_set.fits(layout_costs.fullest_rank(run, c, specs, peaks, working_set.gloo(dev))[1], dev)
+        return working_set.fits(layout_memory.fullest_rank(run, c, specs, peaks, working_set.gloo(dev))[1], dev)
 
     most = max(len(s.layers) for s in specs)
     if c.recompute != "full" or most < 2 or not fits(most) or fits(0):

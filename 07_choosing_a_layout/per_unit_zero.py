@@ -24,6 +24,12 @@ from importlib import import_module
 from common.model import parameter_shapes
 
 zero_accounting = import_module("01_data_parallel.zero_accounting")         # chapter 01: ZeRO memory
+runnable = import_module("07_choosing_a_layout.runnable")                  # this chapter: which script runs it
+
+
+def runs(run, c) -> bool:
+    """Does chapter 01's ZeRO-3 run layout `c` of `run` (runnable.py): one unit's weights gathered at a time."""
+    return runnable.script_of(run.cfg, c) == "zero"
 
 
 @lru_cache(maxsize=None)

@@ -27,9 +27,11 @@ class Published:
     framework: str = ""           # a framework whose own code this chapter also models (torchtitan_memory.py)
 
 
-def _llama(world: int, seq: int, batch: int, *more: str) -> tuple:
+def _llama(world: int, seq: int, batch: int) -> tuple:
+    """Llama 3's cluster and batch, every layout with cp > 1 planned with its framework's context parallelism:
+    K and V all-gathered before attention, the all-gather exposed (§3.3.2; --cp-attention allgather)."""
     return ("--model", "llama3-405b", "--world", str(world), "--device", "h100", "--dtype", "bf16",
-            "--global-batch", str(batch), "--seq-len", str(seq), *more)
+            "--global-batch", str(batch), "--seq-len", str(seq), "--cp-attention", "allgather")
 
 
 ONE_F_ONE_B = ("1f1b", "interleaved")      # Megatron-LM's schedules, and Llama 3's (its interleaved 1F1B)
@@ -45,8 +47,7 @@ RUNS = [
               dict(dp=128, tp=8, pp=16, cp=1, zero_stage=2, sequence_parallel=True, schedule="interleaved"),
               {"mfu": 0.41}, "Llama 3 Herd of Models, Table 4: 16,384 H100, TP 8 × PP 16 × DP 128, 8K, 41 % MFU",
               "square", ONE_F_ONE_B),
-    # Its CP all-gathers K and V before attention, the all-gather exposed (§3.3.2): --cp-attention allgather
-    Published("llama3-405b-131k", _llama(16384, 131072, 128, "--cp-attention", "allgather"),
+    Published("llama3-405b-131k", _llama(16384, 131072, 128),
               dict(dp=8, tp=8, pp=16, cp=16, zero_stage=2, sequence_parallel=True, schedule="interleaved",
                    cp_attention="allgather"),
               {"mfu": 0.38}, "Llama 3 Herd of Models, Table 4: 16,384 H100, TP 8 × CP 16 × PP 16 × DP 8, 131K, 38 % MFU",

@@ -1,5 +1,5 @@
 """A pipeline schedule's part of a layout's numbers: its stages, the activations each rank keeps in flight,
-and rank 0's messages, read off chapter 03's own schedules (the actions every rank of a run executes).
+and each rank's messages, read off chapter 03's own schedules (the actions every rank of a run executes).
 
 A long step is read off its steady part: a schedule of thousands of micro-batches (DeepSeek-V3's 15,360 on
 one data-parallel rank) holds millions of actions, but what the planner needs of it stops changing once the
@@ -37,19 +37,19 @@ def steady_microbatches(pp: int, m: int) -> int:
     """The micro-batches of the schedule the planner builds for a step of m: at most 4·pp. Each of chapter 03's
     schedules has the most micro-batches in flight by the end of its warm-up (within 2·pp micro-batches), and
     4·pp is valid wherever m is (a multiple of pp, at least 2·pp), so a rank's activation peak at m is its peak
-    at min(m, 4·pp) and rank 0's messages are m times one micro-batch's (tests/test_schedule_costs.py checks
+    at min(m, 4·pp) and its messages are m times one micro-batch's (tests/test_schedule_costs.py checks
     both against whole schedules). A schedule of DeepSeek-V3's 15,360 micro-batches per data-parallel rank would
     hold millions of actions."""
     return min(m, 4 * pp)
 
 
 @lru_cache(maxsize=None)
-def rank0_messages(schedule: str, pp: int, m: int, v: int) -> int:
-    """Rank 0's pipeline messages in a step of m micro-batches: m times those of one micro-batch (each crosses
-    the same stage boundaries), counted on the steady schedule."""
+def rank_messages(schedule: str, pp: int, m: int, v: int, rank: int = 0) -> int:
+    """Pipeline rank `rank`'s messages in a step of m micro-batches: m times those of one micro-batch (each
+    crosses the same stage boundaries), counted on the steady schedule."""
     few = steady_microbatches(pp, m)
     plan = plan_for(schedule, pp, few, v)
-    count = pipeline_executor.message_count(plan[0], pp * v, pp, pipeline_schedules.placement(plan))
+    count = pipeline_executor.message_count(plan[rank], pp * v, pp, pipeline_schedules.placement(plan))
     return count * m // few
 
 

@@ -1,21 +1,22 @@
 """A GPU step's time from its operations (block_time.py) on a device file (device_files.py), by part.
 
-    busy       the fullest pipeline rank's m micro-batches: each block's forward, backward and what
-               recomputation reruns (block_time.microbatch_ops), the embedding and the head on the ranks
-               that hold them; split into `compute` (the matmuls, attention's products among them) and
-               `memory` (norms, residuals, activation, RoPE, the loss: memory-bound)
-    comm_tp    chapter 02's collectives of rank 0 in the step (layout_costs.rank0_traffic), on the tier the
+    busy       the busiest pipeline rank's m micro-batches (rank_work: the step's critical path is that
+               rank's): each block's forward, backward and what recomputation reruns
+               (block_time.microbatch_ops), the embedding and the head on the ranks that hold them; split
+               into `compute` (the matmuls, attention's products among them) and `memory` (norms,
+               residuals, activation, RoPE, the loss: memory-bound)
+    comm_tp    chapter 02's collectives of that rank in the step (layout_costs.rank_traffic), on the tier the
                TP group spans, all on the critical path; with --tp-overlap (chapter 02) only what the
                chunk matmuls do not cover, ring by ring (tp_rings.py)
-    comm_ep    chapter 05's all-to-all, on the critical path
-    comm_pp    chapter 03's sends and receives of rank 0, each a message on the tier the pipeline spans
+    comm_ep    chapter 05's all-to-all of that rank, on the critical path
+    comm_pp    chapter 03's sends and receives of that rank, each a message on the tier the pipeline spans
     bubble     (busy + tp + ep + pp) · b / (1 − b), b chapter 03's theory_bubble of the schedule
     comm_dp    DP's gradient reduction (ZeRO: reduce-scatter and all-gather) starts after a stage's last
                backward and hides behind the other stages' cool-down, the bubble: max(0, dp − bubble);
                chapter 01's per-unit ZeRO-3 prefetches the next unit while one computes
     comm_cp    the ring's K/V hops hide behind attention's own products: max(0, cp − attention); the
                all-gather variant's collectives (--cp-attention allgather) are all exposed
-    optimizer  AdamW over the rank's shard of the parameters, one pass over memory: fp32 weight, gradient,
+    optimizer  AdamW over that rank's shard of its parameters, one pass over memory: fp32 weight, gradient,
                two moments read, weight and moments written, the bf16 copy written (30 bytes a parameter)
 
 A collective on a tier takes (bytes sent + received) / 2 ÷ (the tier's one-way rate × its efficiency) +
@@ -24,6 +25,7 @@ that rate (a ring all-reduce moves 2(N−1)/N of the tensor each way). The step 
 """
 from functools import partial
 from importlib import import_module
+from typing import NamedTuple
 
 from common.recompute import recomputed_of
 
@@ -52,9 +54,17 @@ def spans(c) -> dict:
     return {g: layout.group_span(g) for g in ("tp", "cp", "pp", "ep", "dp")}
 
 
-def rank_work(run, c, dev) -> tuple[float, float, float]:
-    """(matmul s, memory s, attention s) of the busiest pipeline rank's m micro-batches; computed once for the
-    layouts that differ only where it does not look (their ZeRO stage, say)."""
+class RankWork(NamedTuple):
+    """The busiest pipeline rank's m micro-batches: the one on the step's critical path."""
+    matmul: float               # seconds of its matmuls (attention's products among them)
+    memory: float               # seconds of its memory-bound work
+    attention: float            # seconds of attention's own products (what the ring's hops hide behind)
+    pp_rank: int                # which pipeline rank it is (its collectives are the step's: layout_costs)
+
+
+def rank_work(run, c, dev) -> RankWork:
+    """The busiest pipeline rank's work (RankWork); computed once for the layouts that differ only where it
+    does not look (their ZeRO stage, say)."""
     cfg = run.cfg
     shape = rank_shape(run, c)
     mode = "whole-block" if c.recompute == "full" and run.full_recompute == "whole-block" else c.recompute
@@ -69,10 +79,10 @@ def rank_work(run, c, dev) -> tuple[float, float, float]:
 _RANK_WORK: dict = {}
 
 
-def _rank_work(run, c, dev, shape, mode: str, same_run: tuple) -> tuple[float, float, float]:
+def _rank_work(run, c, dev, shape, mode: str, same_run: tuple) -> RankWork:
     cfg = run.cfg
     specs = schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
-    best = (0.0, 0.0, 0.0)
+    best = RankWork(0.0, 0.0, 0.0, 0)
     for r in range(c.pp):
         matmul = memory = attention = 0.0
         for s in pipeline_stages.rank_stages(specs, c.pp, r):
@@ -81,10 +91,10 @@ def _rank_work(run, c, dev, shape, mode: str, same_run: tuple) -> tuple[float, f
             mm, mem, att = stage_seconds(cfg, shape, dev.spec, blocks, again, mode, s.first, s.last,
                                          key=same_run + (blocks, again, s.first, s.last))
             matmul, memory, attention = matmul + mm, memory + mem, attention + att
-        if matmul + memory > sum(best[:2]):
-            best = (matmul, memory, attention)
+        if matmul + memory > best.matmul + best.memory:
+            best = RankWork(matmul, memory, attention, r)
     m = c.microbatches
-    return m * best[0], m * best[1], m * best[2]
+    return RankWork(m * best.matmul, m * best.memory, m * best.attention, best.pp_rank)
 
 
 def rank_shape(run, c) -> "block_time.Shape":
@@ -125,8 +135,8 @@ def cp_exposed(c, seconds: float, attention: float) -> float:
 def gpu_time_parts(run, c, dev, gpus_per_node: int, nbytes: dict, msgs: dict, bubble: float,
                    params: tuple[int, int], per_unit: bool, units: int) -> dict:
     """{compute, memory, bubble, comm_<group>, optimizer: seconds} of one step on a GPU; the step is their sum.
-    `params`: rank 0's (dense, expert) parameters; `per_unit`: chapter 01's ZeRO-3 with `units` units."""
-    matmul, memory, attention = rank_work(run, c, dev)
+    `params`: the busiest rank's (dense, expert) parameters; `per_unit`: chapter 01's ZeRO-3 with `units` units."""
+    matmul, memory, attention, _ = rank_work(run, c, dev)
     span = spans(c)
     seconds = {g: link_seconds(nbytes[g], msgs[g], tier_of(span[g], gpus_per_node, dev.spec)) for g in nbytes}
     if c.tp_overlap:            # chapter 02's --tp-overlap: each ring's hops under its chunks' matmuls

@@ -95,7 +95,7 @@ def recomputed(run, c, rows: int, positions: int) -> int:
 
 def gradient_copy(groups, zero_stage: int) -> int:
     """The bytes of the flat copy of a rank's gradients that the replicated optimizer sums (ZeRO stage 0),
-    `groups` ((fp32 bytes, ranks) of each kind of state: layout_costs.state_groups): chapter 01's
+    `groups` ((fp32 bytes, ranks) of each kind of state: layout_memory.state_groups): chapter 01's
     AsyncGradAllReduce copies each stage's gradients of a kind into one bucket when they are final and keeps
     every bucket until the step waits for them, so after the last backward the rank holds its gradients twice.
     A kind summed over a group of one copies nothing; ZeRO's flat buffers are the gradients themselves."""

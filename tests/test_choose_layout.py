@@ -19,6 +19,7 @@ choose_layout = import_module("07_choosing_a_layout.choose_layout")
 planner = import_module("07_choosing_a_layout.planner")
 runnable = import_module("07_choosing_a_layout.runnable")
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
+layout_memory = import_module("07_choosing_a_layout.layout_memory")
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
 partial_recompute = import_module("07_choosing_a_layout.partial_recompute")
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
@@ -141,7 +142,7 @@ def test_memory_is_what_the_grid_trainers_hold():
     r = row(TINY, 1, 1, 4, m=8)
     specs = schedule_costs.specs_for(TINY.cfg, 4, 1, S)
     ranks = dict(schedule_costs.activation_peaks(TINY.cfg, "none", "1f1b", 4, 8, 1, 2, S, S, 1, False))
-    totals = {k: layout_costs.rank_memory(TINY, layout_costs.Candidate(pp=4, microbatches=8),
+    totals = {k: layout_memory.rank_memory(TINY, layout_costs.Candidate(pp=4, microbatches=8),
                                           specs, k, peak, gloo=False)["total"] for k, peak in ranks.items()}
     assert r["memory_bytes"]["total"] == int(max(totals.values())) and r["fullest_pp_rank"] == max(totals, key=totals.get)
     acts = [row(TINY, 8, 1, 1, m=2, mode=mode)["memory_bytes"]["peak_activation_bytes"]

@@ -154,18 +154,21 @@ def test_llama3_miniature_resumes_on_one_device_and_its_activations_are_the_ledg
     assert row["param_bytes"] == pytest.approx(4 * row["grad_bytes"], abs=PADDING) == 2 * row["optim_bytes"]
 
 
-def _planner_bytes(preset: str, c) -> dict:
+def _planner_bytes(preset: str, c, pp_rank: int) -> dict:
     layout_costs = import_module("07_choosing_a_layout.layout_costs")
     schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
     from common.model import PRESETS
     run = layout_costs.Run(PRESETS[preset], 8, 32, "fp32")
-    want, _ = layout_costs.rank0_traffic(run, c, schedule_costs.specs_for(run.cfg, c.pp, c.virtual_stages, 32))
+    specs = schedule_costs.specs_for(run.cfg, c.pp, c.virtual_stages, 32, c.schedule)
+    want, _ = layout_costs.rank_traffic(run, c, specs, pp_rank)
     return want
 
 
 def test_miniatures_bytes_per_group_are_the_planners(groups):
-    """Rank 0's bytes in the last step, per group, against layout_costs.rank0_traffic (the routed all-to-all
-    depends on the routing: within 20% of its uniform-routing expectation)."""
+    """The bytes in the last step, per group, of the first and the last pipeline rank (global rank 0 and the
+    first rank of the last stage: pp_rank · cp · tp on the grid (edp, ep, pp, cp, tp)), against
+    layout_costs.rank_traffic (the routed all-to-all depends on the routing: within 20% of its
+    uniform-routing expectation)."""
     Candidate = import_module("07_choosing_a_layout.layout_costs").Candidate
     cases = {(16, "Llama 3 miniature"): ("tiny", Candidate(dp=2, tp=2, pp=2, cp=2, zero_stage=2, sequence_parallel=True, microbatches=2)),
              (8, "GPT-3 miniature"): ("tiny", Candidate(dp=2, tp=2, pp=2, recompute="selective", sequence_parallel=True, schedule="interleaved", microbatches=2, virtual_stages=2)),
@@ -173,13 +176,16 @@ def test_miniatures_bytes_per_group_are_the_planners(groups):
              # ZeRO-3 on the grid gathers the weights once per step: one gather and one reduce-scatter
              (8, "ZeRO-3 × tp 2 × cp 2, dense"): ("tiny", Candidate(dp=2, tp=2, cp=2, zero_stage=3, microbatches=2))}
     for (world, name), (preset, c) in cases.items():
-        row, want = ok(groups[world][name])[-1], _planner_bytes(preset, c)
-        dp = "comm_bytes_dp_cp" if c.cp > 1 else "comm_bytes_dp"
-        assert row[dp] == pytest.approx(want["dp"], abs=PADDING), (name, row[dp], want["dp"])
-        for g in ("tp", "pp", "cp"):
-            assert row.get(f"comm_bytes_{g}", 0) == want[g], (name, g, row.get(f"comm_bytes_{g}"), want[g])
-        if want["ep"]:
-            assert row["comm_bytes_ep"] == pytest.approx(want["ep"], rel=0.2), (name, row["comm_bytes_ep"], want["ep"])
+        histories = every_rank(groups[world][name])
+        for pp_rank in sorted({0, c.pp - 1}):
+            row, want = histories[pp_rank * c.cp * c.tp][-1], _planner_bytes(preset, c, pp_rank)
+            where = (name, pp_rank)
+            dp = "comm_bytes_dp_cp" if c.cp > 1 else "comm_bytes_dp"
+            assert row[dp] == pytest.approx(want["dp"], abs=PADDING), (where, row[dp], want["dp"])
+            for g in ("tp", "pp", "cp"):
+                assert row.get(f"comm_bytes_{g}", 0) == want[g], (where, g, row.get(f"comm_bytes_{g}"), want[g])
+            if want["ep"]:
+                assert row["comm_bytes_ep"] == pytest.approx(want["ep"], rel=0.2), (where, row["comm_bytes_ep"], want["ep"])
 
 
 def test_tp_bytes_of_sequence_parallel_experts_equal_chapter_02s_formulas(groups):

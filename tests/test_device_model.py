@@ -100,6 +100,32 @@ def test_the_all_gather_s_collectives_are_exposed_where_the_ring_hides_its_hops(
     assert "context_parallel_rotate_method allgather" in framework_flags.torchtitan(gathered, 16, 32768)
 
 
+def test_a_gpu_step_takes_the_collectives_of_its_busiest_pipeline_rank():
+    """Under ZB-V rank 0 holds both ends of the model and the fewest blocks: the step's compute is another
+    rank's, and so are its TP and CP collectives (more than rank 0's, which the row's comm_bytes keeps: the
+    metrics' rank). Under the interleaved loop the busiest is rank 0 itself."""
+    cfg = layout_inputs.model_for("llama3-8b")                                  # 32 layers
+    run = layout_costs.Run(cfg, 64, 8192, "bf16")
+    dev = layout_inputs.device_for("h100", "bf16", 64)
+    schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
+    step_time = import_module("07_choosing_a_layout.step_time")
+    v_shape = layout_costs.Candidate(dp=2, tp=4, pp=4, cp=2, zero_stage=1, sequence_parallel=True, schedule="zb-v",
+                                     virtual_stages=2, microbatches=8, cp_attention="allgather")
+    busiest_of = {}
+    for c in (v_shape, replace(v_shape, schedule="interleaved")):
+        r = layout_costs.predict(run, c, dev, 8)
+        specs = schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
+        busiest, msgs = layout_costs.rank_traffic(run, c, specs, r["busiest_pp_rank"])
+        assert r["comm_bytes"] == layout_costs.rank_traffic(run, c, specs)[0]
+        for g in ("tp", "cp"):
+            tier = step_time.tier_of(step_time.spans(c)[g], 8, dev.spec)
+            assert r["time_parts_s"][f"comm_{g}"] == step_time.link_seconds(busiest[g], msgs[g], tier), (c.schedule, g)
+        busiest_of[c.schedule] = r["busiest_pp_rank"], busiest["tp"] / r["comm_bytes"]["tp"]
+    assert busiest_of["interleaved"] == (0, 1.0)
+    rank, more = busiest_of["zb-v"]
+    assert rank != 0 and more > 1.1, busiest_of
+
+
 def test_a_gelu_model_runs_two_matrices_of_its_width_and_holds_a_swiglus_weights():
     """GPT-3's MLP: up and down of 49,152 (over TP 8: 6,144) in the time; in the memory the weights of a SwiGLU
     of 32,768, the same 2·d·4d."""

@@ -80,7 +80,7 @@ def test_per_unit_zero3_hides_each_gather_under_the_unit_before():
                   layout_costs.Candidate(dp=4, tp=2, zero_stage=3, microbatches=2)):
             r = layout_costs.predict(run, c, h100, 8)
             parts = r["time_parts_s"]
-            nbytes, msgs = layout_costs.rank0_traffic(run, c, schedule_costs.specs_for(run.cfg, 1, 1, run.seq_len))
+            nbytes, msgs = layout_costs.rank_traffic(run, c, schedule_costs.specs_for(run.cfg, 1, 1, run.seq_len))
             rate, latency = layout_costs.link_of("dp", c, h100, 8)
             seconds = nbytes["dp"] / rate + msgs["dp"] * latency
             want = max(seconds / units, seconds - parts["compute"] - parts["memory"]) if c.tp == 1 else seconds

@@ -66,7 +66,7 @@ def planner_messages(model: str, row: dict) -> dict:
     """{group: messages} the planner counts on rank 0 for `row` in one step (what its step time charges)."""
     c = layout_costs.Candidate(**{f.name: row[f.name] for f in fields(layout_costs.Candidate)})
     run = layout_costs.Run(PRESETS[model], BATCH, SEQ, "fp32")
-    return layout_costs.rank0_traffic(run, c, schedule_costs.specs_for(run.cfg, c.pp, c.virtual_stages, SEQ))[1]
+    return layout_costs.rank_traffic(run, c, schedule_costs.specs_for(run.cfg, c.pp, c.virtual_stages, SEQ))[1]
 
 
 @pytest.mark.parametrize("stage", (1, 2, 3))
