@@ -175,17 +175,25 @@ def seconds(ops: list[Op], dev, split: bool = False):
     return (matrix, vector) if split else matrix + vector
 
 
-def microbatch_ops(cfg, s: Shape, blocks: int, recomputed: int, mode: str, first: bool, last: bool) -> list[Op]:
-    """Every operation of one micro-batch's forward and backward through `blocks` blocks on one rank,
-    `recomputed` of them rerunning their forward (`mode`), with the embedding and the head where they live."""
+def microbatch_passes(cfg, s: Shape, blocks: int, recomputed: int, mode: str, first: bool,
+                      last: bool) -> tuple[list[Op], list[Op], list[Op]]:
+    """One micro-batch through `blocks` blocks on one rank, `recomputed` of them rerunning their forward
+    (`mode`), with the embedding and the head where they live, as a pipeline schedule's three passes: the
+    forward F, the input gradient B (what recomputation reruns among it) and the weight gradient W."""
     fwd = block_forward(cfg, s)
-    ops = blocks * (fwd + block_backward(fwd)) + recomputed * rerun(fwd, mode)
+    forward, backward = blocks * fwd, blocks * block_backward(fwd) + recomputed * rerun(fwd, mode)
     if first:
-        ops += embed_forward(cfg, s) + block_backward(embed_forward(cfg, s))
+        forward, backward = forward + embed_forward(cfg, s), backward + block_backward(embed_forward(cfg, s))
     if last:                        # the loss's forward writes its gradient too: no backward of its own
         head = head_forward(cfg, s)
-        ops += head + block_backward(head[:-1])
-    return ops
+        forward, backward = forward + head, backward + block_backward(head[:-1])
+    weight = [op.name.endswith("weight gradient") for op in backward]
+    return forward, [op for op, w in zip(backward, weight) if not w], [op for op, w in zip(backward, weight) if w]
+
+
+def microbatch_ops(cfg, s: Shape, blocks: int, recomputed: int, mode: str, first: bool, last: bool) -> list[Op]:
+    """Every operation of one micro-batch's forward and backward (microbatch_passes, all three)."""
+    return [op for ops in microbatch_passes(cfg, s, blocks, recomputed, mode, first, last) for op in ops]
 
 
 def attention_seconds(cfg, s: Shape, dev, blocks: int) -> float:

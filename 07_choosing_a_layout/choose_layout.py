@@ -46,6 +46,7 @@ runnable = import_module("07_choosing_a_layout.runnable")              # this ch
 planner = import_module("07_choosing_a_layout.planner")                # this chapter: the plan, ranked
 explain_layout = import_module("07_choosing_a_layout.explain_layout")  # this chapter: the planner's words
 published = import_module("07_choosing_a_layout.published")            # this chapter: published runs
+pipeline_time = import_module("07_choosing_a_layout.pipeline_time")    # this chapter: a schedule run on paper
 framework_flags = import_module("07_choosing_a_layout.framework_flags")  # this chapter: Megatron-LM's, torchtitan's
 
 
@@ -169,7 +170,8 @@ def main(argv=None) -> list[dict]:
     if args.explain:
         print("\n".join(["", *explain_layout.explain_one(args.explain, rows, dev, describe,
                                                           partial(planner.refusal_of, args, dev),
-                                                          lambda r: run_it(r, cfg, args))]))
+                                                          lambda r: run_it(r, cfg, args),
+                                                          partial(pipeline_time.words, planner.run_of(args), dev=dev))]))
         flags = framework_flags.explained(args.explain, rows, cfg, args.global_batch, args.seq_len)
         print("\n".join(x for line in flags for x in explain_layout.wrap(line.strip(), "  ")))
     if args.json:

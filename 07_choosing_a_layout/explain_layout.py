@@ -189,10 +189,11 @@ def decision_tree(rows: list[dict], cfg, dev, args, describe, top: int) -> list[
     return [x for line in out for x in wrap(line)]
 
 
-def explain_one(spec: dict, rows: list[dict], dev, describe, refusal_of, run_it) -> list[str]:
+def explain_one(spec: dict, rows: list[dict], dev, describe, refusal_of, run_it, on_paper=None) -> list[str]:
     """One layout: where it ranks and why, its memory by component, its time by part, against the first.
     `refusal_of(spec)` gives the chapters' refusal of a layout that is not among the rows; `run_it(row)` the
-    command that runs it here (itself, or its miniature for a published shape)."""
+    command that runs it here (itself, or its miniature for a published shape); `on_paper(row)`, on a GPU
+    with a pipeline, its schedule run on paper (pipeline_time.words)."""
     wanted = published.BY_NAME[spec["name"]].layout if "name" in spec else spec
     found = [r for r in rows if published.matches(r, wanted)]
     if not found:
@@ -211,6 +212,8 @@ def explain_one(spec: dict, rows: list[dict], dev, describe, refusal_of, run_it)
            f"of weights, gradients and AdamW held between steps",
            f"  time per step {r['step_time_s']:.4g} s (MFU {r['mfu']:.1%}{busiest(r, dev)}): "
            + ", ".join(f"{k.replace('_', ' ')} {parts[k]:.3g} s" for k in WORDS if parts.get(k))]
+    if on_paper and dev.spec is not None and r["pp"] > 1:
+        out[-1] += "; " + on_paper(r)
     if r is not first:
         gaps = sorted(((parts.get(k, 0) - first["time_parts_s"].get(k, 0), k) for k in WORDS), reverse=True)
         out.append(f"  against the first ({describe(first)}, {first['step_time_s']:.4g} s): "

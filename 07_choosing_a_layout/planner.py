@@ -118,6 +118,12 @@ def nodes(args, dev) -> int:
     return args.world if dev.cores is not None else args.gpus_per_node
 
 
+def run_of(args) -> "layout_costs.Run":
+    """What every layout of choose_layout.py's flags `args` shares: the model, the batch, the dtype, the kernels."""
+    return layout_costs.Run(layout_inputs.model_for(args.model), args.global_batch, args.seq_len, args.dtype,
+                            args.attention, args.full_recompute)
+
+
 def plan(args) -> Plan:
     """Every layout of choose_layout.py's flags `args` that the chapters run, predicted and ranked."""
     cfg = layout_inputs.model_for(args.model)
@@ -125,7 +131,7 @@ def plan(args) -> Plan:
             f"--seq-len {args.seq_len} is longer than --model {args.model}'s {cfg.max_seq_len} positions")
     dev = layout_inputs.device_for(args.device, args.dtype, args.world, args.efficiency)
     gpn = nodes(args, dev)
-    run = layout_costs.Run(cfg, args.global_batch, args.seq_len, args.dtype, args.attention, args.full_recompute)
+    run = run_of(args)
     kept, refused = runnable_candidates(cfg, args.model, args.world, args.global_batch, args.seq_len, gpn, args.dtype,
                                         args.cp_attention)
     # full recomputation also as a lever: the fewest blocks per stage that fit (--recompute-layers), the rest kept

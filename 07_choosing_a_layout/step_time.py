@@ -66,8 +66,7 @@ def rank_work(run, c, dev) -> RankWork:
     """The busiest pipeline rank's work (RankWork); computed once for the layouts that differ only where it
     does not look (their ZeRO stage, say)."""
     cfg = run.cfg
-    shape = rank_shape(run, c)
-    mode = "whole-block" if c.recompute == "full" and run.full_recompute == "whole-block" else c.recompute
+    shape, mode = rank_shape(run, c), rerun_mode(run, c)
     same_run = (repr(cfg), repr(dev.spec), shape, mode)
     key = same_run + (run.seq_len, c.pp, c.virtual_stages, c.schedule, c.recompute, c.recompute_layers,
                       c.microbatches)
@@ -87,7 +86,7 @@ def _rank_work(run, c, dev, shape, mode: str, same_run: tuple) -> RankWork:
         matmul = memory = attention = 0.0
         for s in pipeline_stages.rank_stages(specs, c.pp, r):
             blocks = len(s.layers)
-            again = {"none": 0, "selective": blocks, "full": recomputed_of(blocks, c.recompute_layers)}[c.recompute]
+            again = recomputed_blocks(c, blocks)
             mm, mem, att = stage_seconds(cfg, shape, dev.spec, blocks, again, mode, s.first, s.last,
                                          key=same_run + (blocks, again, s.first, s.last))
             matmul, memory, attention = matmul + mm, memory + mem, attention + att
@@ -95,6 +94,17 @@ def _rank_work(run, c, dev, shape, mode: str, same_run: tuple) -> RankWork:
             best = RankWork(matmul, memory, attention, r)
     m = c.microbatches
     return RankWork(m * best.matmul, m * best.memory, m * best.attention, best.pp_rank)
+
+
+def rerun_mode(run, c) -> str:
+    """What recomputation reruns on a GPU (block_time.rerun): the layout's mode; its full recomputation as
+    the run's --full-recompute says (the course's early stop, or Megatron-LM's whole block)."""
+    return "whole-block" if c.recompute == "full" and run.full_recompute == "whole-block" else c.recompute
+
+
+def recomputed_blocks(c, blocks: int) -> int:
+    """How many of a stage's `blocks` rerun their forward under layout `c`'s recomputation."""
+    return {"none": 0, "selective": blocks, "full": recomputed_of(blocks, c.recompute_layers)}[c.recompute]
 
 
 def rank_shape(run, c) -> "block_time.Shape":

@@ -1,0 +1,98 @@
+"""A GPU pipeline's bubble from its own schedule: chapter 03's actions run on paper with each action's own time.
+
+Chapter 03's textbook bubbles (pipeline_schedules.theory_bubble) assume every stage equally heavy and a
+backward twice a forward (zero bubble: B = W = F). On a GPU neither holds: the stages of a loop or a V
+differ by a layer (126 blocks over 112 interleaved chunks: 14 of two blocks, 98 of one), the last holds
+the head and the loss, the first the embedding; and a block's input gradient B (each matmul's input
+gradient, attention's five products, the memory-bound backward, what recomputation reruns) outweighs its
+weight gradient W (each matmul's weight gradient only), which zero-bubble schedules count on being equal.
+
+So each stage's forward F, input gradient B and weight gradient W of one micro-batch are timed from its
+operations (block_time.py: a weight gradient is an operation of its own), and chapter 03's schedule
+simulator (schedule_simulator.simulate) runs the layout's own schedule with them: each rank in its
+action order, each action waiting for its inputs (a schedule that does not split the backward runs B and W
+as one). The bubble is the idle share of the busiest rank's step:
+
+    b = idle / makespan,  idle = makespan − the busiest rank's busy time
+
+The whole step is run on paper, each of its m micro-batches: exact, and slow for a plan of thousands of
+layouts (a step of m micro-batches on p ranks is 2–3·m·v actions per rank; DeepSeek-V3's run thousands of
+micro-batches). So the planner ranks its layouts with the textbook bubble, and `--explain` says what
+this run on paper gives for the layout it explains (`words`): how far the textbook's assumption is from
+that layout's own stages. With equal stages and the textbook's costs the two agree exactly for the loop
+schedules (1F1B, interleaved, ZB-H1); the V schedules run some backwards whole (BW, in PyTorch's order, as
+chapter 03's executor does), whose input gradient leaves only after their weight gradient: they idle more
+than the textbook's V even then (tests/test_pipeline_time.py).
+"""
+from functools import lru_cache
+from importlib import import_module
+
+block_time = import_module("07_choosing_a_layout.block_time")              # this chapter: one block's operations
+schedule_costs = import_module("07_choosing_a_layout.schedule_costs")      # this chapter: the stages
+step_time = import_module("07_choosing_a_layout.step_time")                # this chapter: a rank's shape
+layout_costs = import_module("07_choosing_a_layout.layout_costs")          # this chapter: a row's layout
+pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")   # chapter 03: the actions
+schedule_simulator = import_module("03_pipeline_parallel.schedule_simulator")   # chapter 03: run on paper
+pipeline_actions = import_module("03_pipeline_parallel.pipeline_actions")  # chapter 03: F, B, W, BW
+
+
+def words(run, row: dict, dev) -> str:
+    """What --explain says of a GPU layout `row` with a pipeline: its bubble on paper against the textbook's, and
+    the step with it (the bubble's part replaced; the rest of the step as the planner counts it)."""
+    c = layout_costs.Candidate.of_row(row)
+    b, parts = bubble(run, c, dev), row["time_parts_s"]
+    critical = sum(parts.get(k, 0.0) for k in ("compute", "memory", "comm_tp", "comm_ep", "comm_pp"))
+    step = row["step_time_s"] - parts["bubble"] + critical * b / (1 - b)
+    return (f"on paper (chapter 03's schedule run with each stage's own forward, input and weight gradients: "
+            f"pipeline_time.py) its busiest rank idles {b:.1%} of the step, where the ranking's textbook bubble "
+            f"says {row['bubble']:.1%}: a step of {step:.4g} s (MFU {row['mfu'] * row['step_time_s'] / step:.1%})")
+
+
+def bubble(run, c, dev) -> float:
+    """The busiest rank's idle share of a GPU step of layout `c` (the module docstring)."""
+    cfg, shape, mode = run.cfg, step_time.rank_shape(run, c), step_time.rerun_mode(run, c)
+    specs = schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
+    costs = [stage_passes(cfg, shape, dev.spec, len(s.layers), step_time.recomputed_blocks(c, len(s.layers)), mode,
+                          s.first, s.last) for s in specs]
+    unit = max(f for f, _, _ in costs)
+    ratios = tuple(tuple(float(f"{x / unit:.3g}") for x in fbw) for fbw in costs)
+    return simulated_bubble(c.schedule, c.pp, c.microbatches, c.virtual_stages, ratios)
+
+
+def stage_passes(cfg, shape, spec, blocks: int, recomputed: int, mode: str, first: bool, last: bool) -> tuple:
+    """(F, B, W) seconds of one micro-batch through a stage (block_time.microbatch_passes) on device file
+    `spec`; computed once per stage shape (a plan asks the same few again and again)."""
+    key = (repr(cfg), repr(spec), shape, blocks, recomputed, mode, first, last)
+    if key not in _PASSES:
+        passes = block_time.microbatch_passes(cfg, shape, blocks, recomputed, mode, first, last)
+        _PASSES[key] = tuple(block_time.seconds(ops, spec) for ops in passes)
+    return _PASSES[key]
+
+
+_PASSES: dict = {}
+
+
+@lru_cache(maxsize=None)
+def simulated_bubble(schedule: str, pp: int, m: int, v: int, costs: tuple) -> float:
+    """b of `schedule` at m micro-batches with stage k's (F, B, W) = costs[k] (the module docstring)."""
+    makespan, busy = on_paper(schedule, pp, m, v, costs)
+    return 1 - busy / makespan
+
+
+def on_paper(schedule: str, pp: int, m: int, v: int, costs: tuple) -> tuple[float, float]:
+    """(makespan, the busiest rank's busy time) of chapter 03's `schedule` of m micro-batches run on paper
+    (schedule_simulator.simulate), stage k's (F, B, W) = costs[k]; a schedule that does not split the
+    backward runs B and W as one action."""
+    plan = schedule_costs.plan_for(schedule, pp, m, v)
+    split = pipeline_schedules.SCHEDULES[schedule].split_w
+    A = pipeline_actions
+
+    def cost(rank, a):
+        f, b, w = costs[a.stage]
+        return {A.F: f, A.B: b if split else b + w, A.W: w, A.BW: b + w}[a.kind]
+
+    run = schedule_simulator.simulate(plan, len(costs), cost)
+    busy = [0.0] * pp
+    for rank, _, start, end in run["events"]:
+        busy[rank] += end - start
+    return run["makespan"], max(busy)

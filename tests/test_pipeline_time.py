@@ -1,0 +1,90 @@
+"""A GPU pipeline's bubble from its own schedule (07_choosing_a_layout/pipeline_time.py): chapter 03's actions run
+on paper with each stage's F, B and W. With equal stages and the textbook's costs it is the textbook bubble of
+the loop schedules, and of the V's once their whole backwards are split; Llama 3's uneven interleaved chunks and
+ZB-V's heavier input gradient idle more; --explain prints it beside the textbook's."""
+from importlib import import_module
+
+import pytest
+
+pipeline_time = import_module("07_choosing_a_layout.pipeline_time")
+layout_costs = import_module("07_choosing_a_layout.layout_costs")
+layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
+choose_layout = import_module("07_choosing_a_layout.choose_layout")
+planner = import_module("07_choosing_a_layout.planner")
+pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
+schedule_simulator = import_module("03_pipeline_parallel.schedule_simulator")
+pipeline_actions = import_module("03_pipeline_parallel.pipeline_actions")
+Action, B, W, BW, units = (pipeline_actions.Action, pipeline_actions.B, pipeline_actions.W, pipeline_actions.BW,
+                           pipeline_actions.units)
+
+SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2))
+
+
+@pytest.mark.parametrize("schedule, v", [(s, v) for s, v in SCHEDULES if s not in ("zb-v", "dualpipev")])
+def test_equal_stages_at_the_textbook_costs_are_the_textbook_bubble(schedule, v):
+    """F = 1, B = W = 1 (a whole backward 2) on every stage: the textbook bubble. A rank's busy time is every
+    stage's F, B and W of every micro-batch, whether the schedule splits the backward or not."""
+    for p in (2, 3, 4):
+        step = p if schedule == "interleaved" else 1
+        for m in range(2 * p, 7 * p + 1, step):
+            costs = ((1.0, 1.0, 1.0),) * (p * v)
+            want = pipeline_schedules.theory_bubble(schedule, p, m, v)
+            assert pipeline_time.simulated_bubble(schedule, p, m, v, costs) == pytest.approx(want, abs=1e-12), \
+                (schedule, p, m)
+            assert pipeline_time.on_paper(schedule, p, m, v, ((1.0, 1.5, 0.5),) * (p * v))[1] == 3 * m * v
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev"])
+def test_a_v_s_fused_backward_sends_its_input_gradient_after_its_weight_gradient(schedule):
+    """The V schedules run some backwards whole (BW, PyTorch's order), as chapter 03's executor does: the input
+    gradient leaves at the end of the pass, after the weight gradient the textbook moves out of its way. At
+    the textbook's costs they idle more than the textbook says; with each BW split into its B and W they idle
+    exactly what it says."""
+    for p, m in ((3, 12), (4, 16)):
+        costs = ((1.0, 1.0, 1.0),) * (2 * p)
+        textbook = pipeline_schedules.theory_bubble(schedule, p, m, 2)
+        assert pipeline_time.simulated_bubble(schedule, p, m, 2, costs) > 1.2 * textbook
+        plan = pipeline_schedules.build_schedule(schedule, p, m, 2)
+        split = [[x for a in units(acts) for x in ((Action(B, a.mb, a.stage), Action(W, a.mb, a.stage))
+                                                   if a.kind == BW else (a,))] for acts in plan]
+        run = schedule_simulator.simulate(split, 2 * p, lambda rank, a: 1.0)
+        busy = max(sum(e - s for r, _, s, e in run["events"] if r == rank) for rank in range(p))
+        assert 1 - busy / run["makespan"] == pytest.approx(textbook, abs=1e-12), (schedule, p, m)
+
+
+def test_uneven_stages_and_a_heavier_input_gradient_idle_more_than_the_textbook_says():
+    """Llama 3 405B at 8K on 8,192 H100: 126 blocks over 16 × 7 interleaved chunks (14 of two blocks) idle about
+    twice the textbook's bubble; under ZB-V a block's B (attention's five products, what selective
+    recomputation reruns) outweighs its W, which the V counts on being equal."""
+    cfg = layout_inputs.model_for("llama3-405b")
+    run = layout_costs.Run(cfg, 2048, 8192, "bf16")
+    dev = layout_inputs.device_for("h100", "bf16", 8192)
+    loop = layout_costs.Candidate(dp=64, tp=8, pp=16, zero_stage=2, sequence_parallel=True, schedule="interleaved",
+                                  microbatches=32, virtual_stages=7, recompute="full", recompute_layers=1)
+    v_shape = layout_costs.Candidate(dp=16, tp=8, pp=32, cp=2, zero_stage=2, sequence_parallel=True, schedule="zb-v",
+                                     microbatches=128, virtual_stages=2, recompute="selective",
+                                     cp_attention="allgather")
+    for c, more in ((loop, 1.8), (v_shape, 2.5)):
+        textbook = pipeline_schedules.theory_bubble(c.schedule, c.pp, c.microbatches, c.virtual_stages)
+        assert pipeline_time.bubble(run, c, dev) > more * textbook, c.schedule
+
+
+def test_explain_says_the_step_on_paper_beside_the_textbooks(capsys):
+    """--explain of a GPU layout with a pipeline prints its bubble on paper beside the textbook's, and the step
+    with it: the planner's step with the bubble's part replaced."""
+    choose_layout.main(["--model", "tiny", "--world", "8", "--device", "h100", "--explain", "dp=4,pp=2,m=4"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "on paper (chapter 03's schedule run with each stage's own forward, input and weight gradients" in said
+    cfg = layout_inputs.model_for("llama3-405b")
+    run = layout_costs.Run(cfg, 2048, 8192, "bf16")
+    dev = layout_inputs.device_for("h100", "bf16", 8192)
+    c = layout_costs.Candidate(dp=64, tp=8, pp=16, zero_stage=2, sequence_parallel=True, schedule="interleaved",
+                               microbatches=32, virtual_stages=7, recompute="full", recompute_layers=1)
+    row = layout_costs.predict(run, c, dev, 8)
+    b = pipeline_time.bubble(run, c, dev)
+    parts = row["time_parts_s"]
+    critical = sum(parts[k] for k in ("compute", "memory", "comm_tp", "comm_ep", "comm_pp"))
+    step = row["step_time_s"] - parts["bubble"] + critical * b / (1 - b)
+    assert f"idles {b:.1%} of the step, where the ranking's textbook bubble says {row['bubble']:.1%}: a step of " \
+           f"{step:.4g} s" in pipeline_time.words(run, row, dev)
+    assert parts["bubble"] == pytest.approx(critical * row["bubble"] / (1 - row["bubble"]))
