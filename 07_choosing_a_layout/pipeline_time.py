@@ -24,7 +24,6 @@ schedules (1F1B, interleaved, ZB-H1); the V schedules run some backwards whole (
 chapter 03's executor does), whose input gradient leaves only after their weight gradient: they idle more
 than the textbook's V even then (tests/test_pipeline_time.py).
 """
-from functools import lru_cache
 from importlib import import_module
 
 block_time = import_module("07_choosing_a_layout.block_time")              # this chapter: one block's operations
@@ -52,27 +51,12 @@ def bubble(run, c, dev) -> float:
     """The busiest rank's idle share of a GPU step of layout `c` (the module docstring)."""
     cfg, shape, mode = run.cfg, step_time.rank_shape(run, c), step_time.rerun_mode(run, c)
     specs = schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
-    costs = [stage_passes(cfg, shape, dev.spec, len(s.layers), step_time.recomputed_blocks(c, len(s.layers)), mode,
-                          s.first, s.last) for s in specs]
-    unit = max(f for f, _, _ in costs)
-    ratios = tuple(tuple(float(f"{x / unit:.3g}") for x in fbw) for fbw in costs)
-    return simulated_bubble(c.schedule, c.pp, c.microbatches, c.virtual_stages, ratios)
+    costs = tuple(tuple(block_time.seconds(ops, dev.spec) for ops in block_time.microbatch_passes(
+        cfg, shape, len(s.layers), step_time.recomputed_blocks(c, len(s.layers)), mode, s.first, s.last))
+        for s in specs)                                 # each stage's (F, B, W) of one micro-batch
+    return simulated_bubble(c.schedule, c.pp, c.microbatches, c.virtual_stages, costs)
 
 
-def stage_passes(cfg, shape, spec, blocks: int, recomputed: int, mode: str, first: bool, last: bool) -> tuple:
-    """(F, B, W) seconds of one micro-batch through a stage (block_time.microbatch_passes) on device file
-    `spec`; computed once per stage shape (a plan asks the same few again and again)."""
-    key = (repr(cfg), repr(spec), shape, blocks, recomputed, mode, first, last)
-    if key not in _PASSES:
-        passes = block_time.microbatch_passes(cfg, shape, blocks, recomputed, mode, first, last)
-        _PASSES[key] = tuple(block_time.seconds(ops, spec) for ops in passes)
-    return _PASSES[key]
-
-
-_PASSES: dict = {}
-
-
-@lru_cache(maxsize=None)
 def simulated_bubble(schedule: str, pp: int, m: int, v: int, costs: tuple) -> float:
     """b of `schedule` at m micro-batches with stage k's (F, B, W) = costs[k] (the module docstring)."""
     makespan, busy = on_paper(schedule, pp, m, v, costs)
