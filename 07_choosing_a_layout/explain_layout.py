@@ -212,7 +212,7 @@ def explain_one(spec: dict, rows: list[dict], dev, describe, refusal_of, run_it,
            f"of weights, gradients and AdamW held between steps",
            f"  time per step {r['step_time_s']:.4g} s (MFU {r['mfu']:.1%}{busiest(r, dev)}): "
            + ", ".join(f"{k.replace('_', ' ')} {parts[k]:.3g} s" for k in WORDS if parts.get(k))]
-    if on_paper and dev.spec is not None and r["pp"] > 1:
+    if on_paper and gpu_pipeline(r, dev):
         out[-1] += "; " + on_paper(r)
     if r is not first:
         gaps = sorted(((parts.get(k, 0) - first["time_parts_s"].get(k, 0), k) for k in WORDS), reverse=True)
@@ -222,9 +222,14 @@ def explain_one(spec: dict, rows: list[dict], dev, describe, refusal_of, run_it,
     return [x for lines in said[:3] + [run_lines(run_it(r), "  ")] + said[3:] for x in lines]
 
 
+def gpu_pipeline(r: dict, dev) -> bool:
+    """Is row `r` a layout with a pipeline on a GPU (where the busiest rank and the run on paper are said)?"""
+    return dev.spec is not None and r["pp"] > 1
+
+
 def busiest(r: dict, dev) -> str:
     """Which pipeline rank's work and collectives the time is, on a GPU with a pipeline (a CPU's: rank 0's)."""
-    return f"; pipeline rank {r['busiest_pp_rank']}, the busiest" if dev.spec is not None and r["pp"] > 1 else ""
+    return f"; pipeline rank {r['busiest_pp_rank']}, the busiest" if gpu_pipeline(r, dev) else ""
 
 
 def run_lines(text: str, indent: str = "") -> list[str]:

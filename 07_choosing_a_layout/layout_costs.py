@@ -150,8 +150,8 @@ def rank_traffic(run: Run, c: Candidate, specs, pp_rank: int = 0) -> tuple[dict,
         # chapter 04's ZeRO: one optimizer per kind of state over all the rank's stages, its units of
         # ~UNIT_MB (zero_sharding), two collectives each a step (1: all-reduce, all-gather; 2: reduce-scatter,
         # all-gather; 3: all-gather, reduce-scatter)
-        msgs["dp"] += sum(2 * math.ceil(M / (zero_sharding.UNIT_MB * 2**20))
-                          for M, N in layout_memory.state_groups(run, c, *layout_memory.rank_parameters(run, c, mine)) if N > 1 and M)
+        state = layout_memory.state_groups(run, c, *layout_memory.rank_parameters(run, c, mine))
+        msgs["dp"] += sum(2 * math.ceil(M / (zero_sharding.UNIT_MB * 2**20)) for M, N in state if N > 1 and M)
     if c.pp > 1:
         msgs["pp"] = schedule_costs.rank_messages(c.schedule, c.pp, m, v, pp_rank)
         nbytes["pp"] = msgs["pp"] * math.prod(message) * e
@@ -209,8 +209,8 @@ def time_parts(run: Run, c: Candidate, dev, gpus_per_node: int, nbytes: dict, ms
         mine = pipeline_stages.rank_stages(schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len,
                                                                     c.schedule), c.pp, pp_rank)
         params = list(layout_memory.rank_parameters(run, c, mine))
-        return step_time.gpu_time_parts(run, c, dev, gpus_per_node, nbytes, msgs, bubble, params, per_unit_zero.runs(run, c),
-                                        len(per_unit_zero.unit_params(cfg)))
+        return step_time.gpu_time_parts(run, c, dev, gpus_per_node, nbytes, msgs, bubble, params,
+                                        per_unit_zero.runs(run, c), len(per_unit_zero.unit_params(cfg)))
     blocks = recomputed_blocks(schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule), c.recompute_layers)
     flops = (flops_per_token(cfg, run.seq_len) + recompute_flops_per_token(cfg, run.seq_len, c.recompute, blocks)) \
         * run.global_batch * run.seq_len

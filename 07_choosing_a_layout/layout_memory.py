@@ -70,7 +70,8 @@ def rank_memory(run, c, specs, pp_rank: int, peak_activation: int, gloo: bool) -
     else:
         memory = memory_by_component(run, c, peak_activation, dense, experts)
     working = working_set.of_rank(run, c, mine, pp_rank, gloo)
-    copy = 0 if per_unit_zero.runs(run, c) else working_set.gradient_copy(state_groups(run, c, dense, experts), c.zero_stage)
+    copy = 0 if per_unit_zero.runs(run, c) else \
+        working_set.gradient_copy(state_groups(run, c, dense, experts), c.zero_stage)
     return {**memory, "working": working, "gradient_copy": copy,
             "total": working_set.peak_total(memory["total"] - memory["peak_activation_bytes"],
                                             memory["peak_activation_bytes"], working, copy)}

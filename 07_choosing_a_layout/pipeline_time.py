@@ -52,14 +52,9 @@ def bubble(run, c, dev) -> float:
     cfg, shape, mode = run.cfg, step_time.rank_shape(run, c), step_time.rerun_mode(run, c)
     specs = schedule_costs.specs_for(cfg, c.pp, c.virtual_stages, run.seq_len, c.schedule)
     costs = tuple(tuple(block_time.seconds(ops, dev.spec) for ops in block_time.microbatch_passes(
-        cfg, shape, len(s.layers), step_time.recomputed_blocks(c, len(s.layers)), mode, s.first, s.last))
+        cfg, shape, len(s.layers), step_time.blocks_rerun(c, len(s.layers)), mode, s.first, s.last))
         for s in specs)                                 # each stage's (F, B, W) of one micro-batch
-    return simulated_bubble(c.schedule, c.pp, c.microbatches, c.virtual_stages, costs)
-
-
-def simulated_bubble(schedule: str, pp: int, m: int, v: int, costs: tuple) -> float:
-    """b of `schedule` at m micro-batches with stage k's (F, B, W) = costs[k] (the module docstring)."""
-    makespan, busy = on_paper(schedule, pp, m, v, costs)
+    makespan, busy = on_paper(c.schedule, c.pp, c.microbatches, c.virtual_stages, costs)
     return 1 - busy / makespan
 
 

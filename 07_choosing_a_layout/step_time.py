@@ -86,7 +86,7 @@ def _rank_work(run, c, dev, shape, mode: str, same_run: tuple) -> RankWork:
         matmul = memory = attention = 0.0
         for s in pipeline_stages.rank_stages(specs, c.pp, r):
             blocks = len(s.layers)
-            again = recomputed_blocks(c, blocks)
+            again = blocks_rerun(c, blocks)
             mm, mem, att = stage_seconds(cfg, shape, dev.spec, blocks, again, mode, s.first, s.last,
                                          key=same_run + (blocks, again, s.first, s.last))
             matmul, memory, attention = matmul + mm, memory + mem, attention + att
@@ -102,7 +102,7 @@ def rerun_mode(run, c) -> str:
     return "whole-block" if c.recompute == "full" and run.full_recompute == "whole-block" else c.recompute
 
 
-def recomputed_blocks(c, blocks: int) -> int:
+def blocks_rerun(c, blocks: int) -> int:
     """How many of a stage's `blocks` rerun their forward under layout `c`'s recomputation."""
     return {"none": 0, "selective": blocks, "full": recomputed_of(blocks, c.recompute_layers)}[c.recompute]
 
