@@ -17,7 +17,7 @@ per GPU for the published layout (the closest one the planner enumerates), where
 planner's own first choice. Where the authors published a step's memory (torchtitan's Llama 3.1 8B on 8
 GPUs, FSDP: the allocator's most reserved GiB per GPU), that is the target: the planner's total for the
 layout, its fullest rank at the peak of a step, stands against it, and beside it the same run as
-torchtitan's own code holds it (torchtitan_memory.py).
+torchtitan's own code holds it and what the caching allocator reserves for that (torchtitan_memory.py).
 """
 import argparse
 import json

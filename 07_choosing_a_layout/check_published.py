@@ -4,7 +4,8 @@ Each run of published.py is planned on its cluster and batch (choose_layout's fl
 published layout is found among the rows (its best-ranked form: the levers its paper leaves open are the
 planner's), and what its authors measured stands beside the planner's number for the same quantity: an MFU
 counted as they count it, a step time, or a memory per GPU against the fullest rank's total (and, for
-torchtitan's run, the same run as its own code holds it: torchtitan_memory.py). Then where the published layout
+torchtitan's run, the same run as its own code holds it, and what the allocator reserves for that:
+torchtitan_memory.py). Then where the published layout
 ranks among the layouts that fit, its step over the fastest's, and the planner's own first choice.
 """
 from importlib import import_module
@@ -59,8 +60,13 @@ def measured_cells(run, mine: dict | None) -> tuple[str, str]:
             "memory_gib": lambda x: f"{x:,.1f} GiB"}[key]
     predicted = unit(predicted_value(run, mine, key)) if mine else "-"
     if key == "memory_gib" and run.framework == "torchtitan":       # the course's code, then torchtitan's
-        theirs = torchtitan_memory.of_args(choose_layout.parse_args(list(run.argv)))["total"] / 2**30
-        predicted = f"{predicted} (the course's code); {unit(theirs)} (torchtitan's, torchtitan_memory.py)"
+        args = choose_layout.parse_args(list(run.argv))
+        theirs = torchtitan_memory.of_args(args)["total"] / 2**30
+        held = {k: v / 2**30 for k, v in torchtitan_memory.of_args(args, torchtitan_memory.reserved).items()}
+        predicted = (f"{predicted} (the course's code); torchtitan's code: {unit(theirs)} of tensors "
+                     f"(torchtitan_memory.py; {unit(held['tensors'])} as its step runs on fake tensors), "
+                     f"**{unit(held['expandable'])} reserved** by the caching allocator with expandable segments "
+                     f"as torchtitan launches ({unit(held['segments'])} by default: caching_allocator.py)")
     return f"{what} {unit(run.measured[key])}", predicted
 
 

@@ -29,16 +29,21 @@ on the course's Block in bf16, whose operators are torchtitan's Llama block's in
 of the recipe in miniature, PyTorch's own FSDP2 on two ranks, within 0.4 % of peak() (the course's RMSNorm
 keeps its input's fp32 copy twice where this file counts it once).
 
-What it leaves out is the allocator: the published number is the most the CUDA caching allocator reserved, the
-tensors' peak plus what it kept cached around them (blocks split and freed between tensors of 8 GiB and of a
-few MiB). This file predicts the tensors; what the cache adds over them needs a GPU to measure.
+What this count leaves out is the allocator: the published number is the most the CUDA caching allocator
+reserved, the tensors' peak plus what it kept cached around them (blocks split and freed between tensors of
+8 GiB and of a few MiB). `reserved` gives that too: torchtitan's step itself (torchtitan_step.py, the course's
+model under PyTorch's FSDP2 and the op policy) traced on fake tensors at the run's shapes
+(allocation_trace.py), then handed to a model of the allocator (caching_allocator.py).
 """
 import math
 from importlib import import_module
 
 from common.model import count_parameters, parameter_shapes
 
+allocation_trace = import_module("07_choosing_a_layout.allocation_trace")  # this chapter: a step's allocations
+caching_allocator = import_module("07_choosing_a_layout.caching_allocator")  # this chapter: what a GPU reserves
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")        # this chapter: models and devices
+torchtitan_step = import_module("07_choosing_a_layout.torchtitan_step")    # this chapter: torchtitan's step
 
 FP32, BF16 = 4, 2
 MATMULS = ("wq", "wk", "wv", "wo", "gate", "up", "down")     # a Llama block's matmuls, in the order they run
@@ -86,8 +91,18 @@ def peak(cfg, world: int, rows: int, seq_len: int, mode: str = "selective") -> d
     return {**parts, "total": sum(parts.values())}
 
 
-def of_args(args) -> dict:
-    """peak() for the planner's flags of a run that FSDP spreads over every rank (choose_layout.parse_args):
-    each rank one micro-batch of its share of the global batch."""
+def reserved(cfg, world: int, rows: int, seq_len: int) -> dict:
+    """torchtitan's step run on fake tensors at these shapes (two steps: the second has AdamW's moments) and
+    what the caching allocator would hold for it: {"tensors": the live bytes at their most, "segments": the
+    allocator's reserve by default, "expandable": with expandable_segments:True, as torchtitan launches}."""
+    events = torchtitan_step.fake_trace(cfg, world, rows, seq_len)
+    return {"tensors": allocation_trace.live_peak(events),
+            "segments": caching_allocator.reserved_peak(events, expandable=False),
+            "expandable": caching_allocator.reserved_peak(events, expandable=True)}
+
+
+def of_args(args, counted=peak) -> dict:
+    """`counted` (peak, or reserved) for the planner's flags of a run that FSDP spreads over every rank
+    (choose_layout.parse_args): each rank one micro-batch of its share of the global batch."""
     cfg = layout_inputs.model_for(args.model)
-    return peak(cfg, args.world, args.global_batch // args.world, args.seq_len)
+    return counted(cfg, args.world, args.global_batch // args.world, args.seq_len)

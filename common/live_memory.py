@@ -21,7 +21,7 @@ import types
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 
@@ -37,7 +37,7 @@ class LiveTensors(TorchDispatchMode):
             self.note(t)
 
     def note(self, t: torch.Tensor) -> None:
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):     # a DTensor has no plain storage
+        if is_traceable_wrapper_subclass(t):      # a DTensor's own storage is a shape, not memory
             return
         storage = t.untyped_storage()
         key = id(storage)

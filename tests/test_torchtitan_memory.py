@@ -4,38 +4,24 @@ PyTorch's own FSDP2 on two ranks, each counted by common/live_memory.py's meter 
 course's (common/model.Block: the operators of torchtitan's Llama block in the same order) with its weights in
 bf16, as FSDP2 computes; the policy is written here from its definition (the outputs of every other matmul, the
 first on, and of the attention kernel), not from the file it checks."""
+import functools
 from importlib import import_module
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
-                                    noop_context_fn)
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from common.live_memory import LiveTensors, held_tensors
 from common.model import Block, ModelConfig, build_model, rope_tables
 from harness import ok, run_group
 
+allocation_trace = import_module("07_choosing_a_layout.allocation_trace")
+caching_allocator = import_module("07_choosing_a_layout.caching_allocator")
 torchtitan_memory = import_module("07_choosing_a_layout.torchtitan_memory")
+torchtitan_step = import_module("07_choosing_a_layout.torchtitan_step")
 
 # grouped-query attention and an MLP width unlike any other, so that keeping the wrong matmul shows
 CFG = ModelConfig(dim=128, n_layers=1, n_heads=8, n_kv_heads=2, ffn_hidden=448, max_seq_len=64, vocab_size=1000)
-ATTENTION_KERNEL = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default     # what SDPA runs on a CPU
-
-
-def op_policy():
-    """torchtitan's "op" policy: keep the output of every other matmul (the 1st, 3rd, ...) and of the attention
-    kernel, recompute everything else. `matmuls` counts the forward's."""
-    matmuls = []
-
-    def policy(ctx, func, *args, **kwargs):
-        if func is torch.ops.aten.mm.default:
-            if not ctx.is_recompute:
-                matmuls.append(func)
-            return CheckpointPolicy.MUST_SAVE if len(matmuls) % 2 else CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if func is ATTENTION_KERNEL else CheckpointPolicy.PREFER_RECOMPUTE
-    return policy, matmuls
-
-
 def kept_per_position(block, cos, sin, rows: int, seq: int, policy=None) -> tuple[float, torch.Tensor]:
     """Bytes a checkpointed block keeps after its forward, per position (its input included: the checkpoint
     holds it), and the input's gradient after the backward."""
@@ -54,7 +40,7 @@ def test_the_op_policy_keeps_what_the_file_counts():
     torch.manual_seed(0)
     block = Block(CFG).to(torch.bfloat16)
     cos, sin = rope_tables(CFG)
-    policy, matmuls = op_policy()
+    policy, matmuls = torchtitan_step.op_policy()
     selective, grad = kept_per_position(block, cos, sin, 2, 64, policy)
     assert len(matmuls) == len(torchtitan_memory.MATMULS)          # the block's seven, counted by the policy
     assert selective == torchtitan_memory.block_bytes(CFG, "selective")
@@ -100,54 +86,67 @@ STEP_CFG = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=2
 ROWS, SEQ = 4, 64
 
 
-def fsdp2_step_peak() -> int:
-    """A job: torchtitan's step in miniature on the course's model. fully_shard on each block (the last one left
-    gathered after its forward) and on the root (bf16 weights to compute, fp32 reductions), the op policy on each block, torch's AdamW, the gradients set to
-    None as a step starts, cross-entropy of the logits cast to fp32, the logits deleted before backward. Returns
-    the second step's peak in bytes (the first has no AdamW moments yet), everything the rank holds included.
-    FSDP2 frees a block's gathered weights by emptying their storage in place, which the meter reads again
-    after each block's forward."""
+def fsdp2_step() -> tuple[int, list]:
+    """A job: torchtitan's step in miniature (07_choosing_a_layout/torchtitan_step.py) on the course's model,
+    two steps (the first makes AdamW's moments). Returns the second step's peak in bytes, everything the rank
+    holds included, by the meter, and allocation_trace's events of both steps. FSDP2 frees a block's gathered
+    weights by emptying their storage in place, which the meter reads again after each block's forward."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.device_mesh import init_device_mesh
 
-    def plain(tensors):              # a DTensor's bytes are its local shard's
-        return [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
-
-    model = build_model(STEP_CFG, seed=0)
-    for block in model.layers:            # each forward a fresh count of its matmuls
-        block.forward = lambda x, cos, sin, body=block.body: checkpoint(
-            body, x, cos, sin, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(op_policy()[0]))
-    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for i, block in enumerate(model.layers):     # torchtitan's: the last block stays gathered for its backward
-        fully_shard(block, mp_policy=precision, reshard_after_forward=i < len(model.layers) - 1)
-    fully_shard(model, mp_policy=precision)
+    model = torchtitan_step.sharded_model(STEP_CFG, init_device_mesh("cpu", (dist.get_world_size(),)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(dist.get_rank())
-    with LiveTensors(plain(held_tensors(model))) as live:
+    held = allocation_trace.plain(held_tensors(model))
+    with LiveTensors(held) as live, allocation_trace.AllocationTrace(held) as trace:
         for block in model.layers:
             block.register_forward_hook(lambda *_: live.resync())
         for step in range(2):
             tokens = torch.randint(0, STEP_CFG.vocab_size, (ROWS, SEQ + 1), generator=generator)
-            optimizer.zero_grad()
             live.resync()
             live.reset()
-            logits = model(tokens[:, :-1])                                   # (B, S, V) bf16
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-            del logits
-            loss.backward()
+            torchtitan_step.train_step(model, optimizer, tokens)
             live.resync()
             peak = live.reset()
-            optimizer.step()
-            for t in plain(held_tensors(optimizer)):                          # AdamW's moments, made by step 1
+            for t in allocation_trace.plain(held_tensors(optimizer)):     # AdamW's moments (DTensors' shards)
                 live.note(t)
-    return peak
+    return peak, trace.events
+
+
+@functools.cache
+def miniature_step() -> tuple[int, list]:
+    """fsdp2_step on two spawned ranks, once for the tests that read it: rank 0's (peak, events)."""
+    return ok(run_group(2, [("test_torchtitan_memory:fsdp2_step",)])[0])
 
 
 def test_a_step_of_torchtitan_s_recipe_peaks_where_the_file_says():
     """PyTorch's FSDP2 and selective checkpointing on two ranks: the step's peak within 1 % of
     torchtitan_memory.peak (measured: 0.4 % above it, the course's RMSNorm keeping its input's fp32 copy twice
     where the file counts it once)."""
-    measured = ok(run_group(2, [("test_torchtitan_memory:fsdp2_step_peak",)])[0])
+    measured = miniature_step()[0]
     predicted = torchtitan_memory.peak(STEP_CFG, 2, ROWS, SEQ)["total"]
     assert abs(measured / predicted - 1) < 0.01, (measured, predicted)
+
+
+def test_the_allocation_trace_counts_what_the_meter_counts():
+    """allocation_trace.py's events of the same two steps: the bytes live at once at their most, the meter's
+    peak to the byte (the second step's: AdamW's moments exist), and three streams."""
+    peak, events = miniature_step()
+    assert allocation_trace.live_peak(events) == peak
+    # FSDP2's gathers on its all-gather stream, its reductions on its reduce-scatter stream, the rest on compute
+    assert {e.stream for e in events} == {"compute", "stream 1", "stream 2"}
+
+
+def test_a_fake_step_asks_what_a_real_one_asks():
+    """The miniature traced on FakeTensorMode's tensors under a fake process group (torchtitan_step.fake_trace,
+    what the published run is traced with): the real step's allocations, each of the same size on the same
+    stream in the same order, the same frees, the same peak of live bytes, and the same bytes reserved by the
+    allocator's model in both its modes. (Where the two free a tensor may move by an operator or so: fake
+    tensors die when Python drops them, as real ones do, but not always in the same order.)"""
+    _, events = miniature_step()
+    fake = torchtitan_step.fake_trace(STEP_CFG, 2, ROWS, SEQ)
+    assert [e for e in fake if e.kind == "alloc"] == [e for e in events if e.kind == "alloc"]
+    assert sorted(fake) == sorted(events)
+    assert allocation_trace.live_peak(fake) == allocation_trace.live_peak(events)
+    for expandable in (False, True):
+        assert caching_allocator.reserved_peak(fake, expandable) == caching_allocator.reserved_peak(events, expandable)
