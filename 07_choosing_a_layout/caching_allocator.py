@@ -26,7 +26,6 @@ after another freed them (record_stream: FSDP2 avoids it), the oversize-block ru
 (off by default), and CUDA graphs' private pools.
 """
 import bisect
-import math
 from dataclasses import dataclass, field
 
 MIN_BLOCK = 512
@@ -151,13 +150,3 @@ def reserved_peak(events, expandable: bool) -> int:
             pool.give_back(block)
     return peak
 
-
-def gib(nbytes: float) -> float:
-    return nbytes / 2 ** 30
-
-
-def overhead(events, expandable: bool) -> float:
-    """Reserved over the tensors' own peak, as a fraction."""
-    from importlib import import_module
-    tensors = import_module("07_choosing_a_layout.allocation_trace").live_peak(events)
-    return reserved_peak(events, expandable) / tensors - 1 if tensors else math.nan

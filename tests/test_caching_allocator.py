@@ -89,3 +89,23 @@ def test_each_stream_keeps_its_own_blocks(expandable):
     events = trace(("+", 1, 100 * MiB, "stream 1"), ("-", 1), ("+", 2, 100 * MiB, "compute"))
     assert reserved(events, expandable) == 200 * MiB
     assert reserved(trace(("+", 1, 100 * MiB), ("-", 1), ("+", 2, 100 * MiB)), expandable) == 100 * MiB
+
+
+def test_the_replay_makes_each_allocation_and_frees_each_in_order():
+    """replay_allocations.replay (what a GPU runs to ask PyTorch's own allocator), here on the CPU under the
+    meter: the bytes live at once at their most are the trace's."""
+    from common.live_memory import LiveTensors
+    replay_allocations = import_module("07_choosing_a_layout.replay_allocations")
+    events = trace(("+", 1, 10 * MiB), ("+", 2, 4 * MiB), ("+", 3, 8 * MiB, "stream 1"), ("-", 2), ("+", 4, 3 * MiB),
+                   ("-", 1), ("+", 5, 12 * MiB), ("-", 3), ("-", 4), ("-", 5))
+    with LiveTensors() as meter:
+        replay_allocations.replay(events, device="cpu")
+    assert meter.peak == import_module("07_choosing_a_layout.allocation_trace").live_peak(events) == 23 * MiB
+    assert meter.live == 0
+
+
+def test_without_a_gpu_the_replay_gives_the_model_s_numbers(capsys):
+    replay_allocations = import_module("07_choosing_a_layout.replay_allocations")
+    assert replay_allocations.main(["--model", "tiny", "--world", "2", "--rows", "2", "--seq-len", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "GiB (segments)" in out and "needs a GPU" in out
