@@ -9,8 +9,13 @@ down each change: an operator's output on a new storage is an allocation of its 
 (its last tensor gone) its free. Three things more than the meter:
   - a storage first seen as an operator's *input* existed before the trace (a weight, a buffer): neither it
     nor a view of it is an allocation of the step (but for the tensor torch.tensor(data) has just made);
-  - a storage resized in place is a free and an allocation at that moment (FSDP2 frees a block's gathered
-    weights by resizing their storage to 0 bytes and allocates them again by resizing it back);
+  - a storage resized in place is a free and an allocation (FSDP2 frees a block's gathered weights by
+    resizing their storage to 0 bytes and allocates them again by resizing it back, outside the operators
+    a dispatch mode sees): every storage is read again at each of FSDP2's own operators (torch.ops.fsdp:
+    the copies into and out of its gathers and its reductions), the next thing it does after a resize,
+    and at the trace's end. (A reduction's input buffer, made just before its copy-in, then comes before
+    the weights the same backward freed; reading the storages found resized again before every operator,
+    tried, left the published run's peak and reserve as they are);
   - a tensor that wraps others (a DTensor) counts as those it wraps (its own storage is a shape);
 and each allocation is tagged with the stream current when it is made: torch.cpu's streams are
 placeholders that device-agnostic code such as FSDP2 switches between exactly as it switches CUDA streams
@@ -20,7 +25,6 @@ each stream's blocks apart (caching_allocator.py).
 Run on FakeTensorMode's tensors, a step of a model that no machine here could hold is traced in seconds:
 the operators compute only shapes (torchtitan_step.fake_trace).
 """
-import contextlib
 import weakref
 from typing import NamedTuple
 
@@ -48,19 +52,16 @@ class AllocationTrace(LiveTensors):
         self._allocation: dict[int, tuple[int, str]] = {}   # a live storage -> (its allocation's key, stream)
         self._before: dict[int, weakref.ref] = {}            # storages that existed before the trace
         self._streams = {id(torch.cpu.current_stream()): "compute"}
-        self._resizes = contextlib.ExitStack()
         self._made = 0                                       # allocations so far
         super().__init__(resident)
 
-    def __enter__(self):
-        self._resizes.enter_context(_resizes_reported(self))
-        return super().__enter__()
-
     def __exit__(self, *exc):
-        super().__exit__(*exc)
-        self._resizes.close()
+        self.resync()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fsdp":        # FSDP2's own operators: where its buffers have changed size
+            self.resync()
         for t in _tensors((args, kwargs)) if func not in FRESH else ():
             storage = t.untyped_storage()
             if id(storage) not in self.bytes and not self._existed(storage):
@@ -110,23 +111,6 @@ def _tensors(tree) -> list[torch.Tensor]:
         elif isinstance(t, torch.Tensor):
             out.append(t)
     return out
-
-
-@contextlib.contextmanager
-def _resizes_reported(trace: AllocationTrace):
-    """UntypedStorage.resize_ (which does not pass the dispatcher) reported to `trace` while it runs."""
-    original = torch.UntypedStorage.resize_
-
-    def resize_(storage, size):
-        result = original(storage, size)
-        if id(storage) in trace.bytes:
-            trace.resized(id(storage), storage.nbytes())
-        return result
-    torch.UntypedStorage.resize_ = resize_
-    try:
-        yield
-    finally:
-        torch.UntypedStorage.resize_ = original
 
 
 def live_peak(events) -> int:

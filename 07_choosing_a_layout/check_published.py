@@ -49,10 +49,11 @@ def predicted_value(run, row: dict, key: str) -> float:
     return row[key]
 
 
-def measured_cells(run, mine: dict | None) -> tuple[str, str]:
+def measured_cells(run, mine: dict | None, theirs: dict | None = None) -> tuple[str, str]:
     """(published, predicted) table cells, the same quantity in the same unit: "MFU 43.0%" against the row's
     MFU, "step 13.75 s" against its step time, "memory 82.4 GiB" against its fullest rank's GiB per GPU; with
-    no published number, the planner's MFU alone."""
+    no published number, the planner's MFU alone. A torchtitan run's memory also as torchtitan's code holds it
+    (`theirs`: torchtitan_gib's numbers, computed here if not given)."""
     what, key = measured_words(run)
     if not key:
         return "-", f"{mine['mfu']:.1%} MFU" if mine else "-"
@@ -60,14 +61,21 @@ def measured_cells(run, mine: dict | None) -> tuple[str, str]:
             "memory_gib": lambda x: f"{x:,.1f} GiB"}[key]
     predicted = unit(predicted_value(run, mine, key)) if mine else "-"
     if key == "memory_gib" and run.framework == "torchtitan":       # the course's code, then torchtitan's
-        args = choose_layout.parse_args(list(run.argv))
-        theirs = torchtitan_memory.of_args(args)["total"] / 2**30
-        held = {k: v / 2**30 for k, v in torchtitan_memory.of_args(args, torchtitan_memory.reserved).items()}
-        predicted = (f"{predicted} (the course's code); torchtitan's code: {unit(theirs)} of tensors "
-                     f"(torchtitan_memory.py; {unit(held['tensors'])} as its step runs on fake tensors), "
-                     f"**{unit(held['expandable'])} reserved** by the caching allocator with expandable segments "
-                     f"as torchtitan launches ({unit(held['segments'])} by default: caching_allocator.py)")
+        theirs = theirs or torchtitan_gib(run)
+        predicted = (f"{predicted} (the course's code); torchtitan's code: {unit(theirs['count'])} of tensors "
+                     f"(torchtitan_memory.py; {unit(theirs['tensors'])} as its step runs on fake tensors), "
+                     f"**{unit(theirs['expandable'])} reserved** by the caching allocator with expandable segments "
+                     f"as torchtitan launches ({unit(theirs['segments'])} by default: caching_allocator.py)")
     return f"{what} {unit(run.measured[key])}", predicted
+
+
+def torchtitan_gib(run) -> dict:
+    """A torchtitan run's memory per GPU in GiB as torchtitan's code holds it: its tensors counted ("count",
+    torchtitan_memory.peak), its step traced on fake tensors ("tensors") and the caching allocator's reserve
+    for that trace ("segments", "expandable": torchtitan_memory.reserved; about 20 s for Llama 3.1 8B)."""
+    args = choose_layout.parse_args(list(run.argv))
+    traced = torchtitan_memory.of_args(args, torchtitan_memory.reserved)
+    return {"count": torchtitan_memory.of_args(args)["total"] / 2**30, **{k: v / 2**30 for k, v in traced.items()}}
 
 
 def table() -> tuple[list[str], tuple]:
