@@ -9,12 +9,16 @@ FakeTensorMode's (the published model's shapes, no data: allocation_trace.py rec
     the loss         cross-entropy of the bf16 logits cast to fp32, the logits deleted before backward
     the optimizer    torch's AdamW; the gradients set to None as a step starts
 """
+from importlib import import_module
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from common.live_memory import held_tensors
 from common.model import Transformer, init_weights
+
+allocation_trace = import_module("07_choosing_a_layout.allocation_trace")   # this chapter: a step's allocations
 
 # the attention kernel scaled_dot_product_attention runs: on a CPU, on a GPU (flash attention)
 ATTENTION_KERNELS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -71,15 +75,13 @@ def train_step(model, optimizer, tokens):
 
 def fake_trace(cfg, world: int, rows: int, seq_len: int, steps: int = 2) -> list:
     """allocation_trace's events of `steps` steps of one of `world` ranks, each with `rows` sequences of `seq_len`
-    in one micro-batch, on FakeTensorMode's tensors under a fake process group (no data, no other rank): a
-    published model's step in seconds. The sharded weights are the trace's first allocations; the first
+    in one micro-batch, on FakeTensorMode's tensors under PyTorch's fake process group (its collectives
+    return at once: no data, no other rank): a published model's step in seconds. The sharded weights are the trace's first allocations; the first
     step makes AdamW's moments, the second is a step like every later one."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    from importlib import import_module
-    allocation_trace = import_module("07_choosing_a_layout.allocation_trace")
+    from torch.testing._internal.distributed.fake_pg import FakeStore     # registers PyTorch's "fake" backend
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:

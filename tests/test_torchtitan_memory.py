@@ -1,9 +1,11 @@
 """07_choosing_a_layout/torchtitan_memory.py against measurement: what torchtitan's operator-level selective
 checkpointing keeps of a Llama block, its loss's two moments, and a whole step of its recipe in miniature with
-PyTorch's own FSDP2 on two ranks, each counted by common/live_memory.py's meter on this CPU. The block is the
-course's (common/model.Block: the operators of torchtitan's Llama block in the same order) with its weights in
-bf16, as FSDP2 computes; the policy is written here from its definition (the outputs of every other matmul, the
-first on, and of the attention kernel), not from the file it checks."""
+PyTorch's own FSDP2 on two ranks, each counted by common/live_memory.py's meter on this CPU; and that step's
+allocation trace (allocation_trace.py), against the meter and against the same step traced on fake tensors.
+The block is the course's (common/model.Block: the operators of torchtitan's Llama block in the same order)
+with its weights in bf16, as FSDP2 computes; the policy and the step are torchtitan_step.py's, written from
+torchtitan's definition (the outputs of every other matmul, the first on, and of the attention kernel), not
+from the file the counts are checked in."""
 import functools
 from importlib import import_module
 
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from common.live_memory import LiveTensors, held_tensors
-from common.model import Block, ModelConfig, build_model, rope_tables
+from common.model import Block, ModelConfig, rope_tables
 from harness import ok, run_group
 
 allocation_trace = import_module("07_choosing_a_layout.allocation_trace")
