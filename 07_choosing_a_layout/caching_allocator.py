@@ -138,15 +138,24 @@ class Pool:
 
 def reserved_peak(events, expandable: bool) -> int:
     """The most bytes the allocator holds from the device along `events` (allocation_trace.Event)."""
-    pools, held, peak = {}, {}, 0
+    return peak_moment(events, expandable)["reserved"]
+
+
+def peak_moment(events, expandable: bool) -> dict:
+    """The moment the allocator holds the most along `events`: {"reserved": its bytes, "request": the
+    allocation that took them, "pools": {(stream, "small" | "large"): (reserved, of it free)}, "largest free":
+    the largest free block then}."""
+    pools, held, peak = {}, {}, {"reserved": 0}
     for e in events:
         if e.kind == "alloc":
             size = rounded(e.nbytes)
-            pool = pools.setdefault((e.stream, size <= SMALL), Pool(size <= SMALL, expandable))
+            pool = pools.setdefault((e.stream, "small" if size <= SMALL else "large"), Pool(size <= SMALL, expandable))
             held[e.key] = (pool, pool.take(size))
-            peak = max(peak, sum(p.reserved for p in pools.values()))
+            if sum(p.reserved for p in pools.values()) > peak["reserved"]:
+                peak = {"reserved": sum(p.reserved for p in pools.values()), "request": e.nbytes,
+                        "pools": {k: (p.reserved, sum(f[0] for f in p.free)) for k, p in pools.items()},
+                        "largest free": max((f[0] for p in pools.values() for f in p.free), default=0)}
         else:
             pool, block = held.pop(e.key)
             pool.give_back(block)
     return peak
-

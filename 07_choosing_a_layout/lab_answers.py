@@ -15,6 +15,8 @@ lab_layout = import_module("07_choosing_a_layout.lab_layout")
 SKIP = Edit(f"{CH}/planner.py",
             "kept = [c for c in every if runnable.refusal(c, model, cfg, global_batch, seq_len, dtype) is None]",
             "kept = every")
+# L5: freed blocks no longer merge with their free neighbours
+NO_MERGE = Edit(f"{CH}/caching_allocator.py", "for other in (block.after, block.before):", "for other in ():")
 
 
 def main() -> None:
@@ -25,6 +27,7 @@ def main() -> None:
     lab_layout.scale_section(key)
     lab_layout.refusals_section(key)
     lab_layout.broken_section(key, SKIP)
+    lab_layout.allocator_section(key, NO_MERGE)
     key.write()
 
 

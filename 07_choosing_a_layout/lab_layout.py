@@ -3,7 +3,7 @@
 It runs the exercises' commands exactly as LAB.md prints them: the planner on 8 ranks of this CPU (its
 JSON row for dp 4 × pp 2 against the bytes a 2-step run of that layout measures), the planner on Llama 3
 405B's published run (what plain data parallelism would hold, what each lever buys), and the planner
-asked about layouts the chapters refuse.
+asked about layouts the chapters refuse, and the allocator's model on torchtitan's published run.
 """
 import json
 import re
@@ -23,6 +23,7 @@ REFUSED = ("python 07_choosing_a_layout/choose_layout.py --model tiny --world 16
            "pp=8,schedule=interleaved,v=2")
 GROUPS = ("dp", "tp", "pp")
 BROKEN = "python 07_choosing_a_layout/choose_layout.py --model tiny --world 8 --device cpu --top 3"
+REPLAY = "python 07_choosing_a_layout/replay_allocations.py"
 
 
 def gib(n: float) -> str:
@@ -119,4 +120,35 @@ layers) reaches the prediction, and chapter 03's partition, which the planner's 
 own refusal in the middle of the plan — the same rule, met at the wrong place: for one layout, it stops
 all of them. Asking the scripts first turns each refusal into a row left out (and a count on the first
 line). Undo the change.
+""")
+
+
+def allocator_section(key, no_merge) -> None:
+    """L5: the allocator's model on torchtitan's run, then with `no_merge` (lab_answers.py's Edit)."""
+    said, peak = key.run(REPLAY).out.splitlines()[:2]
+    with key.broken(no_merge) as root:
+        broken = key.run(REPLAY, root=root).out.splitlines()[0]
+    tensors, segments, expandable = [float(x) for x in re.findall(r"([0-9.]+) GiB", said)]
+    unmerged = float(re.findall(r"([0-9.]+) GiB", broken)[2])
+    key.section("L5 — reserved is not allocated", f"""
+`{said}`
+
+`{peak}`
+
+The tensors alone peak at {tensors:.1f} GiB; the allocator's model reserves {expandable:.1f} GiB with
+expandable segments (torchtitan's launcher sets them), {expandable / tensors - 1:.0%} more, and
+{segments:.1f} GiB with the default segments. The difference is memory the allocator keeps cached where
+the request of the moment cannot use it. Its peak is the loss's backward (the request of 7.8 GiB, one fp32
+[t, V] of 2 × 8,192 × 128,256 positions): the forward left the bf16 logits and their fp32 copy (3.9 and
+7.8 GiB) freed side by side below the log-softmax it keeps; the backward's first fp32 [t, V] fits in that
+11.7 GiB hole, its second does not and takes new memory on top, and the hole's other 3.9 GiB stay reserved
+and empty (the largest free block). FSDP2's own streams hold the rest: a block freed on its all-gather or
+reduce-scatter stream is kept for that stream, so the buffers of its gathers and reductions stay reserved
+beside the compute stream's tensors, all of them free at that moment.
+
+Without merging: `{broken}` — {unmerged - expandable:.1f} GiB more with expandable segments. A freed block
+next to a free one stays two blocks: each hole the step leaves is only as large as the tensor that left
+it, and a request larger than each of two neighbouring holes takes new memory although the two together
+would hold it. (At the loss itself nothing changes: the first fp32 [t, V] fits the fp32 copy's own hole
+exactly, the second fits neither that nor the bf16 logits', as before.) Undo the change.
 """)

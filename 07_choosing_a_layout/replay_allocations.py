@@ -57,6 +57,14 @@ def replay_on_gpu(path: str) -> dict:
     return {"reserved": torch.cuda.max_memory_reserved(), "allocated": torch.cuda.max_memory_allocated()}
 
 
+def peak_words(moment: dict) -> str:
+    """The expandable allocator's peak in one line: the request that set it, each pool's reserve and free."""
+    pools = "; ".join(f"{stream} ({size}) {held / GiB:.2f} GiB reserved, {free / GiB:.2f} free"
+                      for (stream, size), (held, free) in moment["pools"].items() if held >= GiB // 100)
+    return (f"its peak (expandable): a request of {moment['request'] / GiB:.2f} GiB; {pools}; the largest free "
+            f"block {moment['largest free'] / GiB:.2f} GiB")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama3-8b")
@@ -76,6 +84,7 @@ def main(argv=None) -> int:
     print(f"{len(events):,} events; tensors at most {result['tensors'] / GiB:.2f} GiB; the model reserves "
           f"{result['model']['segments'] / GiB:.2f} GiB (segments), {result['model']['expandable'] / GiB:.2f} "
           f"GiB (expandable)")
+    print(peak_words(caching_allocator.peak_moment(events, expandable=True)))
     if not torch.cuda.is_available():
         print("no CUDA here: the replay against PyTorch's allocator needs a GPU")
         return 0

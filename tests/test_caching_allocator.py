@@ -55,6 +55,11 @@ def test_a_freed_block_serves_what_fits_in_it_and_merges_with_its_free_neighbour
     assert import_module("07_choosing_a_layout.allocation_trace").live_peak(events) == 34 * GiB
     assert reserved(events) == 38 * GiB               # segments: the 4 and the 8 were apart, one each
     assert reserved(events, expandable=True) == 38 * GiB + 8 * MiB      # 20 MiB pages
+    for expandable in (False, True):     # at the peak: the second 8 GiB asked, the hole's 4 GiB left empty
+        moment = caching_allocator.peak_moment(events, expandable)
+        assert (moment["request"], moment["largest free"]) == (8 * GiB, 4 * GiB)
+        slack = 8 * MiB if expandable else 0                      # the last page's rest
+        assert moment["pools"][("compute", "large")] == (moment["reserved"], 4 * GiB + slack)
     # two 6 GiB requests fit only in the merged 12 GiB hole: one expandable segment merges the 4 and the 8;
     # separate segments never merge, and the second 6 takes a new one
     then = trace(("+", 1, 4 * GiB), ("+", 2, 8 * GiB), ("+", 3, GiB), ("-", 1), ("-", 2),
