@@ -6,7 +6,7 @@
 
 common/live_memory.py's meter (LiveTensors) counts the bytes live at once; this is the same meter writing
 down each change: an operator's output on a new storage is an allocation of its bytes, the storage's end
-(its last tensor gone) its free. Three things more than the meter:
+(its last tensor gone) its free. Two things more than the meter:
   - a storage first seen as an operator's *input* existed before the trace (a weight, a buffer): neither it
     nor a view of it is an allocation of the step (but for the tensor torch.tensor(data) has just made);
   - a storage resized in place is a free and an allocation (FSDP2 frees a block's gathered weights by
@@ -16,7 +16,6 @@ down each change: an operator's output on a new storage is an allocation of its 
     and at the trace's end. (A reduction's input buffer, made just before its copy-in, then comes before
     the weights the same backward freed; reading the storages found resized again before every operator,
     tried, left the published run's peak and reserve as they are);
-  - a tensor that wraps others (a DTensor) counts as those it wraps (its own storage is a shape);
 and each allocation is tagged with the stream current when it is made: torch.cpu's streams are
 placeholders that device-agnostic code such as FSDP2 switches between exactly as it switches CUDA streams
 (it gathers on its all-gather streams, reduces on its reduce-scatter stream), and a caching allocator keeps
@@ -29,10 +28,8 @@ import weakref
 from typing import NamedTuple
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
-from common.live_memory import LiveTensors
+from common.live_memory import LiveTensors, plain_tensors
 
 
 # operators whose input is a tensor just made from Python data (torch.tensor(...)), not one from before
@@ -62,12 +59,12 @@ class AllocationTrace(LiveTensors):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "fsdp":        # FSDP2's own operators: where its buffers have changed size
             self.resync()
-        for t in _tensors((args, kwargs)) if func not in FRESH else ():
+        for t in plain_tensors((args, kwargs)) if func not in FRESH else ():
             storage = t.untyped_storage()
             if id(storage) not in self.bytes and not self._existed(storage):
                 self._before[id(storage)] = weakref.ref(storage)
         out = func(*args, **(kwargs or {}))
-        for t in _tensors(out):
+        for t in plain_tensors(out):
             if not self._existed(t.untyped_storage()):
                 self.note(t)
         return out
@@ -95,22 +92,6 @@ class AllocationTrace(LiveTensors):
         if nbytes:
             ident, stream = self._allocation.pop(key)
             self.events.append(Event("free", ident, nbytes, stream))
-
-
-def plain(tensors) -> list[torch.Tensor]:
-    """`tensors` by the plain tensors they are or wrap (a DTensor by its local shard)."""
-    return _tensors(list(tensors))
-
-
-def _tensors(tree) -> list[torch.Tensor]:
-    """The plain tensors in `tree`, a tensor that wraps others (a DTensor and its local shard) by those."""
-    out = []
-    for t in tree_flatten(tree)[0]:
-        if is_traceable_wrapper_subclass(t):
-            out += _tensors([getattr(t, name) for name in t.__tensor_flatten__()[0]])
-        elif isinstance(t, torch.Tensor):
-            out.append(t)
-    return out
 
 
 def live_peak(events) -> int:

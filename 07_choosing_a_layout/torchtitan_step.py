@@ -89,7 +89,7 @@ def fake_trace(cfg, world: int, rows: int, seq_len: int, steps: int = 2) -> list
         with FakeTensorMode():
             model = sharded_model(cfg, mesh, initialise=False)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            with allocation_trace.AllocationTrace(allocation_trace.plain(held_tensors(model))) as trace:
+            with allocation_trace.AllocationTrace(held_tensors(model)) as trace:
                 for _ in range(steps):
                     train_step(model, optimizer, torch.randint(0, cfg.vocab_size, (rows, seq_len + 1)))
         return trace.events

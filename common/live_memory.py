@@ -6,7 +6,8 @@ buffers). A CPU has no such counter, so this file keeps one:
 
   - `LiveTensors`, a dispatch mode: every tensor an operation returns passes through it; it notes the
     storage behind it (once, however many views share it) and a finaliser that subtracts its bytes when
-    the storage is freed. What existed before (the trainer's weights, gradients, AdamW state, buffers)
+    the storage is freed (a tensor that wraps others, a DTensor, by the local shard it wraps: its own
+    storage is a shape). What existed before (the trainer's weights, gradients, AdamW state, buffers)
     is counted at the start, found by walking what the trainer holds. A storage resized in place (ZeRO-2
     and 3 empty their full buffers between steps and fill them again, as FSDP does) counts at the size
     it had when an operation last returned it, and every storage is read again after each verb.
@@ -37,14 +38,13 @@ class LiveTensors(TorchDispatchMode):
             self.note(t)
 
     def note(self, t: torch.Tensor) -> None:
-        if is_traceable_wrapper_subclass(t):      # a DTensor's own storage is a shape, not memory
-            return
-        storage = t.untyped_storage()
-        key = id(storage)
-        if key not in self.bytes:
-            self.bytes[key], self.storages[key] = 0, weakref.ref(storage)
-            weakref.finalize(storage, self.freed, key)
-        self.resized(key, storage.nbytes())
+        for plain in plain_tensors(t):            # a DTensor: its local shard (its own storage is a shape)
+            storage = plain.untyped_storage()
+            key = id(storage)
+            if key not in self.bytes:
+                self.bytes[key], self.storages[key] = 0, weakref.ref(storage)
+                weakref.finalize(storage, self.freed, key)
+            self.resized(key, storage.nbytes())
 
     def resized(self, key: int, nbytes: int) -> None:
         """A storage seen again at `nbytes` (ZeRO's flat buffers grow and shrink in place, FSDP's way)."""
@@ -75,6 +75,18 @@ class LiveTensors(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.note(t)
         return out
+
+
+def plain_tensors(tree) -> list[torch.Tensor]:
+    """The plain tensors in `tree` (a tensor, or containers of them); a tensor that wraps others (a DTensor
+    wraps its local shard) stands for those it wraps: its own storage is a shape, not memory."""
+    out = []
+    for t in tree_flatten(tree)[0]:
+        if is_traceable_wrapper_subclass(t):
+            out += plain_tensors([getattr(t, name) for name in t.__tensor_flatten__()[0]])
+        elif isinstance(t, torch.Tensor):
+            out.append(t)
+    return out
 
 
 def held_tensors(root) -> list[torch.Tensor]:
