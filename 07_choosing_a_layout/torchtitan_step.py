@@ -39,13 +39,17 @@ def op_policy():
     return policy, matmuls
 
 
-def checkpointed(block):
-    """`block` whose forward runs under the op policy, a fresh count of its matmuls each time."""
-    def forward(x, cos, sin):
-        return checkpoint(block.body, x, cos, sin, use_reentrant=False,
+class Checkpointed(torch.nn.Module):
+    """A block whose forward runs under the op policy, a fresh count of its matmuls each time (torchtitan
+    wraps each block so)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, cos, sin):                          # (B, S, D) -> (B, S, D)
+        return checkpoint(self.block.body, x, cos, sin, use_reentrant=False,
                           context_fn=lambda: create_selective_checkpoint_contexts(op_policy()[0]))
-    block.forward = forward
-    return block
 
 
 def sharded_model(cfg, mesh, seed: int = 0, initialise: bool = True):
@@ -55,10 +59,10 @@ def sharded_model(cfg, mesh, seed: int = 0, initialise: bool = True):
     model = Transformer(cfg)
     if initialise:
         init_weights(model, seed)
+    model.layers = torch.nn.ModuleList(Checkpointed(block) for block in model.layers)
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for i, block in enumerate(model.layers):
-        fully_shard(checkpointed(block), mesh=mesh, mp_policy=precision,
-                    reshard_after_forward=i < len(model.layers) - 1)
+        fully_shard(block, mesh=mesh, mp_policy=precision, reshard_after_forward=i < len(model.layers) - 1)
     return fully_shard(model, mesh=mesh, mp_policy=precision)
 
 
