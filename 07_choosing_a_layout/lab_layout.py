@@ -130,6 +130,8 @@ def allocator_section(key, no_merge) -> None:
         broken = key.run(REPLAY, root=root).out.splitlines()[0]
     tensors, segments, expandable = [float(x) for x in re.findall(r"([0-9.]+) GiB", said)]
     unmerged = float(re.findall(r"([0-9.]+) GiB", broken)[2])
+    request, hole = (float(re.search(rf"{words} ([0-9.]+) GiB", peak).group(1))
+                     for words in ("a request of", "the largest free block"))
     key.section("L5 — reserved is not allocated", f"""
 `{said}`
 
@@ -138,11 +140,11 @@ def allocator_section(key, no_merge) -> None:
 The tensors alone peak at {tensors:.1f} GiB; the allocator's model reserves {expandable:.1f} GiB with
 expandable segments (torchtitan's launcher sets them), {expandable / tensors - 1:.0%} more, and
 {segments:.1f} GiB with the default segments. The difference is memory the allocator keeps cached where
-the request of the moment cannot use it. Its peak is the loss's backward (the request of 7.8 GiB, one fp32
-[t, V] of 2 × 8,192 × 128,256 positions): the forward left the bf16 logits and their fp32 copy (3.9 and
-7.8 GiB) freed side by side below the log-softmax it keeps; the backward's first fp32 [t, V] fits in that
-11.7 GiB hole, its second does not and takes new memory on top, and the hole's other 3.9 GiB stay reserved
-and empty (the largest free block). FSDP2's own streams hold the rest: a block freed on its all-gather or
+the request of the moment cannot use it. Its peak is the loss's backward (the request of {request:.1f} GiB,
+one fp32 [t, V] of 2 × 8,192 × 128,256 positions): the forward left the bf16 logits and their fp32 copy
+({hole:.1f} and {request:.1f} GiB) freed side by side below the log-softmax it keeps; the backward's first
+fp32 [t, V] fits in that {hole + request:.1f} GiB hole, its second does not and takes new memory on top, and
+the hole's other {hole:.1f} GiB stay reserved and empty (the largest free block). FSDP2's own streams hold the rest: a block freed on its all-gather or
 reduce-scatter stream is kept for that stream, so the buffers of its gathers and reductions stay reserved
 beside the compute stream's tensors, all of them free at that moment.
 
