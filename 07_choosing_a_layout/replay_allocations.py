@@ -26,8 +26,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from common.cli import Parser  # noqa: E402
+from common.domains import POSITIVE_INT  # noqa: E402
+from common.errors import require, run_main  # noqa: E402
+
 caching_allocator = import_module("07_choosing_a_layout.caching_allocator")
 allocation_trace = import_module("07_choosing_a_layout.allocation_trace")
+choose_layout = import_module("07_choosing_a_layout.choose_layout")        # this chapter: the --model domain
+layout_inputs = import_module("07_choosing_a_layout.layout_inputs")        # this chapter: the models
 RESULT = Path(__file__).resolve().parent / "results" / "allocator_replay.json"
 GiB = 2 ** 30
 
@@ -66,17 +72,20 @@ def peak_words(moment: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="llama3-8b")
-    p.add_argument("--world", type=int, default=8, help="FSDP ranks (the trace is one rank's)")
-    p.add_argument("--rows", type=int, default=2, help="sequences per rank in its one micro-batch")
-    p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--replay", metavar="TRACE.json", help=argparse.SUPPRESS)
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=choose_layout.MODEL, default="llama3-8b",
+                   help=f"a course preset or a published shape ({', '.join(layout_inputs.MODELS)}) or PATH.json")
+    p.add_argument("--world", type=POSITIVE_INT, default=8, help="FSDP ranks (the trace is one rank's)")
+    p.add_argument("--rows", type=POSITIVE_INT, default=2, help="sequences per rank in its one micro-batch")
+    p.add_argument("--seq-len", type=POSITIVE_INT, default=8192, help="tokens per sequence")
+    p.add_argument("--replay", choices=[str(RESULT.with_suffix(".trace.json"))], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.replay:                                     # the child: one mode, one fresh allocator
         print(json.dumps(replay_on_gpu(args.replay)))
         return 0
-    cfg = import_module("07_choosing_a_layout.layout_inputs").model_for(args.model)
+    cfg = layout_inputs.model_for(args.model)
+    require(args.seq_len <= cfg.max_seq_len, f"--seq-len {args.seq_len} is longer than {args.model}'s "
+                                             f"{cfg.max_seq_len} positions")
     events = import_module("07_choosing_a_layout.torchtitan_step").fake_trace(cfg, args.world, args.rows, args.seq_len)
     result = {"run": vars(args) | {"replay": None}, "tensors": allocation_trace.live_peak(events),
               "model": {mode: caching_allocator.reserved_peak(events, mode == "expandable")
@@ -106,4 +115,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

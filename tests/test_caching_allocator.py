@@ -114,3 +114,28 @@ def test_without_a_gpu_the_replay_gives_the_model_s_numbers(capsys):
     assert replay_allocations.main(["--model", "tiny", "--world", "2", "--rows", "2", "--seq-len", "64"]) == 0
     out = capsys.readouterr().out
     assert "GiB (segments)" in out and "needs a GPU" in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "nope"], "--model nope: unknown model"),
+    (["--world", "0"], "--world must be a whole number ≥ 1, got 0"),
+    (["--rows", "-2"], "--rows must be a whole number ≥ 1, got -2"),
+    (["--model", "tiny", "--seq-len", "100000"], "--seq-len 100000 is longer than tiny's 256 positions"),
+])
+def test_a_bad_flag_of_the_replay_is_one_line(flags, message):
+    """Refused before anything is traced, with the flag named (the script exits 2: run_main)."""
+    from common.errors import ConfigError
+    with pytest.raises(ConfigError) as err:
+        import_module("07_choosing_a_layout.replay_allocations").main(flags)
+    assert message in str(err.value)
+
+
+def test_a_bad_flag_of_the_replay_exits_2_with_its_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "07_choosing_a_layout/replay_allocations.py"), "--world", "0"],
+                         capture_output=True, text=True, cwd=root)
+    assert run.returncode == 2
+    assert run.stderr.strip().startswith("error: --world must be a whole number ≥ 1") and run.stderr.count("\n") == 1
