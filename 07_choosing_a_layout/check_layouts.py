@@ -18,6 +18,9 @@ planner's own first choice. Where the authors published a step's memory (torchti
 GPUs, FSDP: the allocator's most reserved GiB per GPU), that is the target: the planner's total for the
 layout, its fullest rank at the peak of a step, stands against it, and beside it the same run as
 torchtitan's own code holds it and what the caching allocator reserves for that (torchtitan_memory.py).
+The last column ranks the published layout again among the layouts its framework is known to fit: those
+that hold no more, by the course's count, than a run of that framework held as its source says it ran
+(check_published.known_to_fit: Llama 3's 8K layout without activation checkpointing).
 """
 import argparse
 import json

@@ -7,6 +7,14 @@ counted as they count it, a step time, or a memory per GPU against the fullest r
 torchtitan's run, the same run as its own code holds it, and what the allocator reserves for that:
 torchtitan_memory.py). Then where the published layout
 ranks among the layouts that fit, its step over the fastest's, and the planner's own first choice.
+
+The planner's memory is the course's code's. Another framework may hold less: Llama 3's held its 8K layout
+without activation checkpointing (§3.3.2) where the course's code would need 175 GiB a GPU. What a framework
+is known to fit is read from what it ran: its published runs whose sources state the form they ran
+(published.Published.ran), each counted as the course counts it. A layout that holds no more than that, by
+the same count, fits as surely as the published one did (`known_to_fit`; the count is taken as a yardstick:
+what moves one layout's memory against another's moves the framework's the same way). The last column ranks
+the published layout again among the layouts that fit in either sense.
 """
 from importlib import import_module
 from pathlib import Path
@@ -16,6 +24,37 @@ layout_inputs = import_module("07_choosing_a_layout.layout_inputs")        # thi
 planner = import_module("07_choosing_a_layout.planner")                    # this chapter: the plan
 published = import_module("07_choosing_a_layout.published")                # this chapter: the published runs
 torchtitan_memory = import_module("07_choosing_a_layout.torchtitan_memory")   # this chapter: torchtitan's code
+
+
+def known_to_fit(run) -> tuple[int, str] | None:
+    """(bytes by the course's count, the run that held them) of the most a layout of `run`'s framework is known
+    to have held on `run`'s GPU: its published runs whose source states the form they ran, each in that form
+    (its fastest, then least, if the statement leaves levers open); None where none states it."""
+    device = choose_layout.parse_args(list(run.argv)).device
+    known = []
+    for other in published.RUNS:
+        if other.framework != run.framework or not (other.framework and other.ran):
+            continue
+        args = choose_layout.parse_args(list(other.argv))
+        if args.device != device:
+            continue
+        forms = planner.plan(args, {**other.layout, **other.ran}).rows
+        ran = min(forms, key=fastest)
+        known.append((ran["memory_bytes"]["total"], other.name))
+    return max(known) if known else None
+
+
+def fits_as_known(rows: list[dict], known: tuple[int, str] | None) -> list[dict]:
+    """The rows that fit by the planner's count or hold no more than `known` (known_to_fit), fastest first,
+    equal times (to four digits) by memory."""
+    most = known[0] if known else -1
+    kept = [r for r in rows if r["fits"] or r["memory_bytes"]["total"] <= most]
+    return sorted(kept, key=fastest)
+
+
+def fastest(r: dict) -> tuple:
+    """The planner's order among the layouts that fit: the step (to four digits), then the memory."""
+    return float(f"{r['step_time_s']:.4g}"), r["memory_bytes"]["total"]
 
 
 def published_rows(argv, layout: dict) -> tuple[str, list[dict], dict | None, int | None]:
@@ -81,8 +120,9 @@ def torchtitan_gib(run) -> dict:
 def table() -> tuple[list[str], tuple]:
     """The published table's lines (markdown) and the run whose layouts the memory plot shows."""
     lines = ["| run | published layout (its best-ranked form here) | published | predicted | memory per GPU | "
-             "rank among the layouts that fit | its step ÷ the fastest's | planner's first choice |",
-             "|---|---|---|---|---|---|---|---|"]
+             "rank among the layouts that fit | its step ÷ the fastest's | planner's first choice | "
+             "the same among the layouts its framework is known to fit |",
+             "|---|---|---|---|---|---|---|---|---|"]
     plot_case = None
     for run in published.RUNS:
         line, fitting, mine = published_line(run)
@@ -104,19 +144,34 @@ def published_line(run) -> tuple[str, list[dict], dict | None]:
     place = f"{rank:,} of {len(fitting):,} (top {rank / len(fitting):.1%})" if rank else "-"
     first = f"{choose_layout.describe(best)}: {best['step_time_s']:.2f} s, MFU {best['mfu']:.1%}" if best else "-"
     return (f"| {run.name} ({device}) | {choose_layout.describe(mine) if mine else 'not runnable here'} | "
-            f"{said} | {predicted} | {memory} | {place} | {against_fastest(run, mine, fitting)} | {first} |"), \
-        fitting, mine
+            f"{said} | {predicted} | {memory} | {place} | {against_fastest(run, mine, fitting)} | {first} | "
+            f"{as_known(run, rows, known_to_fit(run))} |"), fitting, mine
 
 
 def against_fastest(run, mine: dict | None, fitting: list[dict]) -> str:
-    """The published layout's step over the fastest that fits: among every layout the planner runs, and among
-    those with the schedules its framework ran (published.Published.schedules)."""
-    if not (mine and mine["fits"]):
+    """The published layout's step over the fastest of `fitting` (fastest first): among every layout there, and
+    among those with the schedules its framework ran (published.Published.schedules)."""
+    if mine is None or mine not in fitting:
         return "-"
     ratio = f"{mine['step_time_s'] / fitting[0]['step_time_s']:.2f}×"
     own = [r for r in fitting if r["schedule"] in run.schedules]
     return ratio + (f" ({mine['step_time_s'] / own[0]['step_time_s']:.2f}× among {', '.join(run.schedules)})"
                     if own and own[0] is not fitting[0] else "")
+
+
+def as_known(run, rows: list[dict], known: tuple[int, str] | None) -> str:
+    """The published layout's best form among the layouts that fit as surely as its framework's known runs
+    (fits_as_known with `known`, known_to_fit's), its rank there and its step over the fastest's; "-" where
+    nothing is known beyond the planner's count."""
+    if not known:
+        return "-"
+    kept = fits_as_known(rows, known)
+    mine = next((r for r in kept if published.matches(r, run.layout)), None)
+    if mine is None:
+        return "-"
+    return (f"{choose_layout.describe(mine)}, {mine['memory_bytes']['total'] / 2**30:,.1f} GiB by the course's "
+            f"count, against {known[0] / 2**30:,.1f} GiB held by {known[1]} as it ran: {kept.index(mine) + 1:,} of "
+            f"{len(kept):,}, {against_fastest(run, mine, kept)}")
 
 
 def replace_published_line(name: str, path: Path) -> str:

@@ -91,9 +91,11 @@ def candidates(cfg, world: int, global_batch: int, gpus_per_node: int, cp_attent
 
 
 def runnable_candidates(cfg, model: str, world: int, global_batch: int, seq_len: int, gpus_per_node: int,
-                        dtype: str = "fp32", cp_attention: str = "ring") -> tuple[list, int]:
-    """(the candidates the chapters' scripts accept, how many they refused): runnable.refusal asks each."""
-    every = list(candidates(cfg, world, global_batch, gpus_per_node, cp_attention))
+                        dtype: str = "fp32", cp_attention: str = "ring", wanted: dict | None = None) -> tuple[list, int]:
+    """(the candidates the chapters' scripts accept, how many they refused): runnable.refusal asks each;
+    `wanted`: only the candidates with these fields."""
+    every = [c for c in candidates(cfg, world, global_batch, gpus_per_node, cp_attention)
+             if wanted is None or published.matches(vars(c), wanted)]
     kept = [c for c in every if runnable.refusal(c, model, cfg, global_batch, seq_len, dtype) is None]
     return kept, len(every) - len(kept)
 
@@ -124,8 +126,9 @@ def run_of(args) -> "layout_costs.Run":
                             args.attention, args.full_recompute)
 
 
-def plan(args) -> Plan:
-    """Every layout of choose_layout.py's flags `args` that the chapters run, predicted and ranked."""
+def plan(args, wanted: dict | None = None) -> Plan:
+    """Every layout of choose_layout.py's flags `args` that the chapters run, predicted and ranked (`wanted`:
+    only those with these fields, a plan of one layout's forms)."""
     cfg = layout_inputs.model_for(args.model)
     require(args.seq_len <= cfg.max_seq_len,
             f"--seq-len {args.seq_len} is longer than --model {args.model}'s {cfg.max_seq_len} positions")
@@ -133,7 +136,7 @@ def plan(args) -> Plan:
     gpn = nodes(args, dev)
     run = run_of(args)
     kept, refused = runnable_candidates(cfg, args.model, args.world, args.global_batch, args.seq_len, gpn, args.dtype,
-                                        args.cp_attention)
+                                        args.cp_attention, wanted)
     # full recomputation also as a lever: the fewest blocks per stage that fit (--recompute-layers), the rest kept
     partial = (replace(c, recompute_layers=k) for c in kept if (k := partial_recompute.least_recompute_layers(run, c, dev)))
     rows, tried = [], kept + list(partial)

@@ -24,7 +24,11 @@ class Published:
     # or its whole square (PaLM's definition, Chowdhery et al. 2022, Appendix B: 6N + 12·L·H·Q·T per token)
     mfu_attention: str = "causal"
     schedules: tuple = ()         # the pipeline schedules its framework ran (none named: every one the planner has)
-    framework: str = ""           # a framework whose own code this chapter also models (torchtitan_memory.py)
+    framework: str = ""           # the framework that ran it: "torchtitan" (its own code's memory is modelled:
+                                  # torchtitan_memory.py), "llama3" (Meta's: its memory known by what it ran)
+    # the levers its source says it ran with beyond `layout` (the 8K Llama 3 runs: no activation checkpointing):
+    # the form known to fit on its GPUs, the yardstick of what its framework fits (check_published.known_to_fit)
+    ran: dict = field(default_factory=dict, hash=False)
 
 
 def _llama(world: int, seq: int, batch: int) -> tuple:
@@ -35,23 +39,26 @@ def _llama(world: int, seq: int, batch: int) -> tuple:
 
 
 ONE_F_ONE_B = ("1f1b", "interleaved")      # Megatron-LM's schedules, and Llama 3's (its interleaved 1F1B)
+# §3.3.2, after its pipeline's memory changes: "we could pre-train Llama 3 on sequences of 8K tokens without
+# activation checkpointing"
+NO_CHECKPOINTING = {"recompute": "none"}
 RUNS = [
     # The Llama 3 Herd of Models, Table 4 (16M tokens per batch; FSDP shards the optimizer state and the
     # gradients: ZeRO-2 here; the 8K runs at TP 8 with sequence parallelism, interleaved 1F1B). Its MFU is
     # PaLM's ("MFU; Chowdhery et al."): attention counted as the whole square
     Published("llama3-405b-8k-8192gpu", _llama(8192, 8192, 2048),
               dict(dp=64, tp=8, pp=16, cp=1, zero_stage=2, sequence_parallel=True, schedule="interleaved"),
-              {"mfu": 0.43}, "Llama 3 Herd of Models, Table 4: 8,192 H100, TP 8 × CP 1 × PP 16 × DP 64, 8K, 43 % MFU",
-              "square", ONE_F_ONE_B),
+              {"mfu": 0.43}, "Llama 3 Herd of Models, Table 4: 8,192 H100, TP 8 × CP 1 × PP 16 × DP 64, 8K, 43 % MFU; "
+              "§3.3.2: 8K sequences without activation checkpointing", "square", ONE_F_ONE_B, "llama3", NO_CHECKPOINTING),
     Published("llama3-405b-8k-16384gpu", _llama(16384, 8192, 2048),
               dict(dp=128, tp=8, pp=16, cp=1, zero_stage=2, sequence_parallel=True, schedule="interleaved"),
-              {"mfu": 0.41}, "Llama 3 Herd of Models, Table 4: 16,384 H100, TP 8 × PP 16 × DP 128, 8K, 41 % MFU",
-              "square", ONE_F_ONE_B),
+              {"mfu": 0.41}, "Llama 3 Herd of Models, Table 4: 16,384 H100, TP 8 × PP 16 × DP 128, 8K, 41 % MFU; "
+              "§3.3.2: 8K sequences without activation checkpointing", "square", ONE_F_ONE_B, "llama3", NO_CHECKPOINTING),
     Published("llama3-405b-131k", _llama(16384, 131072, 128),
               dict(dp=8, tp=8, pp=16, cp=16, zero_stage=2, sequence_parallel=True, schedule="interleaved",
                    cp_attention="allgather"),
-              {"mfu": 0.38}, "Llama 3 Herd of Models, Table 4: 16,384 H100, TP 8 × CP 16 × PP 16 × DP 8, 131K, 38 % MFU",
-              "square", ONE_F_ONE_B),
+              {"mfu": 0.38}, "Llama 3 Herd of Models, Table 4: 16,384 H100, TP 8 × CP 16 × PP 16 × DP 8, 131K, 38 % MFU "
+              "(whether it checkpointed activations is not said)", "square", ONE_F_ONE_B, "llama3"),
     # Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models), Table 4; Megatron-LM
     # of 2022 computed attention unfused (its scale-mask-softmax kernel, then dropout: --attention unfused), its
     # selective recomputation reruns that attention core, and its full recomputation the whole block's forward
