@@ -20,7 +20,8 @@ layout, its fullest rank at the peak of a step, stands against it, and beside it
 torchtitan's own code holds it and what the caching allocator reserves for that (torchtitan_memory.py).
 The last column ranks the published layout again among the layouts its framework is known to fit: those
 that hold no more, by the course's count, than a run of that framework held as its source says it ran
-(check_published.known_to_fit: Llama 3's 8K layout without activation checkpointing).
+(check_published.known_to_fit: Llama 3's 8K layout without activation checkpointing), by the textbook's
+bubble and with each schedule run on paper (pipeline_time.fastest_on_paper).
 """
 import argparse
 import json

@@ -16,12 +16,15 @@ the same count, fits as surely as the published one did (`known_to_fit`; the cou
 what moves one layout's memory against another's moves the framework's the same way). The last column ranks
 the published layout again among the layouts that fit in either sense.
 """
+from dataclasses import replace
 from importlib import import_module
 from pathlib import Path
 
 choose_layout = import_module("07_choosing_a_layout.choose_layout")        # this chapter: the planner's flags
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")        # this chapter: models and devices
 planner = import_module("07_choosing_a_layout.planner")                    # this chapter: the plan
+layout_costs = import_module("07_choosing_a_layout.layout_costs")          # this chapter: a row's layout
+pipeline_time = import_module("07_choosing_a_layout.pipeline_time")        # this chapter: a schedule on paper
 published = import_module("07_choosing_a_layout.published")                # this chapter: the published runs
 torchtitan_memory = import_module("07_choosing_a_layout.torchtitan_memory")   # this chapter: torchtitan's code
 
@@ -145,7 +148,7 @@ def published_line(run) -> tuple[str, list[dict], dict | None]:
     first = f"{choose_layout.describe(best)}: {best['step_time_s']:.2f} s, MFU {best['mfu']:.1%}" if best else "-"
     return (f"| {run.name} ({device}) | {choose_layout.describe(mine) if mine else 'not runnable here'} | "
             f"{said} | {predicted} | {memory} | {place} | {against_fastest(run, mine, fitting)} | {first} | "
-            f"{as_known(run, rows, known_to_fit(run))} |"), fitting, mine
+            f"{known_cell(run, rows)} |"), fitting, mine
 
 
 def against_fastest(run, mine: dict | None, fitting: list[dict]) -> str:
@@ -157,6 +160,14 @@ def against_fastest(run, mine: dict | None, fitting: list[dict]) -> str:
     own = [r for r in fitting if r["schedule"] in run.schedules]
     return ratio + (f" ({mine['step_time_s'] / own[0]['step_time_s']:.2f}× among {', '.join(run.schedules)})"
                     if own and own[0] is not fitting[0] else "")
+
+
+def known_cell(run, rows: list[dict]) -> str:
+    """The last column: the published layout among the layouts its framework is known to fit (as_known), by the
+    textbook's bubble and on paper (on_paper)."""
+    known = known_to_fit(run)
+    cell = as_known(run, rows, known)
+    return cell if cell == "-" else f"{cell}; {on_paper(run, fits_as_known(rows, known))}"
 
 
 def as_known(run, rows: list[dict], known: tuple[int, str] | None) -> str:
@@ -172,6 +183,35 @@ def as_known(run, rows: list[dict], known: tuple[int, str] | None) -> str:
     return (f"{choose_layout.describe(mine)}, {mine['memory_bytes']['total'] / 2**30:,.1f} GiB by the course's "
             f"count, against {known[0] / 2**30:,.1f} GiB held by {known[1]} as it ran: {kept.index(mine) + 1:,} of "
             f"{len(kept):,}, {against_fastest(run, mine, kept)}")
+
+
+def on_paper(run, kept: list[dict]) -> str:
+    """The same comparison with every pipeline's bubble from its own schedule run on paper (pipeline_time.py:
+    each stage's own forward, input and weight gradients), not the textbook's: the published layout's fastest
+    form on paper against the fastest of `kept` on paper, and of those with its framework's schedules (each
+    found exactly: pipeline_time.fastest_on_paper)."""
+    args = choose_layout.parse_args(list(run.argv))
+    dev = layout_inputs.device_for(args.device, args.dtype, args.world, args.efficiency)
+    cost, bubbles = planner.run_of(args), {}
+
+    def bubble_of(r: dict) -> float:            # the ZeRO stage moves no pipeline action: one run for all four
+        c = replace(layout_costs.Candidate.of_row(r), zero_stage=0)
+        if c.pp > 1 and c not in bubbles:
+            bubbles[c] = pipeline_time.bubble(cost, c, dev)
+        return bubbles.get(c, 0.0)
+
+    mine, step = pipeline_time.fastest_on_paper([r for r in kept if published.matches(r, run.layout)], bubble_of)
+    best = pipeline_time.fastest_on_paper(kept, bubble_of)
+    own = pipeline_time.fastest_on_paper([r for r in kept if r["schedule"] in run.schedules], bubble_of)
+    among = f"; {step / own[1]:.2f}× among {', '.join(run.schedules)}" if own and own[0] is not best[0] else ""
+    return (f"on paper (each schedule run with its stages' own times): its best form {schedule_words(mine)}: "
+            f"{step:.4g} s, {step / best[1]:.2f}× the fastest, {choose_layout.describe(best[0])} "
+            f"({best[1]:.4g} s){among}")
+
+
+def schedule_words(r: dict) -> str:
+    """A row's schedule, virtual stages, micro-batches and recomputation: what tells a layout's forms apart."""
+    return f"{r['schedule']} v={r['virtual_stages']} m={r['microbatches']}, recompute {r['recompute']}"
 
 
 def replace_published_line(name: str, path: Path) -> str:

@@ -38,13 +38,35 @@ pipeline_actions = import_module("03_pipeline_parallel.pipeline_actions")  # cha
 def words(run, row: dict, dev) -> str:
     """What --explain says of a GPU layout `row` with a pipeline: its bubble on paper against the textbook's, and
     the step with it (the bubble's part replaced; the rest of the step as the planner counts it)."""
-    c = layout_costs.Candidate.of_row(row)
-    b, parts = bubble(run, c, dev), row["time_parts_s"]
-    critical = sum(parts.get(k, 0.0) for k in ("compute", "memory", "comm_tp", "comm_ep", "comm_pp"))
-    step = row["step_time_s"] - parts["bubble"] + critical * b / (1 - b)
+    b = bubble(run, layout_costs.Candidate.of_row(row), dev)
+    step = step_with(row, b)
     return (f"on paper (chapter 03's schedule run with each stage's own forward, input and weight gradients: "
             f"pipeline_time.py) its busiest rank idles {b:.1%} of the step, where the ranking's textbook bubble "
             f"says {row['bubble']:.1%}: a step of {step:.4g} s (MFU {row['mfu'] * row['step_time_s'] / step:.1%})")
+
+
+def step_with(row: dict, b: float) -> float:
+    """Row `row`'s step with bubble share `b` in place of the textbook's: the critical path (compute, memory,
+    TP, EP and PP traffic) idles b of the step; the rest of the step as the planner counts it. Never less than
+    the step without its bubble (b = 0): a bound the search for the fastest on paper stops at."""
+    parts = row["time_parts_s"]
+    critical = sum(parts.get(k, 0.0) for k in ("compute", "memory", "comm_tp", "comm_ep", "comm_pp"))
+    return row["step_time_s"] - parts["bubble"] + critical * b / (1 - b)
+
+
+def fastest_on_paper(rows: list[dict], bubble_of) -> tuple[dict, float] | None:
+    """(the row of `rows` whose step is the least with its bubble on paper, that step): `bubble_of(row)` its
+    bubble share (`bubble`; 0 without a pipeline). Exact without running every schedule: rows are tried in the
+    order of their step without a bubble, and the search stops at the first whose bubble-free step is no less
+    than the best found on paper (it, and every row after it, can only be slower)."""
+    best = None
+    for r in sorted(rows, key=lambda r: r["step_time_s"] - r["time_parts_s"]["bubble"]):
+        if best and step_with(r, 0.0) >= best[1]:
+            break
+        step = step_with(r, bubble_of(r))
+        if best is None or step < best[1]:
+            best = (r, step)
+    return best
 
 
 def bubble(run, c, dev) -> float:

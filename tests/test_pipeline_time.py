@@ -92,3 +92,29 @@ def test_explain_says_the_step_on_paper_beside_the_textbooks(capsys):
     assert f"idles {b:.1%} of the step, where the ranking's textbook bubble says {row['bubble']:.1%}: a step of " \
            f"{step:.4g} s" in pipeline_time.words(run, row, dev)
     assert parts["bubble"] == pytest.approx(critical * row["bubble"] / (1 - row["bubble"]))
+
+
+def test_the_fastest_on_paper_is_found_without_running_every_schedule():
+    """pipeline_time.fastest_on_paper: rows tried in the order of their step without a bubble, stopping at the
+    first that cannot beat the best found even without one; the answer is the exhaustive one, here a row the
+    textbook ranks behind another (its own schedule idles less than the textbook says), and the rows past the
+    bound are never run."""
+    def row(name, step, bubble_s, compute):
+        return {"name": name, "step_time_s": step, "time_parts_s": {"compute": compute, "bubble": bubble_s}}
+
+    rows = [row("past the bound", 12.0, 2.0, 10.0),       # ≥ 10.0 s even without a bubble
+            row("no pipeline", 9.6, 0.0, 9.6),             # 9.6 s whatever the paper says
+            row("textbook first", 8.4, 0.4, 8.0),          # on paper idles 1/9: 8.0 / (8/9) = 9.0 s
+            row("textbook behind", 9.2, 0.7, 8.5)]         # on paper idles 1/86: 8.5 / (85/86) = 8.6 s
+    idle = {"past the bound": 0.0, "no pipeline": 0.0, "textbook first": 1 / 9, "textbook behind": 1 / 86}
+    asked = []
+
+    def bubble_of(r):
+        asked.append(r["name"])
+        return idle[r["name"]]
+
+    best, step = pipeline_time.fastest_on_paper(rows, bubble_of)
+    exhaustive = min(rows, key=lambda r: pipeline_time.step_with(r, idle[r["name"]]))
+    assert best is exhaustive and best["name"] == "textbook behind" and step == pytest.approx(8.6)
+    assert asked == ["textbook first", "textbook behind"]       # 9.6 and 10.0 s cannot beat 8.6 s
+    assert pipeline_time.fastest_on_paper([], bubble_of) is None
