@@ -1,7 +1,8 @@
 """Cutting the model into pipeline stages, balanced by cost.
 
 A pipeline stage is a contiguous run of decoder layers; the first stage also owns the token
-embedding, the last one the final norm, the LM head and the loss. With v virtual stages per rank
+embedding, the last one the final norm, the LM head and the loss (with a stage or two more than layers,
+the ends hold those alone: Llama 3's balanced pipeline). With v virtual stages per rank
 the model is cut into p·v chunks and rank r holds chunks r, r+p, r+2p, ... (interleaving), or, for
 the V schedules, the 2p chunks r and 2p-1-r (v_schedules.py): the schedule says where
 (pipeline_schedules.stage_ranks), each StageSpec records it.
@@ -43,16 +44,22 @@ def layer_costs(cfg: ModelConfig, seq_len: int) -> dict:
 
 
 def partition(cfg: ModelConfig, n_stages: int, seq_len: int) -> list[tuple[int, ...]]:
-    """Contiguous split of the layers into n_stages runs (≥ 1 layer each) minimising the max stage cost."""
+    """Contiguous split of the layers into n_stages runs (≥ 1 layer each) minimising the max stage cost. With
+    one or two stages more than layers, the first stage may hold the embedding alone and the last the head
+    alone (no layer): Llama 3's balanced pipeline (126 layers, 16 ranks × 8 chunks: every chunk one layer,
+    the embedding and the head one chunk each)."""
     return list(_partition(cfg, n_stages, seq_len))
 
 
 @lru_cache(maxsize=None)    # the same split is asked again and again by chapter 07's planner (126 layers, 16 stages)
 def _partition(cfg: ModelConfig, n_stages: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
     L = cfg.n_layers
-    require(L >= n_stages, f"the model has {L} layers, too few for {n_stages} stages (pp × virtual stages); "
-                           f"use fewer --pp / --virtual-stages (at most {L} stages) or a deeper --model")
+    require(L + 2 >= n_stages, f"the model has {L} layers, too few for {n_stages} stages (pp × virtual stages); "
+                               f"use fewer --pp / --virtual-stages (at most {L + 2} stages: a layer each, the "
+                               f"embedding and the head one each) or a deeper --model")
     c = layer_costs(cfg, seq_len)
+    # the fewest layers stage k holds: one, but an end may hold none when there are more stages than layers
+    least = [0 if n_stages > L and k in (0, n_stages - 1) else 1 for k in range(n_stages)]
 
     def cost(k: int, i: int, j: int) -> float:        # stage k holds layers i..j-1
         return (j - i) * c["layer"] + (c["embed"] if k == 0 else 0) + (c["head"] if k == n_stages - 1 else 0)
@@ -61,9 +68,9 @@ def _partition(cfg: ModelConfig, n_stages: int, seq_len: int) -> tuple[tuple[int
     def best(k: int, i: int) -> tuple[float, tuple[int, ...]]:
         """(max cost, cut points) for stages k.. covering layers i..L-1."""
         if k == n_stages - 1:
-            return cost(k, i, L), (L,)
+            return (cost(k, i, L), (L,)) if L - i >= least[k] else (float("inf"), (L,))
         options = []
-        for j in range(i + 1, L - (n_stages - k - 1) + 1):       # leave ≥ 1 layer for each later stage
+        for j in range(i + least[k], L - sum(least[k + 1:]) + 1):     # leave each later stage its fewest
             rest, cuts = best(k + 1, j)
             # prefer the later cut on ties: the head makes the last stage heavier, give it fewer layers
             options.append((max(cost(k, i, j), rest), -j, (j,) + cuts))
@@ -97,7 +104,7 @@ def partition_table(cfg: ModelConfig, specs: list[StageSpec], pp: int, seq_len: 
     rows = []
     for s, cost in zip(specs, costs):
         params = len(s.layers) * layer_params + (V * D if s.first else 0) + (V * D + D if s.last else 0)
-        parts = (["embed"] if s.first else []) + [f"layers {s.layers[0]}-{s.layers[-1]}"] + (
+        parts = (["embed"] if s.first else []) + ([f"layers {s.layers[0]}-{s.layers[-1]}"] if s.layers else []) + (
             ["norm+head+loss"] if s.last else [])
         rows.append({"stage": s.index, "rank": s.rank, "holds": " + ".join(parts), "params": params,
                      "cost": cost / sum(costs)})

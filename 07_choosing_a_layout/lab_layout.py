@@ -97,8 +97,9 @@ def refusals_section(key) -> None:
     key.section("L3 — ask the chapters", f"""
 `--explain tp=16`: `{said[0].strip()}` — the heads do not split over 16 ranks (chapter 02's check).
 `--explain pp=8,schedule=interleaved,v=2`: `{said[1].strip()}` — the planner never proposes it:
-the interleaved schedule's v runs from 2 to layers ÷ pp (planner.chunks_per_rank), 1 at pp 8 on 8
-layers, because 8 ranks × 2 chunks would be 16 stages for 8 layers, which chapter 03's partition refuses.
+the interleaved schedule's v runs from 2 to (layers + 2) ÷ pp (planner.chunks_per_rank: a layer a chunk, and
+the embedding and the head a chunk each), 1 at pp 8 on 8 layers, because 8 ranks × 2 chunks would be 16 stages
+for 8 layers, which chapter 03's partition refuses (it takes at most 10).
 
 The plans' first lines: `{first[0].strip()}` (16 ranks) and `{first[1].strip()}` (8 ranks). The refusals
 are the scripts' own messages (runnable.refusal asks `checked_layout`, the function each script's `main`

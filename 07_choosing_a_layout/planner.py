@@ -40,11 +40,12 @@ def schedules(cfg, pp: int) -> list[tuple[str, int]]:
 
 
 def chunks_per_rank(n_layers: int, pp: int) -> list[int]:
-    """The interleaved schedule's v, up to one layer per chunk (v = L/p: the chapters refuse more stages than
-    layers): every v from 2 to 4 (Megatron's GPT-3 ran 3), then doubling, and L/p itself. Between two
-    doublings the bubble (p−1)/(v·m + p−1) moves little while the messages grow with v, so the ladder
-    keeps the planner's time in bounds where L/p is large (GPT-3's 96 layers on 2 ranks: 7 values, not 47)."""
-    most = n_layers // pp
+    """The interleaved schedule's v, up to one layer per chunk and the embedding and the head a chunk each
+    (v = (L+2)/p: chapter 03 refuses more stages): every v from 2 to 4 (Megatron's GPT-3 ran 3), then
+    doubling, and the most itself. Between two doublings the bubble (p−1)/(v·m + p−1) moves little while the
+    messages grow with v, so the ladder keeps the planner's time in bounds where L/p is large (GPT-3's 96
+    layers on 2 ranks: 7 values, not 48)."""
+    most = (n_layers + 2) // pp
     ladder = {2, 3, 4, most} | {2 ** k for k in range(3, most.bit_length())}
     return sorted(v for v in ladder if 2 <= v <= most)
 

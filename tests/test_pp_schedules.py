@@ -232,6 +232,13 @@ def test_partition_is_balanced_and_covers_every_layer():
         assert [i for part in parts for i in part] == list(range(cfg.n_layers))
         assert max(map(len, parts)) - min(map(len, parts)) <= 1
     assert pipeline_stages.partition(cfg, 3, 128) == [(0, 1, 2), (3, 4, 5), (6, 7)]     # the head weighs on the last stage
+    # more stages than layers (at most two more): the ends hold the embedding and the head alone, the head first
+    assert pipeline_stages.partition(cfg, 10, 128) == [()] + [(i,) for i in range(8)] + [()]
+    assert pipeline_stages.partition(cfg, 9, 128) == [(i,) for i in range(8)] + [()]
+    with pytest.raises(ConfigError, match="at most 10 stages"):
+        pipeline_stages.partition(cfg, 11, 128)
+    table = pipeline_stages.partition_table(cfg, pipeline_stages.stage_specs(cfg, 2, 5, 128), 2, 128)
+    assert table[0]["holds"] == "embed" and table[-1]["holds"] == "norm+head+loss"
     specs = pipeline_stages.stage_specs(cfg, 2, 2, 32)
     assert [s.index for s in pipeline_stages.rank_stages(specs, 2, 1)] == [1, 3] and specs[0].first and specs[-1].last
     v = pipeline_stages.stage_specs(cfg, 4, 2, 32, pipeline_schedules.stage_ranks("zb-v", 4, 2))
