@@ -9,7 +9,7 @@ torchtitan_memory.py). Then where the published layout
 ranks among the layouts that fit, its step over the fastest's, and the planner's own first choice.
 
 The planner's memory is the course's code's. Another framework may hold less: Llama 3's held its 8K layout
-without activation checkpointing (§3.3.2) where the course's code would need 175 GiB a GPU. What a framework
+without activation checkpointing (§3.3.2) where the course's code would need 156 GiB a GPU. What a framework
 is known to fit is read from what it ran: its published runs whose sources state the form they ran
 (published.Published.ran), each counted as the course counts it. A layout that holds no more than that, by
 the same count, fits as surely as the published one did (`known_to_fit`; the count is taken as a yardstick:

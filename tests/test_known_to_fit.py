@@ -3,6 +3,7 @@ memory a published run held in the form its source says it ran, taken as a yards
 layout without activation checkpointing (§3.3.2), which the course's code would need 175 GiB a GPU for: every
 Llama 3 run is ranked again among the layouts that fit by the planner's count or hold no more than that."""
 from importlib import import_module
+from types import SimpleNamespace
 
 choose_layout = import_module("07_choosing_a_layout.choose_layout")
 planner = import_module("07_choosing_a_layout.planner")
@@ -59,3 +60,30 @@ def test_the_published_layout_ranked_among_the_layouts_known_to_fit():
     assert "150.0 GiB by the course's count, against 150.0 GiB held by llama3-405b-8k-8192gpu as it ran" in cell
     assert cell.endswith("3 of 4, 1.05× (1.00× among 1f1b, interleaved)"), cell
     assert check_published.as_known(published.BY_NAME["gpt3-175b-full"], rows, None) == "-"
+
+
+def test_on_paper_compares_the_published_forms_with_the_fastest_of_all_on_paper():
+    """check_published.on_paper on a small GPU plan (Llama 3 8B on 8 H100, a stand-in published layout): the
+    published layout's step is its forms' least with each bubble from its own schedule on paper, and the
+    fastest's is the least of every row, both as an exhaustive search finds them."""
+    pipeline_time = import_module("07_choosing_a_layout.pipeline_time")
+    layout_costs = import_module("07_choosing_a_layout.layout_costs")
+    argv = ("--model", "llama3-8b", "--world", "8", "--device", "h100", "--dtype", "bf16", "--global-batch", "16",
+            "--seq-len", "8192")
+    run = SimpleNamespace(argv=argv, layout=dict(dp=1, tp=2, pp=4, cp=1, schedule="interleaved"),
+                          schedules=("1f1b", "interleaved"))
+    args = choose_layout.parse_args(list(argv))
+    kept = check_published.fits_as_known(planner.plan(args).rows, None)
+    dev = import_module("07_choosing_a_layout.layout_inputs").device_for("h100", "bf16", 8)
+    cost, seen = planner.run_of(args), {}
+
+    def paper(r):                                   # every row on paper, no bound
+        c = layout_costs.Candidate.of_row(r)
+        if c.pp > 1 and c not in seen:
+            seen[c] = pipeline_time.bubble(cost, c, dev)
+        return pipeline_time.step_with(r, seen.get(c, 0.0))
+
+    mine = min(paper(r) for r in kept if published.matches(r, run.layout))
+    best = min(paper(r) for r in kept)
+    words = check_published.on_paper(run, kept)
+    assert f": {mine:.4g} s, {mine / best:.2f}× the fastest" in words and f"({best:.4g} s)" in words, words
