@@ -92,7 +92,8 @@ def candidates(cfg, world: int, global_batch: int, gpus_per_node: int, cp_attent
 
 
 def runnable_candidates(cfg, model: str, world: int, global_batch: int, seq_len: int, gpus_per_node: int,
-                        dtype: str = "fp32", cp_attention: str = "ring", wanted: dict | None = None) -> tuple[list, int]:
+                        dtype: str = "fp32", cp_attention: str = "ring",
+                        wanted: dict | None = None) -> tuple[list, int]:
     """(the candidates the chapters' scripts accept, how many they refused): runnable.refusal asks each;
     `wanted`: only the candidates with these fields."""
     every = [c for c in candidates(cfg, world, global_batch, gpus_per_node, cp_attention)

@@ -48,17 +48,20 @@ RUNS = [
     # PaLM's ("MFU; Chowdhery et al."): attention counted as the whole square
     Published("llama3-405b-8k-8192gpu", _llama(8192, 8192, 2048),
               dict(dp=64, tp=8, pp=16, cp=1, zero_stage=2, sequence_parallel=True, schedule="interleaved"),
-              {"mfu": 0.43}, "Llama 3 Herd of Models, Table 4: 8,192 H100, TP 8 × CP 1 × PP 16 × DP 64, 8K, 43 % MFU; "
-              "§3.3.2: 8K sequences without activation checkpointing", "square", ONE_F_ONE_B, "llama3", NO_CHECKPOINTING),
+              {"mfu": 0.43}, "Llama 3 Herd of Models, Table 4: 8,192 H100, TP 8 × CP 1 × PP 16 × DP 64, 8K, "
+              "43 % MFU; §3.3.2: 8K sequences without activation checkpointing", "square", ONE_F_ONE_B,
+              framework="llama3", ran=NO_CHECKPOINTING),
     Published("llama3-405b-8k-16384gpu", _llama(16384, 8192, 2048),
               dict(dp=128, tp=8, pp=16, cp=1, zero_stage=2, sequence_parallel=True, schedule="interleaved"),
               {"mfu": 0.41}, "Llama 3 Herd of Models, Table 4: 16,384 H100, TP 8 × PP 16 × DP 128, 8K, 41 % MFU; "
-              "§3.3.2: 8K sequences without activation checkpointing", "square", ONE_F_ONE_B, "llama3", NO_CHECKPOINTING),
+              "§3.3.2: 8K sequences without activation checkpointing", "square", ONE_F_ONE_B,
+              framework="llama3", ran=NO_CHECKPOINTING),
     Published("llama3-405b-131k", _llama(16384, 131072, 128),
               dict(dp=8, tp=8, pp=16, cp=16, zero_stage=2, sequence_parallel=True, schedule="interleaved",
                    cp_attention="allgather"),
-              {"mfu": 0.38}, "Llama 3 Herd of Models, Table 4: 16,384 H100, TP 8 × CP 16 × PP 16 × DP 8, 131K, 38 % MFU "
-              "(whether it checkpointed activations is not said)", "square", ONE_F_ONE_B, "llama3"),
+              {"mfu": 0.38}, "Llama 3 Herd of Models, Table 4: 16,384 H100, TP 8 × CP 16 × PP 16 × DP 8, 131K, "
+              "38 % MFU (whether it checkpointed activations is not said)", "square", ONE_F_ONE_B,
+              framework="llama3"),
     # Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models), Table 4; Megatron-LM
     # of 2022 computed attention unfused (its scale-mask-softmax kernel, then dropout: --attention unfused), its
     # selective recomputation reruns that attention core, and its full recomputation the whole block's forward
