@@ -16,14 +16,12 @@ the same count, fits as surely as the published one did (`known_to_fit`; the cou
 what moves one layout's memory against another's moves the framework's the same way). The last column ranks
 the published layout again among the layouts that fit in either sense.
 """
-from dataclasses import replace
 from importlib import import_module
 from pathlib import Path
 
 choose_layout = import_module("07_choosing_a_layout.choose_layout")        # this chapter: the planner's flags
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")        # this chapter: models and devices
 planner = import_module("07_choosing_a_layout.planner")                    # this chapter: the plan
-layout_costs = import_module("07_choosing_a_layout.layout_costs")          # this chapter: a row's layout
 pipeline_time = import_module("07_choosing_a_layout.pipeline_time")        # this chapter: a schedule on paper
 published = import_module("07_choosing_a_layout.published")                # this chapter: the published runs
 torchtitan_memory = import_module("07_choosing_a_layout.torchtitan_memory")   # this chapter: torchtitan's code
@@ -192,14 +190,7 @@ def on_paper(run, kept: list[dict]) -> str:
     found exactly: pipeline_time.fastest_on_paper)."""
     args = choose_layout.parse_args(list(run.argv))
     dev = layout_inputs.device_for(args.device, args.dtype, args.world, args.efficiency)
-    cost, bubbles = planner.run_of(args), {}
-
-    def bubble_of(r: dict) -> float:            # the ZeRO stage moves no pipeline action: one run for all four
-        c = replace(layout_costs.Candidate.of_row(r), zero_stage=0)
-        if c.pp > 1 and c not in bubbles:
-            bubbles[c] = pipeline_time.bubble(cost, c, dev)
-        return bubbles.get(c, 0.0)
-
+    bubble_of = pipeline_time.bubbles(planner.run_of(args), dev)
     mine, step = pipeline_time.fastest_on_paper([r for r in kept if published.matches(r, run.layout)], bubble_of)
     best = pipeline_time.fastest_on_paper(kept, bubble_of)
     own = pipeline_time.fastest_on_paper([r for r in kept if r["schedule"] in run.schedules], bubble_of)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # repo root: `com
 
 from common.cli import Parser  # noqa: E402
 from common.domains import OUTPUT_FILE, POSITIVE_INT, Domain, Refused, real, whole  # noqa: E402
-from common.errors import fail, run_main  # noqa: E402
+from common.errors import fail, require, run_main  # noqa: E402
 
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")    # this chapter: models and devices
 layout_costs = import_module("07_choosing_a_layout.layout_costs")      # this chapter: one layout's numbers
@@ -124,6 +124,11 @@ def parser() -> Parser:
                         "schedule, v, m, sp, and tpo: sp with --tp-overlap), or a published run's name, "
                         "which also plans its cluster: "
                         + ", ".join(published.BY_NAME))
+    p.add_argument("--bubble", default="textbook", choices=["textbook", "on-paper"],
+                   help="the pipeline bubble: textbook (chapter 03's, equal stages: the ranking's), or on-paper "
+                        "(a GPU): the table as ranked, then the first --top layouts that fit with every schedule run "
+                        "on paper (pipeline_time.py: each stage's own forward, input and weight gradients), found "
+                        "exactly; slower (seconds to tens of seconds at scale)")
     p.add_argument("--json", type=OUTPUT_FILE, default=None,
                    help="write every layout's row here, a JSON list (default: none)")
     return p
@@ -148,6 +153,20 @@ def run_it(r: dict, cfg, args) -> str:
         "No miniature of it runs here (its script refuses the reduced degrees)."
 
 
+def on_paper_lines(rows: list[dict], dev, args) -> list[str]:
+    """--bubble on-paper: the first --top layouts that fit with each schedule run on paper, fastest first, each with its
+    step, its bubble there and the textbook's, and its place in the table above."""
+    fitting = [r for r in rows if r["fits"]]
+    bubble_of = pipeline_time.bubbles(planner.run_of(args), dev)
+    lines = explain_layout.wrap(f"On paper (each schedule run with its stages' own times: pipeline_time.py), the "
+                                f"first {min(args.top, len(fitting))} that fit:")
+    for r, step in pipeline_time.leaders_on_paper(fitting, bubble_of, args.top):
+        lines += explain_layout.wrap(f"{step:.4g} s (MFU {r['mfu'] * r['step_time_s'] / step:.1%}), bubble "
+                                     f"{bubble_of(r):.1%} (textbook {r['bubble']:.1%}; the table's "
+                                     f"{fitting.index(r) + 1:,}): {describe(r)}", "  ")
+    return lines
+
+
 class NothingFits(Exception):
     """No layout holds this model and batch on these ranks: the plan's answer is no (exit code 1; a bad
     flag is a ConfigError, exit code 2). Raised after the table and the JSON rows are out."""
@@ -156,6 +175,9 @@ class NothingFits(Exception):
 def main(argv=None) -> list[dict]:
     """Plan, print, write --json; every layout's row, or NothingFits when none fits."""
     args = parse_args(argv)
+    require(not (args.bubble == "on-paper" and args.device == "cpu"),
+            "--bubble on-paper runs a GPU's pipeline schedules on paper; on --device cpu the ranks share cores and "
+            "the model charges no bubble: use a GPU's device file (--device h100, say)")
     rows, dev, refused = planner.plan(args)
     cfg = layout_inputs.model_for(args.model)
     fit = sum(r["fits"] for r in rows)
@@ -164,6 +186,8 @@ def main(argv=None) -> list[dict]:
         f"by their checks), {fit} fit; " + ("fastest first, equal times by memory:" if fit else
                                              "none fits, the smallest first:"))))
     print("\n".join(explain_layout.table(rows[:args.top], dev, args.world)))
+    if args.bubble == "on-paper":
+        print("\n".join(["", *on_paper_lines(rows, dev, args)]))
     print("\n".join(["", *explain_layout.decision_tree(rows, cfg, dev, args, describe, args.why)]))
     if fit:
         print("\n".join(["", *explain_layout.run_lines(run_it(rows[0], cfg, args))]))

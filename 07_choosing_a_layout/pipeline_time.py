@@ -24,6 +24,7 @@ schedules (1F1B, interleaved, ZB-H1); the V schedules run some backwards whole (
 chapter 03's executor does), whose input gradient leaves only after their weight gradient: they idle more
 than the textbook's V even then (tests/test_pipeline_time.py).
 """
+from dataclasses import replace
 from importlib import import_module
 
 block_time = import_module("07_choosing_a_layout.block_time")              # this chapter: one block's operations
@@ -55,18 +56,37 @@ def step_with(row: dict, b: float) -> float:
 
 
 def fastest_on_paper(rows: list[dict], bubble_of) -> tuple[dict, float] | None:
-    """(the row of `rows` whose step is the least with its bubble on paper, that step): `bubble_of(row)` its
-    bubble share (`bubble`; 0 without a pipeline). Exact without running every schedule: rows are tried in the
-    order of their step without a bubble, and the search stops at the first whose bubble-free step is no less
-    than the best found on paper (it, and every row after it, can only be slower)."""
-    best = None
+    """(the row of `rows` whose step is the least with its bubble on paper, that step), None for no rows:
+    `bubble_of(row)` its bubble share (`bubbles`). The first of leaders_on_paper."""
+    first = leaders_on_paper(rows, bubble_of, 1)
+    return first[0] if first else None
+
+
+def leaders_on_paper(rows: list[dict], bubble_of, n: int) -> list[tuple[dict, float]]:
+    """The `n` rows of `rows` whose steps are the least with their bubbles on paper, fastest first, each with
+    that step. Exact without running every schedule: rows are tried in the order of their step without a
+    bubble, and the search stops at the first whose bubble-free step is no less than the n-th best found on
+    paper (it, and every row after it, can only be slower)."""
+    best: list[tuple[float, dict]] = []
     for r in sorted(rows, key=lambda r: r["step_time_s"] - r["time_parts_s"]["bubble"]):
-        if best and step_with(r, 0.0) >= best[1]:
-            break
-        step = step_with(r, bubble_of(r))
-        if best is None or step < best[1]:
-            best = (r, step)
-    return best
+        if len(best) == n and step_with(r, 0.0) >= best[-1][0]:
+            break               # equal times (to four digits) by memory, as the ranking orders them
+        best = sorted(best + [(step_with(r, bubble_of(r)), r)],
+                      key=lambda x: (float(f"{x[0]:.4g}"), x[1]["memory_bytes"]["total"]))[:n]
+    return [(r, step) for step, r in best]
+
+
+def bubbles(run, dev):
+    """bubble_of(row) for leaders_on_paper: a GPU row's bubble on paper (`bubble`), 0 without a pipeline; one
+    run of the schedule for the rows that differ only in their ZeRO stage (it moves no pipeline action)."""
+    seen = {}
+
+    def bubble_of(r: dict) -> float:
+        c = replace(layout_costs.Candidate.of_row(r), zero_stage=0)
+        if c.pp > 1 and c not in seen:
+            seen[c] = bubble(run, c, dev)
+        return seen.get(c, 0.0)
+    return bubble_of
 
 
 def bubble(run, c, dev) -> float:

@@ -6,10 +6,13 @@ from importlib import import_module
 
 import pytest
 
+from common.errors import ConfigError
+
 pipeline_time = import_module("07_choosing_a_layout.pipeline_time")
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
 choose_layout = import_module("07_choosing_a_layout.choose_layout")
+explain_layout = import_module("07_choosing_a_layout.explain_layout")
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
 schedule_simulator = import_module("03_pipeline_parallel.schedule_simulator")
 pipeline_actions = import_module("03_pipeline_parallel.pipeline_actions")
@@ -100,13 +103,16 @@ def test_the_fastest_on_paper_is_found_without_running_every_schedule():
     textbook ranks behind another (its own schedule idles less than the textbook says), and the rows past the
     bound are never run."""
     def row(name, step, bubble_s, compute):
-        return {"name": name, "step_time_s": step, "time_parts_s": {"compute": compute, "bubble": bubble_s}}
+        return {"name": name, "step_time_s": step, "time_parts_s": {"compute": compute, "bubble": bubble_s},
+                "memory_bytes": {"total": 1}}
 
     rows = [row("past the bound", 12.0, 2.0, 10.0),       # ≥ 10.0 s even without a bubble
             row("no pipeline", 9.6, 0.0, 9.6),             # 9.6 s whatever the paper says
             row("textbook first", 8.4, 0.4, 8.0),          # on paper idles 1/9: 8.0 / (8/9) = 9.0 s
-            row("textbook behind", 9.2, 0.7, 8.5)]         # on paper idles 1/86: 8.5 / (85/86) = 8.6 s
-    idle = {"past the bound": 0.0, "no pipeline": 0.0, "textbook first": 1 / 9, "textbook behind": 1 / 86}
+            row("textbook behind", 9.2, 0.7, 8.5),         # on paper idles 1/86: 8.5 / (85/86) = 8.6 s
+            row("between", 9.0, 0.2, 8.8)]                 # on paper idles 1/89: 8.8 / (88/89) = 8.9 s
+    idle = {"past the bound": 0.0, "no pipeline": 0.0, "textbook first": 1 / 9, "textbook behind": 1 / 86,
+            "between": 1 / 89}
     asked = []
 
     def bubble_of(r):
@@ -118,3 +124,28 @@ def test_the_fastest_on_paper_is_found_without_running_every_schedule():
     assert best is exhaustive and best["name"] == "textbook behind" and step == pytest.approx(8.6)
     assert asked == ["textbook first", "textbook behind"]       # 9.6 and 10.0 s cannot beat 8.6 s
     assert pipeline_time.fastest_on_paper([], bubble_of) is None
+    asked.clear()                    # the first two: the bound is the second best's step, not the first's
+    leaders = pipeline_time.leaders_on_paper(rows, bubble_of, 2)
+    assert [r["name"] for r, _ in leaders] == ["textbook behind", "between"]
+    assert asked == ["textbook first", "textbook behind", "between"]        # 9.6 s cannot beat 8.9 s
+    assert [r["name"] for r, _ in pipeline_time.leaders_on_paper(rows, bubble_of, 3)] == \
+        ["textbook behind", "between", "textbook first"]
+
+
+def test_bubble_on_paper_prints_the_leaders_on_paper_and_is_refused_on_a_cpu(capsys):
+    """choose_layout --bubble on-paper on a GPU: the first --top layouts that fit, on paper, the first the fastest on
+    paper; on --device cpu one line and exit 2, before any plan is printed."""
+    flags = ["--model", "llama3-8b", "--world", "8", "--device", "h100", "--dtype", "bf16", "--global-batch",
+             "16", "--seq-len", "8192", "--top", "3", "--why", "1", "--bubble", "on-paper"]
+    rows = choose_layout.main(flags)
+    out = capsys.readouterr().out
+    args = choose_layout.parse_args(flags)
+    dev = layout_inputs.device_for("h100", "bf16", 8)
+    best, step = pipeline_time.fastest_on_paper([r for r in rows if r["fits"]],
+                                                pipeline_time.bubbles(choose_layout.planner.run_of(args), dev))
+    lines = explain_layout.unwrapped(out[out.index("On paper"):].split("\n\n")[0])
+    assert len(lines) == 4 and lines[1].strip().startswith(f"{step:.4g} s"), lines
+    assert lines[1].endswith(choose_layout.describe(best)), lines
+    with pytest.raises(ConfigError, match="--bubble on-paper runs a GPU's pipeline schedules"):
+        choose_layout.main(["--bubble", "on-paper"])
+    assert capsys.readouterr().out == ""
