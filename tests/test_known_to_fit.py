@@ -63,18 +63,18 @@ def test_the_published_layout_ranked_among_the_layouts_known_to_fit():
 
 
 def test_on_paper_compares_the_published_forms_with_the_fastest_of_all_on_paper():
-    """check_published.on_paper on a small GPU plan (Llama 3 8B on 8 H100, a stand-in published layout): the
+    """check_published.on_paper on a small GPU plan (Llama 3 8B on 4 H100, a stand-in published layout): the
     published layout's step is its forms' least with each bubble from its own schedule on paper, and the
     fastest's is the least of every row, both as an exhaustive search finds them."""
     pipeline_time = import_module("07_choosing_a_layout.pipeline_time")
     layout_costs = import_module("07_choosing_a_layout.layout_costs")
-    argv = ("--model", "llama3-8b", "--world", "8", "--device", "h100", "--dtype", "bf16", "--global-batch", "16",
+    argv = ("--model", "llama3-8b", "--world", "4", "--device", "h100", "--dtype", "bf16", "--global-batch", "8",
             "--seq-len", "8192")
-    run = SimpleNamespace(argv=argv, layout=dict(dp=1, tp=2, pp=4, cp=1, schedule="interleaved"),
+    run = SimpleNamespace(argv=argv, layout=dict(dp=1, tp=1, pp=4, cp=1, schedule="interleaved"),
                           schedules=("1f1b", "interleaved"))
     args = choose_layout.parse_args(list(argv))
     kept = check_published.fits_as_known(planner.plan(args).rows, None)
-    dev = import_module("07_choosing_a_layout.layout_inputs").device_for("h100", "bf16", 8)
+    dev = import_module("07_choosing_a_layout.layout_inputs").device_for("h100", "bf16", 4)
     cost, seen = planner.run_of(args), {}
 
     def paper(r):                                   # every row on paper, no bound
