@@ -154,8 +154,8 @@ def run_it(r: dict, cfg, args) -> str:
 
 
 def on_paper_lines(rows: list[dict], dev, args) -> list[str]:
-    """--bubble on-paper: the first --top layouts that fit with each schedule run on paper, fastest first, each with its
-    step, its bubble there and the textbook's, and its place in the table above."""
+    """--bubble on-paper: the first --top layouts that fit with each schedule run on paper, fastest first, each
+    with its step, its bubble there and the textbook's, and its place in the table above."""
     fitting = [r for r in rows if r["fits"]]
     bubble_of = pipeline_time.bubbles(planner.run_of(args), dev)
     lines = explain_layout.wrap(f"On paper (each schedule run with its stages' own times: pipeline_time.py), the "

@@ -1,6 +1,6 @@
 """What a framework is known to fit (07_choosing_a_layout/check_published.py): the course's count of the
 memory a published run held in the form its source says it ran, taken as a yardstick. Llama 3 ran its 8K
-layout without activation checkpointing (§3.3.2), which the course's code would need 175 GiB a GPU for: every
+layout without activation checkpointing (§3.3.2), which the course's code would need 156 GiB a GPU for: every
 Llama 3 run is ranked again among the layouts that fit by the planner's count or hold no more than that."""
 from importlib import import_module
 from types import SimpleNamespace
