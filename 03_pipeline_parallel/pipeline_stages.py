@@ -51,12 +51,19 @@ def partition(cfg: ModelConfig, n_stages: int, seq_len: int) -> list[tuple[int, 
     return list(_partition(cfg, n_stages, seq_len))
 
 
+def most_stages(n_layers: int) -> int:
+    """The most stages a model of `n_layers` layers is cut into: a layer each, and the embedding and the head
+    one each (chapter 07's planner asks it too)."""
+    return n_layers + 2
+
+
 @lru_cache(maxsize=None)    # the same split is asked again and again by chapter 07's planner (126 layers, 16 stages)
 def _partition(cfg: ModelConfig, n_stages: int, seq_len: int) -> tuple[tuple[int, ...], ...]:
     L = cfg.n_layers
-    require(L + 2 >= n_stages, f"the model has {L} layers, too few for {n_stages} stages (pp × virtual stages); "
-                               f"use fewer --pp / --virtual-stages (at most {L + 2} stages: a layer each, the "
-                               f"embedding and the head one each) or a deeper --model")
+    require(n_stages <= most_stages(L), f"the model has {L} layers, too few for {n_stages} stages (pp × virtual "
+                                        f"stages); use fewer --pp / --virtual-stages (at most {most_stages(L)} "
+                                        f"stages: a layer each, the embedding and the head one each) or a deeper "
+                                        f"--model")
     c = layer_costs(cfg, seq_len)
     # the fewest layers stage k holds: one, but an end may hold none when there are more stages than layers
     least = [0 if n_stages > L and k in (0, n_stages - 1) else 1 for k in range(n_stages)]

@@ -31,6 +31,7 @@ block_time = import_module("07_choosing_a_layout.block_time")              # thi
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")      # this chapter: the stages
 step_time = import_module("07_choosing_a_layout.step_time")                # this chapter: a rank's shape
 layout_costs = import_module("07_choosing_a_layout.layout_costs")          # this chapter: a row's layout
+planner = import_module("07_choosing_a_layout.planner")                    # this chapter: the ranking's order
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")   # chapter 03: the actions
 schedule_simulator = import_module("03_pipeline_parallel.schedule_simulator")   # chapter 03: run on paper
 pipeline_actions = import_module("03_pipeline_parallel.pipeline_actions")  # chapter 03: F, B, W, BW
@@ -71,8 +72,7 @@ def leaders_on_paper(rows: list[dict], bubble_of, n: int) -> list[tuple[dict, fl
     for r in sorted(rows, key=lambda r: r["step_time_s"] - r["time_parts_s"]["bubble"]):
         if len(best) == n and step_with(r, 0.0) >= best[-1][0]:
             break               # equal times (to four digits) by memory, as the ranking orders them
-        best = sorted(best + [(step_with(r, bubble_of(r)), r)],
-                      key=lambda x: (float(f"{x[0]:.4g}"), x[1]["memory_bytes"]["total"]))[:n]
+        best = sorted(best + [(step_with(r, bubble_of(r)), r)], key=lambda x: planner.time_then_memory(*x))[:n]
     return [(r, step) for step, r in best]
 
 

@@ -26,6 +26,7 @@ runnable = import_module("07_choosing_a_layout.runnable")              # this ch
 partial_recompute = import_module("07_choosing_a_layout.partial_recompute")  # this chapter: the fewest blocks
 published = import_module("07_choosing_a_layout.published")            # this chapter: published runs
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")   # chapter 03: the schedule registry
+pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")     # chapter 03: the most stages
 
 
 def schedules(cfg, pp: int) -> list[tuple[str, int]]:
@@ -45,7 +46,7 @@ def chunks_per_rank(n_layers: int, pp: int) -> list[int]:
     doubling, and the most itself. Between two doublings the bubble (p−1)/(v·m + p−1) moves little while the
     messages grow with v, so the ladder keeps the planner's time in bounds where L/p is large (GPT-3's 96
     layers on 2 ranks: 7 values, not 48)."""
-    most = (n_layers + 2) // pp
+    most = pipeline_stages.most_stages(n_layers) // pp
     ladder = {2, 3, 4, most} | {2 ** k for k in range(3, most.bit_length())}
     return sorted(v for v in ladder if 2 <= v <= most)
 
@@ -100,6 +101,11 @@ def runnable_candidates(cfg, model: str, world: int, global_batch: int, seq_len:
              if wanted is None or published.matches(vars(c), wanted)]
     kept = [c for c in every if runnable.refusal(c, model, cfg, global_batch, seq_len, dtype) is None]
     return kept, len(every) - len(kept)
+
+
+def time_then_memory(seconds: float, r: dict) -> tuple:
+    """The order among layouts that fit: the step `seconds` (to four digits), then the memory of row `r`."""
+    return float(f"{seconds:.4g}"), r["memory_bytes"]["total"]
 
 
 def ranking(r: dict) -> tuple:
