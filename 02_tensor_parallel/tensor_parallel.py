@@ -21,6 +21,7 @@ API (chapter 04 imports this module with importlib.import_module("02_tensor_para
         hold the same values (common.step_protocol: counted_here(replicas(p), coords) reads it)
     tp_collectives(cfg, rows, seq_len, tp, sequence_parallel, n_layers, ...)   every collective of a
         micro-batch, and tp_gradient_collectives(...) those of sync_tp_gradients: the bytes formula
+    block_forward_collectives(cfg, rows, seq_len, sequence_parallel, ...)   one block's forward's alone
     tp_to_full(name, local, tp_group, n_kv_heads=None) -> full tensor (weights and AdamW moments)
     tp_to_local(name, full, tp_rank, tp_size, n_kv_heads=None) -> this rank's slice
         n_kv_heads is needed only when KV heads are replicated (n_kv_heads < tp_size).
@@ -207,18 +208,39 @@ def tp_collectives(cfg, rows: int, seq_len: int, tp: int, sequence_parallel: boo
     output nobody saved, does not; a mixture's block reruns its attention's region and its routers' count
     sums. `recomputed`: how many of the stage's blocks recompute (--recompute-layers; None: all)."""
     act = rows * seq_len * cfg.dim * element_size                   # one (rows, S, D) activation
-    region = [("all_gather", act), ("reduce_scatter", act)] if sequence_parallel else [("all_reduce", act)]
+    region = region_collectives(act, sequence_parallel)
     regather = [("all_gather", act)] if sequence_parallel else []   # f's input gathered again in backward
-    f_and_g = 2 * region + regather                                 # f backward, g forward (each a pair under SP)
     split_regions = 1 if cfg.n_experts else 2                       # attention, and the MLP if dense
-    out = (region if first else []) + n_layers * split_regions * f_and_g
-    counts = [("all_reduce", rows * cfg.n_experts * 8)] if sequence_parallel and cfg.n_experts and route_counts else []
-    out += n_layers * counts
+    counts = _count_sums(cfg, rows, sequence_parallel, route_counts)
+    backward = split_regions * (region + regather)                  # f backward, and under SP f's input again
+    out = (region if first else []) + n_layers * (block_forward_collectives(cfg, rows, seq_len, sequence_parallel,
+                                                                            element_size, route_counts) + backward)
     if recompute == "full":                                         # the forward again, up to what backward needs
         out += recomputed_of(n_layers, recomputed) * (region + counts if cfg.n_experts else region + regather)
     if last:
         out += region + regather + 3 * [("all_reduce", rows * seq_len * 4)]
     return out
+
+
+def _count_sums(cfg, rows: int, sequence_parallel: bool, route_counts: bool) -> list[tuple[str, int]]:
+    """A mixture's routers under SP: each block's per-sequence expert counts, one (rows, E) int64 all-reduce."""
+    return [("all_reduce", rows * cfg.n_experts * 8)] if sequence_parallel and cfg.n_experts and route_counts else []
+
+
+def region_collectives(act: int, sequence_parallel: bool) -> list[tuple[str, int]]:
+    """One TP region's collectives of an `act`-byte (rows, S, D) activation, each way: g's all-reduce forward
+    (f's backward); under sequence parallelism a pair, f's all-gather and g's reduce-scatter (the same bytes)."""
+    return [("all_gather", act), ("reduce_scatter", act)] if sequence_parallel else [("all_reduce", act)]
+
+
+def block_forward_collectives(cfg, rows: int, seq_len: int, sequence_parallel: bool, element_size: int = 4,
+                              route_counts: bool = True) -> list[tuple[str, int]]:
+    """(kind, bytes) of one block's forward "tp" collectives (tp_collectives): each region's (the attention,
+    and the MLP if dense) and a mixture's expert-count sum under SP. What a recomputation of the whole block
+    runs again."""
+    act = rows * seq_len * cfg.dim * element_size
+    counts = _count_sums(cfg, rows, sequence_parallel, route_counts)
+    return (1 if cfg.n_experts else 2) * region_collectives(act, sequence_parallel) + counts
 
 
 def tp_gradient_collectives(cfg, tp: int, sequence_parallel: bool, n_layers: int, last: bool = True,

@@ -21,7 +21,10 @@ backward recomputes the scores inside the kernel (5 products against the forward
 matmul's backward is two matmuls of the forward's size (the input's and the weight's gradient); a
 memory-bound operation's backward moves twice its forward's bytes (the gradient in, its input, the
 gradient out). Each matmul runs at the share of the peak its own size gets (device_files.py), each
-memory-bound operation at the HBM bandwidth its size gets. Dropout is not modelled (Llama has none).
+memory-bound operation at the HBM bandwidth its size gets. Dropout is modelled where a GPT has it
+(Llama has none): inside unfused attention (`--attention unfused`), and with a model's `dropout` before each
+residual add (a one-byte mask). A model with `bias` (a GPT) adds a bias to every matmul, whose gradient sums
+the output's gradient over the tokens: each weight gradient reads it once more.
 
 Recomputation adds exactly the operations it reruns in backward: `selective` the norms and the
 activation (the course's selective mode, common/recompute.py); `full` the whole forward up to the last
@@ -46,6 +49,7 @@ class Op:
     times: int = 1             # identical operations (experts)
     weights: float = 0         # a matmul's weight elements: its backward accumulates their fp32 gradient
     e: int = 2                 # bytes per element of its operands
+    bias: float = 0            # a biased matmul's output elements its bias gradient sums (read again in backward)
 
 
 @dataclass(frozen=True)
@@ -60,9 +64,10 @@ class Shape:
     attention: str = "flash"   # "flash": fused, causal half skipped; "unfused": scores and softmax in memory
 
 
-def matmul(name: str, m: float, k: float, n: float, e: int, times: int = 1) -> Op:
-    """(m, k) @ (k, n): 2mkn FLOPs, its two inputs read and its output written."""
-    return Op(name, "matrix", 2 * m * k * n, (m * k + k * n + m * n) * e, times, k * n, e)
+def matmul(name: str, m: float, k: float, n: float, e: int, times: int = 1, bias: float = 0) -> Op:
+    """(m, k) @ (k, n): 2mkn FLOPs, its two inputs read and its output written; `bias`: the output elements
+    its bias is added to (a GPT's), whose gradient backward sums."""
+    return Op(name, "matrix", 2 * m * k * n, (m * k + k * n + m * n) * e, times, k * n, e, bias)
 
 
 def elementwise(name: str, elements: float, reads: int, writes: int, flops_each: float, e: int,
@@ -91,12 +96,13 @@ def block_forward(cfg, s: Shape) -> list[Op]:
     t, D, hd, tp, e = s.tokens, cfg.dim, cfg.head_dim, s.tp, s.e
     heads, kv = cfg.n_heads // tp, cfg.kv_heads_per_rank(tp)
     t_sp = t // tp if s.sp else t
+    biased = getattr(cfg, "bias", False)    # a GPT's biases: a row-parallel one added after the reduction (t_sp)
     ops = [elementwise("norm 1", t_sp * D, 1, 1, 5, e),
-           matmul("qkv", t, D, (heads + 2 * kv) * hd, e),
+           matmul("qkv", t, D, (heads + 2 * kv) * hd, e, bias=biased * t * (heads + 2 * kv) * hd),
            elementwise("rope", t * (heads + kv) * hd, 1, 1, 3, e),
            *attention(cfg, s, t, heads, kv),
-           matmul("out", t, heads * hd, D, e),
-           elementwise("residual 1", t_sp * D, 2, 1, 1, e),
+           matmul("out", t, heads * hd, D, e, bias=biased * t_sp * D),
+           residual("residual 1", cfg, t_sp * D, e),
            elementwise("norm 2", t_sp * D, 1, 1, 5, e)]
     if cfg.n_experts:
         per_expert = t * cfg.top_k * s.ep / cfg.n_experts          # tokens one expert gets, balanced routing
@@ -108,10 +114,17 @@ def block_forward(cfg, s: Shape) -> list[Op]:
     else:
         gelu = mlp_kind(cfg) == "gelu"
         F = (cfg.gelu_hidden if gelu else cfg.ffn_hidden) // tp     # a GELU MLP's own width (model_files.py)
-        ops += [matmul("mlp up", t, D, (1 if gelu else 2) * F, e),
+        ops += [matmul("mlp up", t, D, (1 if gelu else 2) * F, e, bias=biased * t * (1 if gelu else 2) * F),
                 elementwise("activation", t * F, 1 if gelu else 2, 1, 8 if gelu else 6, e),
-                matmul("mlp down", t, F, D, e)]
-    return ops + [elementwise("residual 2", t_sp * D, 2, 1, 1, e)]
+                matmul("mlp down", t, F, D, e, bias=biased * t_sp * D)]
+    return ops + [residual("residual 2", cfg, t_sp * D, e)]
+
+
+def residual(name: str, cfg, elements: float, e: int) -> Op:
+    """A residual add (two reads, one write); with a GPT's dropout before it (Megatron-LM's fused
+    bias-dropout-add) its one-byte mask written too (read again in backward: twice the bytes)."""
+    op = elementwise(name, elements, 2, 1, 1, e)
+    return replace(op, nbytes=op.nbytes + elements) if getattr(cfg, "dropout", False) else op
 
 
 def mlp_kind(cfg) -> str:
@@ -131,8 +144,9 @@ def block_backward(forward: list[Op]) -> list[Op]:
     dK); twice each memory-bound operation's bytes."""
     out = [replace(op, name=op.name + " backward", times=2 * op.times) for op in forward if not op.weights]
     for op in (op for op in forward if op.weights):     # the input's gradient, then the weight's, added in fp32
-        out += [replace(op, name=op.name + " input gradient"),
-                replace(op, name=op.name + " weight gradient", nbytes=op.nbytes + op.weights * (2 * 4 - op.e))]
+        out += [replace(op, name=op.name + " input gradient"),      # (and a bias's: its output's gradient again)
+                replace(op, name=op.name + " weight gradient",
+                        nbytes=op.nbytes + op.weights * (2 * 4 - op.e) + op.bias * op.e)]
     flash = not any(op.name == "softmax" for op in forward)
     return out + [replace(op, name="scores recomputed") for op in forward if op.name == "scores" and flash]
 

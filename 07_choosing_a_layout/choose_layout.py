@@ -110,6 +110,10 @@ def parser() -> Parser:
                    help="what --recompute full reruns on a GPU: early-stop (the course's checkpoint: the forward "
                         "again until backward has what it needs, not the MLP's down projection) or whole-block "
                         "(Megatron-LM's --recompute-granularity full: the block's whole forward)")
+    p.add_argument("--pp-sends", default="whole", choices=["whole", "scatter-gather"],
+                   help="what a pipeline stage sends when SP does not split its activation: whole (the course's "
+                        "chapters) or scatter-gather (Megatron-LM's: each TP rank sends its 1/tp, the next stage "
+                        "all-gathers it over TP)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype")
     p.add_argument("--global-batch", type=POSITIVE_INT, default=16, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=POSITIVE_INT, default=128,

@@ -11,12 +11,14 @@ Every number comes from a formula a chapter proved on real runs, imported from t
     bytes per step, by group        dp: chapter 01's all-reduce of each stage's gradients (ZeRO: zero_sent_share)
                                     tp: chapter 02's tensor_parallel.tp_collectives, each at common.comm's volume
                                     pp: chapter 03's pipeline_executor.message_count × one activation
-                                        (schedule_costs.py)
+                                        (schedule_costs.py); --pp-sends scatter-gather: Megatron-LM's,
+                                        1/tp of an activation SP does not split, all-gathered over TP
                                     ep: chapter 05's expert_parallel.expected_ep_bytes (balanced routing)
                                     cp: this chapter's attention_bookkeeping.cp_bytes, per layer and micro-batch
 
 Under --recompute full each block's forward runs again in backward, its tp, ep and cp exchanges with it,
-as far as backward needs them (each chapter's formula takes the mode). The bytes of a row are global rank
+as far as backward needs them (each chapter's formula takes the mode; --full-recompute whole-block: the
+whole forward, Megatron-LM's). The bytes of a row are global rank
 0's, the rank a run's metrics report (its comm_bytes_*; rank_traffic counts any pipeline rank's); a GPU's
 step time takes the busiest pipeline rank's, whose work and collectives are the step's critical path
 (step_time.rank_work; under a V schedule rank 0 holds both ends of the model and the fewest blocks). The
@@ -117,6 +119,7 @@ class Run:
     dtype: str
     attention: str = "flash"    # a GPU's attention kernel (block_time.py): "flash" (fused) or "unfused"
     full_recompute: str = "early-stop"   # what --recompute full reruns on a GPU (block_time.rerun)
+    pp_sends: str = "whole"     # "whole" (the course's) or "scatter-gather" (Megatron-LM's: rank_traffic)
 
 
 def rank_traffic(run: Run, c: Candidate, specs, pp_rank: int = 0) -> tuple[dict, dict]:
@@ -143,7 +146,8 @@ def rank_traffic(run: Run, c: Candidate, specs, pp_rank: int = 0) -> tuple[dict,
         if c.tp > 1:
             micro, n_micro, grads, n_grads = stage_tp_traffic(cfg, rows, positions, c.tp, c.sequence_parallel,
                                                               len(s.layers), s.first, s.last, e, c.cp == 1,
-                                                              c.recompute, c.ep, c.recompute_layers)
+                                                              step_time.rerun_mode(run, c), c.ep,
+                                                              c.recompute_layers)
             nbytes["tp"] += m * micro + grads
             msgs["tp"] += m * n_micro + n_grads
     if c.zero_stage and not unit_by_unit:
@@ -155,6 +159,13 @@ def rank_traffic(run: Run, c: Candidate, specs, pp_rank: int = 0) -> tuple[dict,
     if c.pp > 1:
         msgs["pp"] = schedule_costs.rank_messages(c.schedule, c.pp, m, v, pp_rank)
         nbytes["pp"] = msgs["pp"] * math.prod(message) * e
+        if run.pp_sends == "scatter-gather" and c.tp > 1 and not c.sequence_parallel:
+            # Megatron-LM's scatter-gather: each TP rank sends its 1/tp of the (whole) activation, and the
+            # receiving stage all-gathers it over TP; half the messages are receives (each send has one)
+            received = msgs["pp"] // 2
+            nbytes["pp"] //= c.tp
+            nbytes["tp"] += received * collective_bytes("all_gather", math.prod(message) * e, c.tp)
+            msgs["tp"] += received
     if c.ep > 1 and cfg.n_experts:
         nbytes["ep"] = sum(int(expert_parallel.expected_ep_bytes(n, rows * m * positions, cfg.top_k, cfg.dim,
                                                                  cfg.n_experts, c.ep, e, r)) for n, r in runs if n)
@@ -180,9 +191,16 @@ def stage_tp_traffic(cfg, rows: int, positions: int, tp: int, sp: bool, n_layers
                      e: int, route_counts: bool, recompute: str, ep: int,
                      recomputed: int | None = None) -> tuple[int, int, int, int]:
     """One stage's TP traffic on one rank, chapter 02's collectives at common.comm's volume: (bytes of one
-    micro-batch, its collectives, bytes of the gradient sums after the schedule, their collectives)."""
+    micro-batch, its collectives, bytes of the gradient sums after the schedule, their collectives).
+    `recompute` "whole-block" (Megatron-LM's full recomputation, step_time.rerun_mode): each recomputed block's
+    whole forward again, its collectives with it, where the course's checkpoint stops early."""
+    whole = recompute == "whole-block"
     micro = tensor_parallel.tp_collectives(cfg, rows, positions, tp, sp, n_layers, first, last, e,
-                                           route_counts=route_counts, recompute=recompute, recomputed=recomputed)
+                                           route_counts=route_counts, recompute="none" if whole else recompute,
+                                           recomputed=recomputed)
+    if whole:
+        micro += recomputed_of(n_layers, recomputed) * tensor_parallel.block_forward_collectives(
+            cfg, rows, positions, sp, e, route_counts)
     grads = tensor_parallel.tp_gradient_collectives(cfg, tp, sp, n_layers, last, ep)
     return bytes_of(micro, tp), len(micro), bytes_of(grads, tp), len(grads)
 

@@ -9,7 +9,9 @@ only: nobody trains them here. Each comes from its paper:
                              96 layers, 96 heads, a GELU MLP of 4d = 49152 (model_files.gelu_model: its
                              memory counted as a SwiGLU of 32768, the same 2·d·4d = 3·d·32768 weights, its
                              time as the two matrices of 49152 it runs), the vocabulary 50257 padded to
-                             51200 (a multiple of 128·8, as Megatron-LM pads it for TP 8), untied embeddings
+                             51200 (a multiple of 128·8, as Megatron-LM pads it for TP 8); as Megatron-LM
+                             builds a GPT, biases, dropout and the head tied to the embedding (their time:
+                             model_files.PlannedModel; its memory keeps both copies, as Megatron-LM does)
     mixtral-8x7b             Mixtral of Experts (Jiang et al., 2024), Table 1
     deepseek-v3              DeepSeek-V3 Technical Report (DeepSeek-AI, 2024), §4.2: d 7168, 61 layers,
                              128 heads, 256 routed experts of hidden 2048, 8 per token. Approximated:
@@ -49,7 +51,8 @@ PUBLISHED = {
     "llama3-405b": ModelConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
                                ffn_hidden=53248, max_seq_len=131072, rope_theta=500000.0),
     "gpt3-175b": model_files.gelu_model(vocab_size=51200, dim=12288, n_layers=96, n_heads=96, n_kv_heads=96,
-                                        ffn_hidden=49152, max_seq_len=2048),
+                                        ffn_hidden=49152, max_seq_len=2048, bias=True, dropout=True,
+                                        tied_embeddings=True),
     "mixtral-8x7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
                                 max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2, expert_hidden=14336),
     "deepseek-v3": ModelConfig(vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128,

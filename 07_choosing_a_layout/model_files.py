@@ -9,6 +9,10 @@ byte formulas count a SwiGLU; a GELU MLP of width F holds the weights of a SwiGL
 saves as much for backward (its input, the up projection and the GELU's output: 2F per token, as the
 SwiGLU's gate, up and product of 2F/3 each), so the planner hands them that width (`ffn_hidden` of the
 PlannedModel) and times the two matrices of width F as they run (block_time.py: `gelu_hidden`).
+`bias`, `dropout` and `tied_embeddings` (true or false, false by default) add a GPT's other pieces to the
+time: a bias on every matmul (its gradient a sum over the tokens), dropout after attention and after the
+MLP (a one-byte mask), the LM head tied to the embedding (its gradient all-reduced between the two ends of a
+pipeline each step); the memory stays the course's count.
 A field missing, unknown or out of its range is refused with one line that names it (exit 2).
 """
 import json
@@ -20,12 +24,17 @@ from common.errors import require
 from common.model import ModelConfig
 
 MLPS = ("swiglu", "gelu")
+GPT_PIECES = ("bias", "dropout", "tied_embeddings")      # PlannedModel's: a GPT as Megatron-LM builds it
 
 
 @dataclass(frozen=True)
 class PlannedModel(ModelConfig):
-    """A ModelConfig whose MLP may be a GPT one: ffn_hidden is then the SwiGLU width of the same weights."""
+    """A ModelConfig whose MLP may be a GPT one: ffn_hidden is then the SwiGLU width of the same weights; and
+    a GPT's other pieces, as Megatron-LM builds one (GPT-3), for its time."""
     mlp: str = "swiglu"
+    bias: bool = False              # every matmul adds a bias: its gradient a sum over the tokens in backward
+    dropout: bool = False           # dropout after attention and after the MLP, in the residual add: a 1-byte mask
+    tied_embeddings: bool = False   # the LM head is the embedding: its gradient all-reduced between the two ends
 
     @property
     def gelu_hidden(self) -> int:
@@ -50,13 +59,16 @@ def load(path: str) -> PlannedModel:
     require(isinstance(raw, dict), f"--model {path}: the file holds {type(raw).__name__}, not an object")
     known = {f.name: f for f in fields(ModelConfig)}
     for key in raw:
-        require(key in known or key == "mlp", f"--model {path}: unknown field {key!r}; the fields are "
-                                              f"{', '.join(known)} and mlp")
+        require(key in known or key == "mlp" or key in GPT_PIECES,
+                f"--model {path}: unknown field {key!r}; the fields are {', '.join(known)}, mlp and "
+                f"{', '.join(GPT_PIECES)}")
     for key in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden", "max_seq_len"):
         require(key in raw, f"--model {path}: field {key} is missing")
     for key, value in raw.items():
         if key == "mlp":
             require(value in MLPS, f"--model {path}: field mlp must be one of {', '.join(MLPS)}, got {value!r}")
+        elif key in GPT_PIECES:
+            require(isinstance(value, bool), f"--model {path}: field {key} must be true or false, got {value!r}")
         elif known[key].type in (float, "float"):
             require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
                     and value > 0, f"--model {path}: field {key} must be a number > 0, got {value!r}")
@@ -64,7 +76,7 @@ def load(path: str) -> PlannedModel:
             low = 0 if key in ("n_experts", "expert_hidden") else 1
             require(isinstance(value, int) and not isinstance(value, bool) and value >= low,
                     f"--model {path}: field {key} must be a whole number ≥ {low}, got {value!r}")
-    shape = {k: v for k, v in raw.items() if k != "mlp"}
+    shape = {k: v for k, v in raw.items() if k != "mlp"}          # GPT_PIECES among them: PlannedModel's
     shape.setdefault("n_kv_heads", shape["n_heads"])
     require(shape["dim"] % shape["n_heads"] == 0,
             f"--model {path}: field n_heads ({shape['n_heads']}) must divide dim ({shape['dim']})")

@@ -131,7 +131,7 @@ def nodes(args, dev) -> int:
 def run_of(args) -> "layout_costs.Run":
     """What every layout of choose_layout.py's flags `args` shares: the model, the batch, the dtype, the kernels."""
     return layout_costs.Run(layout_inputs.model_for(args.model), args.global_batch, args.seq_len, args.dtype,
-                            args.attention, args.full_recompute)
+                            args.attention, args.full_recompute, args.pp_sends)
 
 
 def plan(args, wanted: dict | None = None) -> Plan:

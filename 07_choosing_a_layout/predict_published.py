@@ -16,30 +16,37 @@ if __package__ in (None, ""):          # run as `python 07_choosing_a_layout/pre
 choose_layout = import_module("07_choosing_a_layout.choose_layout")        # this chapter: the planner's flags
 layout_costs = import_module("07_choosing_a_layout.layout_costs")          # this chapter: one layout's costs
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")        # this chapter: models and devices
+planner = import_module("07_choosing_a_layout.planner")                    # this chapter: a run's flags
 published = import_module("07_choosing_a_layout.published")                # this chapter: the published runs
 
-# The levers each published run's paper leaves to the planner, as results/layouts_published.md has them.
-FORMS = {"llama3-405b-8k-8192gpu": dict(recompute="full", recompute_layers=1, virtual_stages=7, microbatches=32),
-         "llama3-405b-8k-16384gpu": dict(recompute="full", recompute_layers=1, virtual_stages=7, microbatches=16),
-         "llama3-405b-131k": dict(recompute="full", recompute_layers=1, virtual_stages=7, microbatches=16),
+# The levers each published run's paper leaves to the planner, as results/layouts_published.md has them (its
+# best-ranked form of the published layout; tests/test_layout_time.py checks the two agree)
+FORMS = {"llama3-405b-8k-8192gpu": dict(recompute="full", virtual_stages=8, microbatches=32),
+         "llama3-405b-8k-16384gpu": dict(recompute="full", virtual_stages=8, microbatches=16),
+         "llama3-405b-131k": dict(recompute="full", virtual_stages=8, microbatches=16),
          "gpt3-175b-selective": {}, "gpt3-175b-full": {}}
 
 
+def predict(name: str) -> tuple[dict, dict]:
+    """(layout_costs.predict's row, the run's flags) of published run `name` in its form of FORMS."""
+    run = published.BY_NAME[name]
+    args = choose_layout.parse_args(list(run.argv))
+    given = {"ep": 1, "zero_stage": 0, "recompute": "none", "recompute_layers": None, "cp_attention": "ring",
+             **run.layout, **FORMS[name]}
+    c = layout_costs.Candidate(**{k: given[k] for k in ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute",
+                                                       "sequence_parallel", "schedule", "microbatches",
+                                                       "virtual_stages", "recompute_layers", "cp_attention")})
+    r = layout_costs.predict(planner.run_of(args), c, layout_inputs.device_for(args.device, args.dtype, args.world),
+                             args.gpus_per_node)
+    return r, args
+
+
 def main() -> None:
-    for name, levers in FORMS.items():
+    for name in FORMS:
         run = published.BY_NAME[name]
-        args = choose_layout.parse_args(list(run.argv))
-        given = {"ep": 1, "zero_stage": 0, "recompute": "none", "recompute_layers": None, "cp_attention": "ring",
-                 **run.layout, **levers}
-        c = layout_costs.Candidate(**{k: given[k] for k in ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute",
-                                                           "sequence_parallel", "schedule", "microbatches",
-                                                           "virtual_stages", "recompute_layers", "cp_attention")})
-        cfg = layout_inputs.model_for(args.model)
-        r = layout_costs.predict(layout_costs.Run(cfg, args.global_batch, args.seq_len, args.dtype, args.attention,
-                                                  args.full_recompute),
-                                 c, layout_inputs.device_for(args.device, args.dtype, args.world), args.gpus_per_node)
+        r, args = predict(name)
         said = ", ".join(f"{k} {v:.3g}" for k, v in r["time_parts_s"].items() if v)
-        theirs = published.mfu_as_published(run, r, cfg, args.seq_len)
+        theirs = published.mfu_as_published(run, r, layout_inputs.model_for(args.model), args.seq_len)
         counted = f", {theirs:.1%} as the authors count it" if run.mfu_attention != "causal" else ""
         print(f"{name}: {choose_layout.describe(r)}: step {r['step_time_s']:.2f} s, MFU {r['mfu']:.1%}{counted} "
               f"(published {run.measured}); {said}")

@@ -65,17 +65,18 @@ RUNS = [
     # Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models), Table 4; Megatron-LM
     # of 2022 computed attention unfused (its scale-mask-softmax kernel, then dropout: --attention unfused), its
     # selective recomputation reruns that attention core, and its full recomputation the whole block's forward
-    # (--full-recompute whole-block)
+    # (--full-recompute whole-block); between stages it sent 1/tp of an activation SP did not split and gathered
+    # it over TP at the receiver (its scatter_gather_tensors_in_pipeline, on by default: --pp-sends scatter-gather)
     Published("gpt3-175b-selective", ("--model", "gpt3-175b", "--world", "64", "--device", "a100", "--dtype",
                                       "bf16", "--global-batch", "64", "--seq-len", "2048", "--attention", "unfused",
-                                 "--full-recompute", "whole-block"),
+                                      "--full-recompute", "whole-block", "--pp-sends", "scatter-gather"),
               dict(dp=1, tp=8, pp=8, cp=1, sequence_parallel=True, recompute="selective", schedule="interleaved",
                    virtual_stages=3, microbatches=64),
               {"step_time_s": 13.75}, "Korthikanti et al. 2022: 64 A100, TP 8 × PP 8, 3 interleaved stages, SP + "
                                       "selective recomputation, 13.75 s per step (MFU 51.4 %)", schedules=ONE_F_ONE_B),
     Published("gpt3-175b-full", ("--model", "gpt3-175b", "--world", "64", "--device", "a100", "--dtype", "bf16",
                                  "--global-batch", "64", "--seq-len", "2048", "--attention", "unfused",
-                                 "--full-recompute", "whole-block"),
+                                 "--full-recompute", "whole-block", "--pp-sends", "scatter-gather"),
               dict(dp=1, tp=8, pp=8, cp=1, sequence_parallel=False, recompute="full", recompute_layers=None,
                    schedule="interleaved", virtual_stages=3, microbatches=64),      # every block recomputed
               {"step_time_s": 18.13}, "Korthikanti et al. 2022: the same run with full recomputation, 18.13 s",

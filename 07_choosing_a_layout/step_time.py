@@ -16,8 +16,12 @@
                chapter 01's per-unit ZeRO-3 prefetches the next unit while one computes
     comm_cp    the ring's K/V hops hide behind attention's own products: max(0, cp − attention); the
                all-gather variant's collectives (--cp-attention allgather) are all exposed
+    comm_pp    (a tied LM head, `tied_embeddings`: its gradient all-reduced between the first and the last
+               stage after the schedule, on the critical path, as Megatron-LM does before the optimizer)
     optimizer  AdamW over that rank's shard of its parameters, one pass over memory: fp32 weight, gradient,
-               two moments read, weight and moments written, the bf16 copy written (30 bytes a parameter)
+               two moments read, weight and moments written, the bf16 copy written (30 bytes a parameter);
+               before it the clip's norm reads the shard's fp32 gradients (4 bytes a parameter), and the
+               gradients the rank holds are zeroed for the next step (4 bytes a parameter)
 
 A collective on a tier takes (bytes sent + received) / 2 ÷ (the tier's one-way rate × its efficiency) +
 its latency: the course counts both directions, a link carries them at once, and nccl-tests' busbw is
@@ -128,12 +132,26 @@ def stage_seconds(cfg, shape, spec, blocks: int, again: int, mode: str, first: b
 
 
 def optimizer_seconds(run, c, dev, dense: int, experts: int) -> float:
-    """AdamW over what this rank updates: its dense weights over dp × cp and its experts over edp × cp from
-    ZeRO-1, all of them without."""
+    """AdamW over what this rank updates (its dense weights over dp × cp and its experts over edp × cp from
+    ZeRO-1, all of them without), the clip's norm over the same shard's gradients, and zeroing the gradients
+    it holds (all of them: the full buffers until the reduce-scatter; chapter 01's per-unit ZeRO-3 its shard)."""
     layout = c.layout(run.dtype)
     groups = {kind: layout.group_size(group) for kind, group in layout.gradient_groups().items()}
     shard = (dense / groups["dense"] + experts / groups["experts"]) if c.zero_stage else dense + experts
-    return dev.spec.op_seconds("vector", 10 * shard, ADAMW_BYTES * shard)
+    held = shard if per_unit_zero.runs(run, c) else dense + experts
+    return (dev.spec.op_seconds("vector", 10 * shard, ADAMW_BYTES * shard)
+            + dev.spec.op_seconds("vector", 2 * shard, 4 * shard)            # the norm: Σ g² of fp32 gradients
+            + dev.spec.op_seconds("vector", 0, 4 * held))                     # zeroed for the next step
+
+
+def tied_seconds(run, c, dev, pp_span: int, gpus_per_node: int) -> float:
+    """A tied LM head's gradient (the embedding's, V/tp × D in fp32) all-reduced between the first and the last
+    pipeline stage after the schedule: two ranks, each sending and receiving it once (0 without a pipeline or
+    a tie)."""
+    if c.pp == 1 or not getattr(run.cfg, "tied_embeddings", False):
+        return 0.0
+    nbytes = 2 * (run.cfg.vocab_size // c.tp) * run.cfg.dim * 4
+    return link_seconds(nbytes, 1, tier_of(pp_span, gpus_per_node, dev.spec))
 
 
 def cp_exposed(c, seconds: float, attention: float) -> float:
@@ -154,8 +172,8 @@ def gpu_time_parts(run, c, dev, gpus_per_node: int, nbytes: dict, msgs: dict, bu
         seconds["tp"] = tp_rings.exposed_tp(run, c, dev, rank_shape(run, c), seconds["tp"], hop)
     critical = matmul + memory + seconds["tp"] + seconds["ep"] + seconds["pp"]
     idle = critical * bubble / (1 - bubble)
-    exposed = {**seconds, "dp": max(0.0, seconds["dp"] - idle),
-               "cp": cp_exposed(c, seconds["cp"], attention)}
+    exposed = {**seconds, "dp": max(0.0, seconds["dp"] - idle), "cp": cp_exposed(c, seconds["cp"], attention),
+               "pp": seconds["pp"] + tied_seconds(run, c, dev, span["pp"], gpus_per_node)}
     if per_unit:                 # chapter 01's prefetch: a unit's gather travels while the one before computes
         exposed["dp"] = per_unit_zero.exposed(seconds["dp"], matmul + memory, units)
     return {"compute": matmul, "memory": memory, "bubble": idle, **{f"comm_{g}": t for g, t in exposed.items()},

@@ -21,7 +21,7 @@ CHAPTER_FILES = {
     "05": ("test_4d", "test_moe", "test_moe_ep"),
     "06": ("test_cp", "test_ring_attention", "test_compose"),
     "07": ("test_choose_layout", "test_known_to_fit", "test_runnable", "test_layout_memory", "test_layout_time",
-           "test_schedule_costs", "test_gpu_efficiency", "test_device_model", "test_planner_output",
+           "test_schedule_costs", "test_gpu_efficiency", "test_device_model", "test_megatron_gpt", "test_planner_output",
            "test_planner_runs", "test_layout_object", "test_torchtitan_memory", "test_pipeline_time", "test_caching_allocator"),
 }
 CHAPTERS = (*CHAPTER_FILES, "common")
