@@ -92,7 +92,8 @@ def parser() -> Parser:
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=MODEL, default="tiny",
                    help=f"a course preset or a published shape: {', '.join(layout_inputs.MODELS)}; or a model "
-                        f"file PATH.json (model_files.py: ModelConfig's fields and \"mlp\": swiglu or gelu)")
+                        f"file PATH.json (model_files.py: ModelConfig's fields, \"mlp\": swiglu or gelu, and a GPT's "
+                        f"\"bias\", \"dropout\", \"tied_embeddings\": true or false)")
     # at most 2^20 ranks (today's largest runs use tens of thousands): the planner tries every divisor of the
     # world, and a number like 10^9 would keep it busy for minutes before its first row
     p.add_argument("--world", type=whole(1, 1 << 20), default=8, help="ranks (GPUs) in all")
