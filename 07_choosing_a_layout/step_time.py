@@ -34,6 +34,7 @@ from typing import NamedTuple
 from common.recompute import recomputed_of
 
 block_time = import_module("07_choosing_a_layout.block_time")              # this chapter: one block's operations
+pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: where stages live
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")     # chapter 03: each rank's stages
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")      # this chapter: the stages
 per_unit_zero = import_module("07_choosing_a_layout.per_unit_zero")        # this chapter: chapter 01's ZeRO-3
@@ -146,9 +147,10 @@ def optimizer_seconds(run, c, dev, dense: int, experts: int) -> float:
 
 def tied_seconds(run, c, dev, pp_span: int, gpus_per_node: int) -> float:
     """A tied LM head's gradient (the embedding's, V/tp × D in fp32) all-reduced between the first and the last
-    pipeline stage after the schedule: two ranks, each sending and receiving it once (0 without a pipeline or
-    a tie)."""
-    if c.pp == 1 or not getattr(run.cfg, "tied_embeddings", False):
+    pipeline stage after the schedule: two ranks, each sending and receiving it once (0 without a tie, and where
+    one rank holds both ends: no pipeline, or a V schedule's rank 0)."""
+    ends = pipeline_schedules.stage_ranks(c.schedule, c.pp, c.virtual_stages)
+    if ends[0] == ends[-1] or not getattr(run.cfg, "tied_embeddings", False):
         return 0.0
     nbytes = 2 * (run.cfg.vocab_size // c.tp) * run.cfg.dim * 4
     return link_seconds(nbytes, 1, tier_of(pp_span, gpus_per_node, dev.spec))

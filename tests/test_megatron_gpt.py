@@ -86,21 +86,21 @@ def test_scatter_gather_sends_a_tp_share_and_gathers_it_at_the_next_stage():
 def test_a_gpts_biases_dropout_and_tied_head_cost_what_they_move():
     """GPT-3's biases: each weight gradient reads its output's gradient again (bias·e bytes); its dropout: a
     one-byte mask beside each residual add; its tied head: one all-reduce of the embedding's fp32 gradient
-    between the two ends of a pipeline, none without a pipeline or a tie. A Llama has none of them."""
+    between the two ends of a pipeline, none without a pipeline or a tie, or where a V puts both ends on one
+    rank. A Llama has none of them."""
     assert GPT3.bias and GPT3.dropout and GPT3.tied_embeddings
     plain = replace(GPT3, bias=False, dropout=False, tied_embeddings=False)
     s = block_time.Shape(2048, 2048, 8, False, 1, 2, "unfused")
-    gpt, bare = ({op.name: op for op in block_time.block_backward(block_time.block_forward(m, s))} for m in (GPT3, plain))
+    gpt, bare = ({op.name: op for op in block_time.block_backward(block_time.block_forward(m, s))}
+                 for m in (GPT3, plain))
     F = GPT3.gelu_hidden // 8
     assert gpt["mlp up weight gradient"].nbytes - bare["mlp up weight gradient"].nbytes == 2048 * F * 2
     assert gpt["mlp down weight gradient"].nbytes - bare["mlp down weight gradient"].nbytes == 2048 * GPT3.dim * 2
     assert gpt["qkv input gradient"].nbytes == bare["qkv input gradient"].nbytes
-    fwd = ({op.name: op for op in block_time.block_forward(m, s)} for m in (GPT3, plain))
-    g, b = fwd
+    g, b = ({op.name: op for op in block_time.block_forward(m, s)} for m in (GPT3, plain))
     assert g["residual 1"].nbytes - b["residual 1"].nbytes == 2048 * GPT3.dim             # without SP: every token
     llama = layout_inputs.model_for("llama3-8b")
-    assert block_time.block_forward(llama, s) == block_time.block_forward(replace(llama), s)
-    assert not getattr(llama, "bias", False)
+    assert not any(getattr(llama, piece, False) for piece in ("bias", "dropout", "tied_embeddings"))
     dev = layout_inputs.device_for("a100", "bf16", 64)
     run = layout_costs.Run(GPT3, 64, 2048, "bf16")
     c = layout_costs.Candidate(tp=8, pp=8, microbatches=64)
@@ -108,6 +108,9 @@ def test_a_gpts_biases_dropout_and_tied_head_cost_what_they_move():
     nbytes = 2 * (GPT3.vocab_size // 8) * GPT3.dim * 4
     assert tied == pytest.approx(nbytes / 2 / dev.spec.tiers[1].rate + dev.spec.tiers[1].latency)
     assert step_time.tied_seconds(run, replace(c, pp=1), dev, 1, 8) == 0
+    v_shape = replace(c, schedule="zb-v", virtual_stages=2)                    # both ends on rank 0
+    assert step_time.tied_seconds(run, v_shape, dev, 64, 8) == 0
+    assert step_time.tied_seconds(run, replace(c, schedule="interleaved", virtual_stages=3), dev, 64, 8) == tied
     assert step_time.tied_seconds(replace(run, cfg=plain), c, dev, 64, 8) == 0
 
 
