@@ -24,16 +24,17 @@ run: $(STAMP)
 	$(TORCHRUN) --nproc_per_node=8 04_3d_combined/train_3d.py --metrics runs/3d/metrics.jsonl
 	$(PY) 04_3d_combined/plot_loss.py runs/3d/metrics.jsonl
 
-# The whole test suite (CPU, gloo; 7 to 8 minutes on 2 cores from a fresh clone, setup included). Four
+# The whole test suite (CPU, gloo; about 7 to 8 minutes on 2 cores from a fresh clone, setup included). Three
 # workers on two cores: part of a test's time is spent waiting (ranks starting, messages between ranks that
-# share the cores, a killed rank's peers timing out), which the others fill; every rank takes one thread
-# (tests/conftest.py). Each worker takes a whole file at a time (its tests share their spawned groups), the
+# share the cores, a killed rank's peers timing out), which another fills; every rank takes one thread
+# (tests/conftest.py). A fourth worker only crowds the cores (two paired runs in one clone here: -n 4 427 s and
+# 442 s, -n 3 407 s and 421 s). Each worker takes a whole file at a time (its tests share their spawned groups), the
 # longest files first (tests/conftest.py's LONGEST_FIRST: --no-loadscope-reorder keeps that order, where
 # pytest-xdist would hand out the files with the most tests first, whatever their time). `make test CHAPTER=03`:
 # one chapter's tests
 # (01 … 07, or common: tests/conftest.py maps each test file to its chapter, each notebook by its name).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder $(if $(filter-out all,$(CHAPTER)),--chapter $(CHAPTER)) tests
+	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder $(if $(filter-out all,$(CHAPTER)),--chapter $(CHAPTER)) tests
 
 # Every chapter's benchmark, one after another (about 39 minutes on 2 cores: 2½ + 2½ + 5 + 2 + 1 + 2½ + 4 + 4½ + 10 + 5);
 # each writes the tables (and plots) under its chapter's results/ that the READMEs show.

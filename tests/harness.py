@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # how long a test waits for a launch that must fail at once (bad input): seconds alone, but under the suite's
-# four workers on two cores a rank's start-up (torch imported, ~5 s of CPU) has taken over a minute
+# workers on two cores a rank's start-up (torch imported, ~5 s of CPU) has taken over a minute
 REFUSAL_TIMEOUT_S = 240
 
 

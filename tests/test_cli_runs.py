@@ -51,7 +51,7 @@ def test_a_diverging_run_stops_on_every_rank_and_keeps_the_last_checkpoint(tmp_p
     same message, exit 2, and the checkpoint of the step before holds finite weights."""
     ckpt, port = tmp_path / "ckpt", free_port()
     # --timeout 300: the start-up rendezvous waits that long for the other rank. On a test machine loaded with
-    # four workers' ranks, rank 0 once started over 60 s (the default) after rank 1, and both failed to meet
+    # the suite's workers' ranks, rank 0 once started over 60 s (the default) after rank 1, and both failed to meet
     argv = [sys.executable, "01_data_parallel/train_zero.py", "--zero-stage", "3", "--lr", "1e30", "--steps", "5",
             "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--quiet", "--timeout", "300"] + SMALL
     procs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -3,7 +3,7 @@
     python -m common.exercises copies [--chapter NN|all]
 
 For each chapter: a fresh student copy (`make`), then that chapter's tests in it, as a student runs them
-(`make test CHAPTER=NN`: pytest --chapter NN, four workers), each test's outcome recorded
+(`make test CHAPTER=NN`: pytest --chapter NN, three workers), each test's outcome recorded
 (outcome_plugin.py). A test that fails is put down to an open exercise only when its failure shows one
 of the copy's stubs, the NotImplementedError that stands in for the exercise's body (`exercise 03.zbv: …`);
 every other failure is the copy's own fault (a link into a file the copy leaves out, a test that reads an
@@ -22,7 +22,7 @@ from .student_copy import make_student_copy, stub_prefix
 
 def run_chapter_tests(copy: Path, chapter: str, outcomes: Path, timeout_s: float = 1800) -> float:
     """The chapter's tests in `copy`, each outcome written to `outcomes`; returns the seconds they took."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "4", "--dist", "loadfile", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "3", "--dist", "loadfile", "-p", "no:cacheprovider",
            "-p", "common.exercises.outcome_plugin", f"--outcomes={outcomes}", "--chapter", chapter, "tests"]
     started = time.perf_counter()
     subprocess.run(cmd, cwd=copy, capture_output=True, text=True, timeout=timeout_s,
