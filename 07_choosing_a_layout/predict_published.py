@@ -20,7 +20,7 @@ planner = import_module("07_choosing_a_layout.planner")                    # thi
 published = import_module("07_choosing_a_layout.published")                # this chapter: the published runs
 
 # The levers each published run's paper leaves to the planner, as results/layouts_published.md has them (its
-# best-ranked form of the published layout; tests/test_layout_time.py checks the two agree)
+# best-ranked form of the published layout; tests/test_megatron_gpt.py checks the two agree)
 FORMS = {"llama3-405b-8k-8192gpu": dict(recompute="full", virtual_stages=8, microbatches=32),
          "llama3-405b-8k-16384gpu": dict(recompute="full", virtual_stages=8, microbatches=16),
          "llama3-405b-131k": dict(recompute="full", virtual_stages=8, microbatches=16),
