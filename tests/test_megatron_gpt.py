@@ -16,6 +16,7 @@ check_layouts = import_module("07_choosing_a_layout.check_layouts")
 device_files = import_module("07_choosing_a_layout.device_files")
 layout_costs = import_module("07_choosing_a_layout.layout_costs")
 layout_inputs = import_module("07_choosing_a_layout.layout_inputs")
+pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")
 predict_published = import_module("07_choosing_a_layout.predict_published")
 published = import_module("07_choosing_a_layout.published")
 schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
@@ -53,12 +54,12 @@ def test_the_published_full_run_reruns_its_whole_forward_collectives():
     """The GPT-3 run under --full-recompute whole-block: its busiest rank's TP bytes are the course's early stop's
     plus one MLP all-reduce per block and micro-batch."""
     r = published.BY_NAME["gpt3-175b-full"]
-    c = layout_costs.Candidate(**{k: v for k, v in r.layout.items()})
+    c = layout_costs.Candidate(**r.layout)
     run = layout_costs.Run(GPT3, 64, 2048, "bf16", "unfused", "whole-block")
     specs = schedule_costs.specs_for(GPT3, c.pp, c.virtual_stages, 2048, c.schedule)
     whole = layout_costs.rank_traffic(run, c, specs, 3)[0]["tp"]
     early = layout_costs.rank_traffic(replace(run, full_recompute="early-stop"), c, specs, 3)[0]["tp"]
-    blocks = sum(len(s.layers) for s in layout_costs.pipeline_stages.rank_stages(specs, c.pp, 3))
+    blocks = sum(len(s.layers) for s in pipeline_stages.rank_stages(specs, c.pp, 3))
     assert whole - early == 64 * blocks * collective_bytes("all_reduce", 2048 * GPT3.dim * 2, 8)
 
 
