@@ -3,7 +3,9 @@
 test_dp.py reads each world's group from several tests; `world_results` runs each world's group once per
 pytest session (starting ranks costs seconds on a 2-core machine).
 """
+import atexit
 import functools
+import shutil
 import tempfile
 from importlib import import_module
 from pathlib import Path
@@ -113,10 +115,18 @@ BAD_INPUT_MESSAGES = {
 
 # --- one spawned group per world size, shared by the test files --------------------------------------
 
+def scratch(prefix: str) -> Path:
+    """A temporary folder for this test worker's shared groups, removed when the worker exits (the groups are
+    cached for every test file the worker runs, so no one test's tmp_path outlives them all)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 @functools.lru_cache(maxsize=None)
 def reference() -> dict:
     """World size 1, spawned once: losses of the base run and step-1 gradients (saved to a file)."""
-    tmp = Path(tempfile.mkdtemp(prefix="dp_ref_"))
+    tmp = scratch("dp_ref_")
     res = run_group(1, [(TRAIN, BASE), ("dp_jobs:gradients_after_one_step", GRAD_ARGS)])
     kind, flat = res[1][0]
     assert kind == "ok", flat
@@ -128,7 +138,7 @@ def reference() -> dict:
 def world_results(world: int) -> dict:
     """Every check of chapter 01 DP at this world size, in one spawned group: {check name: per-rank results}."""
     ref = reference()
-    tmp = Path(tempfile.mkdtemp(prefix=f"dp_w{world}_"))
+    tmp = scratch(f"dp_w{world}_")
     jobs = {f"losses/{name}": (TRAIN, argv) for name, argv in VARIANTS.items()}
     jobs.update({f"grads/{name}": ("dp_jobs:gradients_after_one_step", GRAD_ARGS + argv, ref["grads_path"])
                  for name, argv in GRAD_VARIANTS.items()})
