@@ -208,11 +208,10 @@ def tp_collectives(cfg, rows: int, seq_len: int, tp: int, sequence_parallel: boo
     output nobody saved, does not; a mixture's block reruns its attention's region and its routers' count
     sums. `recomputed`: how many of the stage's blocks recompute (--recompute-layers; None: all)."""
     act = rows * seq_len * cfg.dim * element_size                   # one (rows, S, D) activation
-    region = region_collectives(act, sequence_parallel)
+    region = _region_collectives(act, sequence_parallel)
     regather = [("all_gather", act)] if sequence_parallel else []   # f's input gathered again in backward
-    split_regions = 1 if cfg.n_experts else 2                       # attention, and the MLP if dense
     counts = _count_sums(cfg, rows, sequence_parallel, route_counts)
-    backward = split_regions * (region + regather)                  # f backward, and under SP f's input again
+    backward = _split_regions(cfg) * (region + regather)            # f backward, and under SP f's input again
     out = (region if first else []) + n_layers * (block_forward_collectives(cfg, rows, seq_len, sequence_parallel,
                                                                             element_size, route_counts) + backward)
     if recompute == "full":                                         # the forward again, up to what backward needs
@@ -227,7 +226,12 @@ def _count_sums(cfg, rows: int, sequence_parallel: bool, route_counts: bool) -> 
     return [("all_reduce", rows * cfg.n_experts * 8)] if sequence_parallel and cfg.n_experts and route_counts else []
 
 
-def region_collectives(act: int, sequence_parallel: bool) -> list[tuple[str, int]]:
+def _split_regions(cfg) -> int:
+    """A block's TP regions (f ... g): the attention, and the MLP if dense (a mixture's experts stay whole)."""
+    return 1 if cfg.n_experts else 2
+
+
+def _region_collectives(act: int, sequence_parallel: bool) -> list[tuple[str, int]]:
     """One TP region's collectives of an `act`-byte (rows, S, D) activation, each way: g's all-reduce forward
     (f's backward); under sequence parallelism a pair, f's all-gather and g's reduce-scatter (the same bytes)."""
     return [("all_gather", act), ("reduce_scatter", act)] if sequence_parallel else [("all_reduce", act)]
@@ -240,7 +244,7 @@ def block_forward_collectives(cfg, rows: int, seq_len: int, sequence_parallel: b
     runs again."""
     act = rows * seq_len * cfg.dim * element_size
     counts = _count_sums(cfg, rows, sequence_parallel, route_counts)
-    return (1 if cfg.n_experts else 2) * region_collectives(act, sequence_parallel) + counts
+    return _split_regions(cfg) * _region_collectives(act, sequence_parallel) + counts
 
 
 def tp_gradient_collectives(cfg, tp: int, sequence_parallel: bool, n_layers: int, last: bool = True,

@@ -96,7 +96,7 @@ def block_forward(cfg, s: Shape) -> list[Op]:
     t, D, hd, tp, e = s.tokens, cfg.dim, cfg.head_dim, s.tp, s.e
     heads, kv = cfg.n_heads // tp, cfg.kv_heads_per_rank(tp)
     t_sp = t // tp if s.sp else t
-    biased = getattr(cfg, "bias", False)    # a GPT's biases: a row-parallel one added after the reduction (t_sp)
+    biased = gpt_piece(cfg, "bias")         # a GPT's biases: a row-parallel one added after the reduction (t_sp)
     ops = [elementwise("norm 1", t_sp * D, 1, 1, 5, e),
            matmul("qkv", t, D, (heads + 2 * kv) * hd, e, bias=biased * t * (heads + 2 * kv) * hd),
            elementwise("rope", t * (heads + kv) * hd, 1, 1, 3, e),
@@ -124,12 +124,18 @@ def residual(name: str, cfg, elements: float, e: int) -> Op:
     """A residual add (two reads, one write); with a GPT's dropout before it (Megatron-LM's fused
     bias-dropout-add) its one-byte mask written too (read again in backward: twice the bytes)."""
     op = elementwise(name, elements, 2, 1, 1, e)
-    return replace(op, nbytes=op.nbytes + elements) if getattr(cfg, "dropout", False) else op
+    return replace(op, nbytes=op.nbytes + elements) if gpt_piece(cfg, "dropout") else op
 
 
 def mlp_kind(cfg) -> str:
     """"swiglu" (the course's model) or "gelu" (a GPT two-matrix MLP: model_files.PlannedModel)."""
     return getattr(cfg, "mlp", "swiglu")
+
+
+def gpt_piece(cfg, name: str) -> bool:
+    """Whether a model has a GPT's `bias`, `dropout` or `tied_embeddings` (model_files.PlannedModel's fields;
+    the course's ModelConfig has none of them)."""
+    return getattr(cfg, name, False)
 
 
 ATTENTION = ("scores", "softmax", "attention dropout", "values")

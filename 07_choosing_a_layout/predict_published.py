@@ -31,11 +31,7 @@ def predict(name: str) -> tuple[dict, dict]:
     """(layout_costs.predict's row, the run's flags) of published run `name` in its form of FORMS."""
     run = published.BY_NAME[name]
     args = choose_layout.parse_args(list(run.argv))
-    given = {"ep": 1, "zero_stage": 0, "recompute": "none", "recompute_layers": None, "cp_attention": "ring",
-             **run.layout, **FORMS[name]}
-    c = layout_costs.Candidate(**{k: given[k] for k in ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute",
-                                                       "sequence_parallel", "schedule", "microbatches",
-                                                       "virtual_stages", "recompute_layers", "cp_attention")})
+    c = layout_costs.Candidate(**{**run.layout, **FORMS[name]})     # the rest: the Candidate's defaults
     r = layout_costs.predict(planner.run_of(args), c, layout_inputs.device_for(args.device, args.dtype, args.world),
                              args.gpus_per_node)
     return r, args

@@ -149,8 +149,10 @@ def tied_seconds(run, c, dev, pp_span: int, gpus_per_node: int) -> float:
     """A tied LM head's gradient (the embedding's, V/tp × D in fp32) all-reduced between the first and the last
     pipeline stage after the schedule: two ranks, each sending and receiving it once (0 without a tie, and where
     one rank holds both ends: no pipeline, or a V schedule's rank 0)."""
+    if not block_time.gpt_piece(run.cfg, "tied_embeddings"):
+        return 0.0
     ends = pipeline_schedules.stage_ranks(c.schedule, c.pp, c.virtual_stages)
-    if ends[0] == ends[-1] or not getattr(run.cfg, "tied_embeddings", False):
+    if ends[0] == ends[-1]:
         return 0.0
     nbytes = 2 * (run.cfg.vocab_size // c.tp) * run.cfg.dim * 4
     return link_seconds(nbytes, 1, tier_of(pp_span, gpus_per_node, dev.spec))

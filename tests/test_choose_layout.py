@@ -286,6 +286,7 @@ BAD_FLAGS = [
                                     "'allgather')"),
     (["--full-recompute", "all"], "argument --full-recompute: invalid choice: 'all' (choose from 'early-stop', "
                                   "'whole-block')"),
+    (["--pp-sends", "split"], "argument --pp-sends: invalid choice: 'split' (choose from 'whole', 'scatter-gather')"),
 ]
 
 
