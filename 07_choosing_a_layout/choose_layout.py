@@ -201,7 +201,8 @@ def main(argv=None) -> list[dict]:
                                                           partial(planner.refusal_of, args, dev),
                                                           lambda r: run_it(r, cfg, args),
                                                           partial(pipeline_time.words, planner.run_of(args), dev=dev))]))
-        flags = framework_flags.explained(args.explain, rows, cfg, args.global_batch, args.seq_len)
+        flags = framework_flags.explained(args.explain, rows, cfg, args.global_batch, args.seq_len,
+                                          args.pp_sends)
         print("\n".join(x for line in flags for x in explain_layout.wrap(line.strip(), "  ")))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,8 @@ The course's levers and theirs, one to one where both have it:
     recompute, K     --recompute-granularity selective|full,        --activation_checkpoint.mode
                      --recompute-method block --recompute-num-layers K
     m                --micro-batch-size (rows per micro-batch)      --parallelism.pipeline_parallel_microbatch_size
+    --pp-sends       whole, no SP: --no-scatter-gather-tensors-in-  (no such setting: a stage's output is
+                     pipeline (scatter-gather: its default)         sent as it is)
 
 A lever one framework lacks is said, not invented (ZB-H1 in Megatron-LM; ZeRO-1 exactly in torchtitan).
 """
@@ -42,13 +44,16 @@ def cp_comm(r: dict) -> tuple[str, str]:
     return CP_COMM[r.get("cp_attention", "ring")]
 
 
-def megatron(r: dict, cfg, global_batch: int, seq_len: int) -> str:
-    """Megatron-LM's flags for row `r` (pretrain_gpt.py)."""
+def megatron(r: dict, cfg, global_batch: int, seq_len: int, pp_sends: str = "whole") -> str:
+    """Megatron-LM's flags for row `r` (pretrain_gpt.py), its stages sending as `pp_sends` says (--pp-sends)."""
     rows = global_batch // r["dp"] // r["microbatches"]
     flags = [f"--tensor-model-parallel-size {r['tp']}", f"--pipeline-model-parallel-size {r['pp']}"]
     if r["schedule"] == "interleaved" and r["virtual_stages"] > 1:
         flags.append(f"--num-layers-per-virtual-pipeline-stage {cfg.n_layers // (r['pp'] * r['virtual_stages'])}")
     flags += ["--sequence-parallel"] if r["sequence_parallel"] else []
+    # without SP Megatron-LM sends 1/tp of an activation and gathers it (its default); the course sends it whole
+    whole = pp_sends == "whole" and r["pp"] > 1 and r["tp"] > 1 and not r["sequence_parallel"]
+    flags += ["--no-scatter-gather-tensors-in-pipeline"] if whole else []
     flags += ["--tp-comm-overlap"] if r.get("tp_overlap") else []
     flags += [f"--context-parallel-size {r['cp']}", f"--cp-comm-type {cp_comm(r)[0]}"] if r["cp"] > 1 else []
     flags += [f"--expert-model-parallel-size {r['ep']}"] if r["ep"] > 1 else []
@@ -87,11 +92,11 @@ def torchtitan(r: dict, global_batch: int, seq_len: int) -> str:
     return " ".join(flags)
 
 
-def explained(spec: dict, rows: list[dict], cfg, global_batch: int, seq_len: int) -> list[str]:
+def explained(spec: dict, rows: list[dict], cfg, global_batch: int, seq_len: int, pp_sends: str = "whole") -> list[str]:
     """The lines for the layout --explain picked (the best-ranked row with its fields), or none."""
     wanted = published.BY_NAME[spec["name"]].layout if "name" in spec else spec
     found = [r for r in rows if published.matches(r, wanted)]
     if not found:
         return []
-    return [f"  Megatron-LM: {megatron(found[0], cfg, global_batch, seq_len)}",
+    return [f"  Megatron-LM: {megatron(found[0], cfg, global_batch, seq_len, pp_sends)}",
             f"  torchtitan: {torchtitan(found[0], global_batch, seq_len)}"]

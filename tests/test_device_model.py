@@ -164,6 +164,12 @@ def test_the_explained_layout_as_megatron_and_torchtitan_flags():
     assert flags == ("--tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 "
                      "--num-layers-per-virtual-pipeline-stage 4 --sequence-parallel --recompute-granularity "
                      "selective --micro-batch-size 1 --global-batch-size 64 --seq-length 2048")
+    # without SP Megatron-LM scatters and gathers its sends unless told not to: the course's whole sends say so
+    full = {**r, "sequence_parallel": False, "recompute": "full"}
+    no_sg = "--no-scatter-gather-tensors-in-pipeline"
+    assert no_sg in framework_flags.megatron(full, GPT3, 64, 2048)
+    assert no_sg not in framework_flags.megatron(full, GPT3, 64, 2048, "scatter-gather")
+    assert no_sg not in flags and no_sg not in framework_flags.megatron({**full, "pp": 1}, GPT3, 64, 2048)
     titan = framework_flags.torchtitan({**r, "dp": 8, "zero_stage": 3, "tp": 1, "pp": 1, "microbatches": 2}, 16, 8192)
     assert "--parallelism.data_parallel_shard_degree 8" in titan and "--training.local_batch_size 2" in titan
     assert "reshard" not in titan and "pipeline_parallel_schedule" not in titan
