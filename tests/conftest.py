@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -8,6 +11,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 # The test workers share the machine's cores: every rank they start (spawned, launched, in a notebook's
 # run) takes one thread, not the cores ÷ its ranks that a run alone takes (common/distributed.set_cpu_threads).
 os.environ.setdefault("THREADS_PER_RANK", "1")
+# Every process a test starts (its spawned ranks, torchrun with its log folder per launch) keeps its temporary
+# files in one folder of this test process's, removed when it exits: a suite run leaves nothing in /tmp.
+TMP = tempfile.mkdtemp(prefix="pfs-tests-")
+os.environ["TMPDIR"] = TMP
+atexit.register(shutil.rmtree, TMP, ignore_errors=True)
 
 # One chapter's tests: `make test CHAPTER=03` (pytest --chapter 03). Each test file belongs to the chapter whose
 # code it checks; `common` holds common/'s own tests and those that span every chapter (flags, launches,
