@@ -11,6 +11,7 @@ import pytest
 
 from common.errors import ConfigError
 from common.mfu import matmul_params
+from common.model import count_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 block_time = import_module("07_choosing_a_layout.block_time")
@@ -154,6 +155,14 @@ def test_a_gpu_step_is_the_sum_of_its_parts_and_every_json_row_carries_mfu_and_t
         parts = r["time_parts_s"]
         assert r["step_time_s"] == pytest.approx(sum(parts.values()), rel=1e-12)
         assert {"compute", "memory", "optimizer", "bubble", "comm_tp"} <= set(parts)
+
+
+def test_the_chapter_s_model_of_one_s_own_is_a_13b():
+    """models/my-13b.json, the README's model of one's own (planned there on 64 H200): Llama 2 13B's shape,
+    13.0B parameters as the planner counts them."""
+    cfg = layout_inputs.model_for(str(ROOT / "07_choosing_a_layout" / "models" / "my-13b.json"))
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden) == (5120, 40, 40, 40, 13824)
+    assert count_parameters(cfg) == pytest.approx(13.0e9, rel=0.01)
 
 
 def test_the_explained_layout_as_megatron_and_torchtitan_flags():
