@@ -108,6 +108,20 @@ def stage_parameters(model: nn.Module, spec) -> list[nn.Parameter]:
     return [p for m in mods for p in m.parameters() if p.requires_grad]
 
 
+class Whole:
+    """How a message travels between two ranks: whole, as the stage produced it. A later chapter passes
+    another (`wire`): chapter 04's scatter_gather.ScatterGather sends each TP rank's 1/tp and gathers it."""
+
+    def shape(self, act_shape: tuple) -> tuple:
+        return act_shape                    # what the receiver posts a buffer of: (mb, S, D)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor                       # what goes on the wire
+
+    def unpack(self, received: torch.Tensor, act_shape: tuple) -> torch.Tensor:
+        return received                     # the stage input again: (mb, S, D)
+
+
 @dataclass
 class InFlight:
     """One micro-batch on one stage, from its F until its last backward action (B, or W)."""
@@ -128,6 +142,7 @@ class PipelineExecutor:
     act_shape  shape of one message, e.g. (mb, S, D); dtype of the activations
     loss_fn    loss_fn(logits, targets) -> SUMMED loss (vocab-parallel in chapter 04)
     loss_scale the loss is divided by this (the global token count), see common/model.loss_sum
+    wire       how a message travels (default Whole: as it is; chapter 04's ScatterGather: 1/tp each)
 
     A stage is named by its global index (an int, as in an Action); its StageSpec is `specs[stage]`.
     What this class does not do is measure: measured_executor.py times its actions and messages and
@@ -135,11 +150,12 @@ class PipelineExecutor:
     """
 
     def __init__(self, model, specs, pp_rank: int, pp_ranks: list[int], group, act_shape, loss_fn, loss_scale,
-                 dtype=torch.float32, device="cpu", autocast_dtype=None, post_all_at_start=None):
+                 dtype=torch.float32, device="cpu", autocast_dtype=None, post_all_at_start=None, wire=None):
         self.model, self.specs, self.me, self.ranks, self.group = model, specs, pp_rank, pp_ranks, group
         self.p, self.n = len(pp_ranks), len(specs)
         self.act_shape, self.dtype, self.device = tuple(act_shape), dtype, torch.device(device)
         self.loss_fn, self.loss_scale, self.autocast_dtype = loss_fn, loss_scale, autocast_dtype
+        self.wire = wire or Whole()
         self.rank_of = [s.rank for s in specs]    # where each stage lives: a loop (s % p) or a V
         self.stage_params = {s.index: stage_parameters(model, s) for s in specs if s.rank == pp_rank}
         self.store, self.b_params = None, None    # set up by the first schedule with W actions
@@ -198,7 +214,7 @@ class PipelineExecutor:
         queue = self.order[src]
         while key not in self.posted:
             k = queue.pop(0)
-            buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)   # (mb, S, D)
+            buf = torch.empty(self.wire.shape(self.act_shape), dtype=self.dtype, device=self.device)  # (mb, S, D)
             self.posted[k] = (buf, comm.recv(buf, src=self.ranks[src], group=self.group, name="pp"))
 
     def post_ahead(self, a) -> None:
@@ -218,14 +234,15 @@ class PipelineExecutor:
         self._post_until(key, src)
         buf, work = self.posted.pop(key)
         work.wait()
-        return buf                                      # (mb, S, D)
+        return self.wire.unpack(buf, self.act_shape)    # (mb, S, D)
 
     def send(self, key: Key, dst: int, tensor) -> None:
         """Post an isend; it is waited for at the end of the step (`wait_sends`), so it never blocks."""
         if dst == self.me:
             self.local[key] = tensor.detach()
             return
-        self.sends.append((tensor, comm.send(tensor.detach(), dst=self.ranks[dst], group=self.group, name="pp")))
+        out = self.wire.pack(tensor.detach())
+        self.sends.append((out, comm.send(out, dst=self.ranks[dst], group=self.group, name="pp")))
 
     def wait_sends(self) -> None:
         for _, work in self.sends:                      # the buffers must outlive their isend

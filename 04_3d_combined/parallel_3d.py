@@ -40,6 +40,7 @@ from common.training import consolidate_on_rank0
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")
+scatter_gather = import_module("04_3d_combined.scatter_gather")     # this chapter: --pp-sends
 
 
 ELEMENT_SIZE = {"fp32": 4, "bf16": 2}     # bytes of one activation element in the run's --dtype (weights fp32)
@@ -147,6 +148,7 @@ def add_layout_args(p) -> None:
     p.add_argument("--virtual-stages", type=POSITIVE_INT, default=1, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--sequence-parallel", action="store_true", help="TP with sequence parallelism")
     tensor_parallel.add_tp_overlap_arg(p)                  # --tp-overlap: chapter 02's ring under the matmuls
+    scatter_gather.add_pp_sends_arg(p)                     # --pp-sends: each TP rank's 1/tp between stages
     p.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3],
                    help="chapter 01's ZeRO over the ranks holding the same piece (zero_3d.py): 1 shards AdamW's "
                         "state, 2 the gradients too, 3 the weights between steps too")
@@ -182,6 +184,7 @@ def decide_layout(args, cfg, world: int, degrees=None) -> Layout:
             f"--dp {dp} × --tp {tp} × --pp {pp} = {dp * tp * pp} must equal the world size {world}; "
             f"change the degrees or launch with --nproc_per_node={dp * tp * pp}")
     tensor_parallel.check_tp_config(cfg, tp, args.seq_len, args.sequence_parallel, args.tp_overlap)
+    scatter_gather.check_pp_sends(args.pp_sends, tp, pp, args.sequence_parallel)
     return Layout(dp, tp, pp, m, dtype=args.dtype)
 
 

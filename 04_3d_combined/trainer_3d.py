@@ -41,6 +41,7 @@ measured_executor = import_module("03_pipeline_parallel.measured_executor")  # c
 pipeline_trainer = import_module("03_pipeline_parallel.pipeline_trainer")    # chapter 03: the pipeline's verbs
 zero_3d = import_module("04_3d_combined.zero_3d")                            # this chapter: ZeRO on the grid
 replicated_3d = import_module("04_3d_combined.replicated_3d")                # this chapter: AdamW on the grid
+scatter_gather = import_module("04_3d_combined.scatter_gather")              # this chapter: --pp-sends
 
 
 class Trainer3D(pipeline_trainer.PipelineTrainer):
@@ -134,7 +135,8 @@ def build_executor(model, specs, mesh, args, loss_fn, act_shape, device, timelin
         model, specs, mesh.coord("pp"), mesh.group_ranks["pp"], mesh.group("pp"), act_shape,   # (mb, S or S/tp, D)
         loss_fn=loss_fn, loss_scale=args.global_batch * args.seq_len, device=device,
         autocast_dtype=torch.bfloat16 if args.dtype == "bf16" else None, timeline=timeline,
-        meter_activations=not args.no_activation_meter, **more)
+        meter_activations=not args.no_activation_meter, wire=scatter_gather.wire_of(args.pp_sends, mesh.group("tp")),
+        **more)
 
 
 def build_trainer(model, specs, plan, mesh, layout, args, cfg, loss_fn, act_shape, device, timeline,
@@ -179,6 +181,6 @@ def validation_loss(trainer, my_specs, data, step: int, args, layout, mesh, loss
         total += pipeline_validation.forward_only_loss_sum(
             trainer.model, my_specs, mesh.coord("pp"), mesh.group_ranks["pp"], mesh.group("pp"),
             [shard_rows(x, k, m) for k in range(m)], [shard_rows(y, k, m) for k in range(m)], loss_fn, act_shape, device,
-            rank_of=trainer.executor.rank_of)                    # where each stage lives: a loop, or a V
+            rank_of=trainer.executor.rank_of, wire=trainer.executor.wire)   # where each stage lives; how sent
     mine = total if counted_here({"tp": layout.tp}, mesh.coords) else torch.zeros_like(total)
     return global_sum(mine, torch.distributed.group.WORLD) / (args.global_batch * args.seq_len * args.val_batches)

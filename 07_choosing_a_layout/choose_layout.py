@@ -48,6 +48,7 @@ explain_layout = import_module("07_choosing_a_layout.explain_layout")  # this ch
 published = import_module("07_choosing_a_layout.published")            # this chapter: published runs
 pipeline_time = import_module("07_choosing_a_layout.pipeline_time")    # this chapter: a schedule run on paper
 framework_flags = import_module("07_choosing_a_layout.framework_flags")  # this chapter: Megatron-LM's, torchtitan's
+scatter_gather = import_module("04_3d_combined.scatter_gather")        # chapter 04: --pp-sends
 
 
 SCHEMA = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "recompute", "recompute_layers", "sequence_parallel",
@@ -111,10 +112,10 @@ def parser() -> Parser:
                    help="what --recompute full reruns on a GPU: early-stop (the course's checkpoint: the forward "
                         "again until backward has what it needs, not the MLP's down projection) or whole-block "
                         "(Megatron-LM's --recompute-granularity full: the block's whole forward)")
-    p.add_argument("--pp-sends", default="whole", choices=["whole", "scatter-gather"],
-                   help="what a pipeline stage sends when SP does not split its activation: whole (the course's "
-                        "chapters) or scatter-gather (Megatron-LM's: each TP rank sends its 1/tp, the next stage "
-                        "all-gathers it over TP)")
+    p.add_argument("--pp-sends", default="whole", choices=list(scatter_gather.CHOICES),
+                   help="what a pipeline stage sends when SP does not split its activation: whole (the scripts' "
+                        "default) or scatter-gather (chapter 04's --pp-sends and Megatron-LM's default: each TP rank "
+                        "sends its 1/tp, the next stage all-gathers it over TP)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype")
     p.add_argument("--global-batch", type=POSITIVE_INT, default=16, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=POSITIVE_INT, default=128,

@@ -11,7 +11,7 @@ Every number comes from a formula a chapter proved on real runs, imported from t
     bytes per step, by group        dp: chapter 01's all-reduce of each stage's gradients (ZeRO: zero_sent_share)
                                     tp: chapter 02's tensor_parallel.tp_collectives, each at common.comm's volume
                                     pp: chapter 03's pipeline_executor.message_count × one activation
-                                        (schedule_costs.py); --pp-sends scatter-gather: Megatron-LM's,
+                                        (schedule_costs.py); --pp-sends scatter-gather: chapter 04's,
                                         1/tp of an activation SP does not split, all-gathered over TP
                                     ep: chapter 05's expert_parallel.expected_ep_bytes (balanced routing)
                                     cp: this chapter's attention_bookkeeping.cp_bytes, per layer and micro-batch
@@ -119,7 +119,7 @@ class Run:
     dtype: str
     attention: str = "flash"    # a GPU's attention kernel (block_time.py): "flash" (fused) or "unfused"
     full_recompute: str = "early-stop"   # what --recompute full reruns on a GPU (block_time.rerun)
-    pp_sends: str = "whole"     # "whole" (the course's) or "scatter-gather" (Megatron-LM's: rank_traffic)
+    pp_sends: str = "whole"     # "whole" or "scatter-gather" (chapter 04's --pp-sends, Megatron-LM's default)
 
 
 def rank_traffic(run: Run, c: Candidate, specs, pp_rank: int = 0) -> tuple[dict, dict]:
@@ -160,7 +160,7 @@ def rank_traffic(run: Run, c: Candidate, specs, pp_rank: int = 0) -> tuple[dict,
         msgs["pp"] = schedule_costs.rank_messages(c.schedule, c.pp, m, v, pp_rank)
         nbytes["pp"] = msgs["pp"] * math.prod(message) * e
         if run.pp_sends == "scatter-gather" and c.tp > 1 and not c.sequence_parallel:
-            # Megatron-LM's scatter-gather: each TP rank sends its 1/tp of the (whole) activation, and the
+            # chapter 04's scatter-gather (Megatron-LM's): each TP rank sends its 1/tp of the (whole) activation, the
             # receiving stage all-gathers it over TP; half the messages are receives (each send has one)
             received = msgs["pp"] // 2
             nbytes["pp"] //= c.tp

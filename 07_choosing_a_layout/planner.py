@@ -155,8 +155,8 @@ def plan(args, wanted: dict | None = None) -> Plan:
     for c in tried:
         row = layout_costs.predict(run, c, dev, gpn)
         # a published shape has no course preset to run at full size: its command is the miniature's (run_it)
-        row["command"] = (runnable.command(c, args.model, cfg, args.global_batch, args.seq_len, args.dtype)
-                          if args.model in PRESETS else None)
+        row["command"] = (runnable.command(c, args.model, cfg, args.global_batch, args.seq_len, args.dtype,
+                                           runnable.sends(c, args.pp_sends)) if args.model in PRESETS else None)
         rows.append(row)
     require(rows, f"no layout of --world {args.world} that the chapters run splits this model and batch "
                   f"(--global-batch {args.global_batch} over the data-parallel ranks, heads over TP): use a world "

@@ -93,6 +93,13 @@ def refusal(c, model: str, cfg, global_batch: int, seq_len: int, dtype: str = "f
     # <<< exercise 07.refusal
 
 
+def sends(c, pp_sends: str) -> list[str]:
+    """--pp-sends for layout `c` of a plan made with `pp_sends`: chapter 04's scatter-gather where it splits a
+    message (TP and a pipeline, no SP), else nothing (the scripts send whole)."""
+    split = pp_sends == "scatter-gather" and c.tp > 1 and c.pp > 1 and not c.sequence_parallel
+    return ["--pp-sends", pp_sends] if split else []
+
+
 def command(c, model: str, cfg, global_batch: int, seq_len: int, dtype: str = "fp32", extra=()) -> str:
     """The command that runs layout `c`: torchrun with one rank per device of the layout."""
     path, _ = SCRIPTS[script_of(cfg, c)]

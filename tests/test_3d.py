@@ -81,6 +81,8 @@ def test_four_rank_layouts_and_resume_in_another_layout(reference, tmp_path):
     jobs.append((MAIN, layout(1, 2, 2, "--checkpoint-dir", str(zero_ckpt), "--resume")))
     jobs.append(("test_3d:point_latest_at", str(zero_ckpt) + "_b", "step_000001.pt"))
     jobs.append((MAIN, layout(2, 1, 2, "--zero-stage", "1", "--checkpoint-dir", str(zero_ckpt) + "_b", "--resume")))
+    # LAYOUTS_4[0] again, each TP rank sending its half between the stages (--pp-sends scatter-gather)
+    jobs.append((MAIN, layout(1, 2, 2, *LAYOUTS_4[0][1], "--pp-sends", "scatter-gather")))
     results = run_group(4, jobs)
     for ((dp, tp, pp), extra), res in zip(LAYOUTS_4, results):
         assert_same_run(res, ref_hist, f"dp {dp} × tp {tp} × pp {pp} {' '.join(extra)}")
@@ -97,6 +99,28 @@ def test_four_rank_layouts_and_resume_in_another_layout(reference, tmp_path):
     assert abs(zero[-1]["optim_bytes"] - plain / 2) <= 0.01 * plain, (plain, zero[-1]["optim_bytes"])
     for i in (3, 5, 9, 11):
         assert_same_run(results[n + i], ref_hist[1:], f"resumed (job {n + i})")
+    check_scatter_gather(every_rank(results[0]), every_rank(results[n + 12]))
+
+
+def check_scatter_gather(whole: list, split: list) -> None:
+    """dp 1 × tp 2 × pp 2 (gpipe) sent whole and scatter-gathered: the same numbers to the bit on every rank
+    (the gathered message is the one sent whole), half the pipeline's bytes, and the all-gathers in TP's,
+    each rank's bytes by group what the planner counts for it (layout_costs.rank_traffic)."""
+    layout_costs = import_module("07_choosing_a_layout.layout_costs")
+    schedule_costs = import_module("07_choosing_a_layout.schedule_costs")
+    from common.model import PRESETS
+    from common.cli import pipeline_microbatches
+    args = import_module("04_3d_combined.train_3d").parse_args(layout(1, 2, 2, *LAYOUTS_4[0][1]))
+    c = layout_costs.Candidate(dp=1, tp=2, pp=2, schedule="gpipe", microbatches=pipeline_microbatches(args, 1, 2))
+    specs = schedule_costs.specs_for(PRESETS["tiny"], 2, 1, 32, "gpipe")
+    runs = [layout_costs.Run(PRESETS["tiny"], 8, 32, "fp32", pp_sends=how) for how in ("whole", "scatter-gather")]
+    for rank, (w, g) in enumerate(zip(whole, split)):
+        assert [(r["loss"], r["grad_norm"], r.get("val_loss")) for r in g] == \
+            [(r["loss"], r["grad_norm"], r.get("val_loss")) for r in w], rank
+        sent_whole, gathered = (layout_costs.rank_traffic(run, c, specs, rank // 2)[0] for run in runs)
+        assert (w[-1]["comm_bytes_pp"], w[-1]["comm_bytes_tp"]) == (sent_whole["pp"], sent_whole["tp"]), rank
+        assert (g[-1]["comm_bytes_pp"], g[-1]["comm_bytes_tp"]) == (gathered["pp"], gathered["tp"]), rank
+        assert g[-1]["comm_bytes_pp"] * 2 == w[-1]["comm_bytes_pp"] and g[-1]["comm_bytes_tp"] > w[-1]["comm_bytes_tp"]
 
 
 # --- two verbs alone, each against one device, in one group of 2 ranks ---------------------------------
@@ -167,6 +191,11 @@ def point_latest_at(directory, name):
     (["--pp", "2", "--tp", "1", "--virtual-stages", "2"], 2, "virtual"),
     (["--zero-stage", "4"], 4, "invalid choice: 4"),
     (["--val-every", "-1"], 4, "--val-every must be a whole number ≥ 0, got -1"),
+    (["--tp", "2", "--pp", "2", "--sequence-parallel", "--pp-sends", "scatter-gather"], 4,
+     "got --tp 2 --pp 2 with --sequence-parallel"),
+    (["--dp", "2", "--tp", "1", "--pp", "2", "--pp-sends", "scatter-gather"], 4, "it needs --tp > 1 and --pp > 1"),
+    (["--dp", "2", "--tp", "2", "--pp", "1", "--pp-sends", "scatter-gather"], 4, "got --tp 2 --pp 1"),
+    (["--pp-sends", "halves"], 4, "invalid choice: 'halves'"),
 ])
 def test_bad_layouts_are_refused_before_any_communication(monkeypatch, argv, world, expected):
     """The checks are pure functions of the flags and the world size, so every rank reaches the same

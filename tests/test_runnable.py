@@ -68,6 +68,29 @@ def refusal_when_built(c) -> str | None:
     raise AssertionError(f"{script} returned without starting its process group")
 
 
+def test_a_scatter_gather_plan_runs_it_where_a_message_splits_and_the_scripts_accept_it():
+    """--pp-sends scatter-gather: each layout's command carries chapter 04's flag exactly where TP and a pipeline
+    split a message without SP (elsewhere the scripts refuse it), and its script accepts that command."""
+    cfg = PRESETS["tiny"]
+    kept, _ = planner.runnable_candidates(cfg, "tiny", 8, 16, 128, 8)
+    split = [c for c in kept if c.tp > 1 and c.pp > 1 and not c.sequence_parallel]
+    assert split and len(split) < len(kept)
+    for c in kept:
+        extra = runnable.sends(c, "scatter-gather")
+        assert (extra == ["--pp-sends", "scatter-gather"]) == (c in split) and runnable.sends(c, "whole") == [], c
+        if extra:
+            kind = runnable.script_of(cfg, c)
+            args = runnable.parser_of(kind).parse_args(runnable.flags(c, "tiny", cfg, 16, 128, "fp32") + extra)
+            import_module(runnable.SCRIPTS[kind][1]).checked_layout(args, 8, cfg, build=False)   # no ConfigError
+    c = split[0]
+    argv = runnable.flags(replace(c, sequence_parallel=True), "tiny", cfg, 16, 128, "fp32") + ["--pp-sends",
+                                                                                           "scatter-gather"]
+    with pytest.raises(ConfigError, match="already 1/tp"):
+        kind = runnable.script_of(cfg, c)
+        import_module(runnable.SCRIPTS[kind][1]).checked_layout(runnable.parser_of(kind).parse_args(argv), 8, cfg,
+                                                                build=False)
+
+
 def test_a_refused_layout_gets_its_chapter_s_own_message():
     """The refusal is the script's message, word for word: chapter 02's for heads that do not split."""
     c = layout_costs.Candidate(tp=16)
