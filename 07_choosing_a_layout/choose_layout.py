@@ -154,7 +154,7 @@ def run_it(r: dict, cfg, args) -> str:
     in miniature on this machine (every degree above 1 made 2, the preset of the same kind)."""
     if r["command"]:
         return f"Run it:\n  {r['command']}"
-    mini = runnable.miniature(layout_costs.Candidate.of_row(r), cfg)
+    mini = runnable.miniature(layout_costs.Candidate.of_row(r), cfg, args.pp_sends)
     return ("Run it in miniature on this machine:\n  " + mini[1]) if mini else \
         "No miniature of it runs here (its script refuses the reduced degrees)."
 

@@ -107,9 +107,10 @@ def command(c, model: str, cfg, global_batch: int, seq_len: int, dtype: str = "f
     return f"torchrun --nproc_per_node={c.layout().world} {path} " + shlex.join(argv)
 
 
-def miniature(c, cfg):
-    """The same layout on this machine: every degree above 1 becomes 2 (ep at most dp), the same levers, on
-    the course preset of the same kind, 16 sequences of 128 tokens; None if its script refuses it."""
+def miniature(c, cfg, pp_sends: str = "whole"):
+    """The same layout on this machine: every degree above 1 becomes 2 (ep at most dp), the same levers (the
+    plan's `pp_sends` among them), on the course preset of the same kind, 16 sequences of 128 tokens; None if
+    its script refuses it."""
     from dataclasses import replace
     small = PRESETS["tiny-moe" if cfg.n_experts else "tiny"]
     dp, tp, pp, cp = (min(d, 2) for d in (c.dp, c.tp, c.pp, c.cp))
@@ -117,4 +118,5 @@ def miniature(c, cfg):
                    microbatches=2 * pp if pp > 1 else 1)
     mini = replace(mini, zero_stage=c.zero_stage if mini.zero_group() > 1 else 0)     # ZeRO where it has a group
     name = "tiny-moe" if cfg.n_experts else "tiny"
-    return None if refusal(mini, name, small, 16, 128) else (mini, command(mini, name, small, 16, 128))
+    return None if refusal(mini, name, small, 16, 128) else \
+        (mini, command(mini, name, small, 16, 128, extra=sends(mini, pp_sends)))

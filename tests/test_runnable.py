@@ -82,6 +82,11 @@ def test_a_scatter_gather_plan_runs_it_where_a_message_splits_and_the_scripts_ac
             kind = runnable.script_of(cfg, c)
             args = runnable.parser_of(kind).parse_args(runnable.flags(c, "tiny", cfg, 16, 128, "fp32") + extra)
             import_module(runnable.SCRIPTS[kind][1]).checked_layout(args, 8, cfg, build=False)   # no ConfigError
+    # a published shape's miniature (what `Run it` prints for it) keeps the lever too
+    gpt3 = layout_inputs.model_for("gpt3-175b")
+    full = layout_costs.Candidate(tp=8, pp=8, recompute="full", schedule="interleaved", virtual_stages=3, microbatches=64)
+    assert runnable.miniature(full, gpt3, "scatter-gather")[1].endswith(" --pp-sends scatter-gather")
+    assert "--pp-sends" not in runnable.miniature(full, gpt3)[1]
     c = split[0]
     argv = runnable.flags(replace(c, sequence_parallel=True), "tiny", cfg, 16, 128, "fp32") + ["--pp-sends",
                                                                                            "scatter-gather"]
