@@ -34,10 +34,16 @@ def add_pp_sends_arg(p) -> None:
                         "it over TP)")
 
 
+def splits(tp: int, pp: int, sequence_parallel: bool) -> bool:
+    """Whether a layout has a pipeline message to split over TP: TP and a pipeline, and no SP (which splits it
+    already). The one rule the scripts' check, the planner's bytes and its commands ask."""
+    return tp > 1 and pp > 1 and not sequence_parallel
+
+
 def check_pp_sends(pp_sends: str, tp: int, pp: int, sequence_parallel: bool) -> None:
     """On every rank, before any communication: scatter-gather needs something to split."""
     if pp_sends == "scatter-gather":
-        require(tp > 1 and pp > 1 and not sequence_parallel,
+        require(splits(tp, pp, sequence_parallel),
                 f"--pp-sends scatter-gather splits each pipeline message over TP: it needs --tp > 1 and --pp > 1 "
                 f"without --sequence-parallel (whose messages are already 1/tp); got --tp {tp} --pp {pp}"
                 + (" with --sequence-parallel" if sequence_parallel else ""))

@@ -30,6 +30,7 @@ A lever one framework lacks is said, not invented (ZB-H1 in Megatron-LM; ZeRO-1 
 from importlib import import_module
 
 published = import_module("07_choosing_a_layout.published")
+scatter_gather = import_module("04_3d_combined.scatter_gather")    # chapter 04: what --pp-sends splits
 
 TITAN_SCHEDULES = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zb-v": "ZBVZeroBubble",
                    "dualpipev": "DualPipeV", "zb-h1": None}
@@ -52,7 +53,7 @@ def megatron(r: dict, cfg, global_batch: int, seq_len: int, pp_sends: str = "who
         flags.append(f"--num-layers-per-virtual-pipeline-stage {cfg.n_layers // (r['pp'] * r['virtual_stages'])}")
     flags += ["--sequence-parallel"] if r["sequence_parallel"] else []
     # without SP Megatron-LM sends 1/tp of an activation and gathers it (its default); the course sends it whole
-    whole = pp_sends == "whole" and r["pp"] > 1 and r["tp"] > 1 and not r["sequence_parallel"]
+    whole = pp_sends == "whole" and scatter_gather.splits(r["tp"], r["pp"], r["sequence_parallel"])
     flags += ["--no-scatter-gather-tensors-in-pipeline"] if whole else []
     flags += ["--tp-comm-overlap"] if r.get("tp_overlap") else []
     flags += [f"--context-parallel-size {r['cp']}", f"--cp-comm-type {cp_comm(r)[0]}"] if r["cp"] > 1 else []

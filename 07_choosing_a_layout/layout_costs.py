@@ -53,6 +53,7 @@ zero_sharding = import_module("01_data_parallel.zero_sharding")             # ch
 tensor_parallel = import_module("02_tensor_parallel.tensor_parallel")       # chapter 02: TP collectives
 pipeline_stages = import_module("03_pipeline_parallel.pipeline_stages")     # chapter 03: stages
 pipeline_schedules = import_module("03_pipeline_parallel.pipeline_schedules")  # chapter 03: the bubble
+scatter_gather = import_module("04_3d_combined.scatter_gather")             # chapter 04: what --pp-sends splits
 expert_parallel = import_module("05_moe_expert_parallel.expert_parallel")   # chapter 05: all-to-all bytes
 attention_bookkeeping = import_module("06_context_parallel.attention_bookkeeping")  # chapter 06: the ring's bytes
 parallel_5d = import_module("06_context_parallel.parallel_5d")             # chapters 04-06: the Layout
@@ -159,7 +160,7 @@ def rank_traffic(run: Run, c: Candidate, specs, pp_rank: int = 0) -> tuple[dict,
     if c.pp > 1:
         msgs["pp"] = schedule_costs.rank_messages(c.schedule, c.pp, m, v, pp_rank)
         nbytes["pp"] = msgs["pp"] * math.prod(message) * e
-        if run.pp_sends == "scatter-gather" and c.tp > 1 and not c.sequence_parallel:
+        if run.pp_sends == "scatter-gather" and scatter_gather.splits(c.tp, c.pp, c.sequence_parallel):
             # chapter 04's scatter-gather (Megatron-LM's): each TP rank sends its 1/tp of the (whole) activation, the
             # receiving stage all-gathers it over TP; half the messages are receives (each send has one)
             received = msgs["pp"] // 2

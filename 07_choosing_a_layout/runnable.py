@@ -27,6 +27,8 @@ from importlib import import_module
 from common.errors import ConfigError
 from common.model import PRESETS
 
+scatter_gather = import_module("04_3d_combined.scatter_gather")    # chapter 04: --pp-sends, what it splits
+
 # (script path, module) of each chapter's run; the module's checked_layout(args, world, cfg, build) -> (layout, ...)
 SCRIPTS = {"zero": ("01_data_parallel/train_zero.py", "01_data_parallel.train_zero"),
            "3d": ("04_3d_combined/train_3d.py", "04_3d_combined.train_3d"),
@@ -96,7 +98,7 @@ def refusal(c, model: str, cfg, global_batch: int, seq_len: int, dtype: str = "f
 def sends(c, pp_sends: str) -> list[str]:
     """--pp-sends for layout `c` of a plan made with `pp_sends`: chapter 04's scatter-gather where it splits a
     message (TP and a pipeline, no SP), else nothing (the scripts send whole)."""
-    split = pp_sends == "scatter-gather" and c.tp > 1 and c.pp > 1 and not c.sequence_parallel
+    split = pp_sends == "scatter-gather" and scatter_gather.splits(c.tp, c.pp, c.sequence_parallel)
     return ["--pp-sends", pp_sends] if split else []
 
 

@@ -3,9 +3,8 @@
 test_dp.py reads each world's group from several tests; `world_results` runs each world's group once per
 pytest session (starting ranks costs seconds on a 2-core machine).
 """
-import atexit
 import functools
-import shutil
+import os
 import tempfile
 from importlib import import_module
 from pathlib import Path
@@ -116,11 +115,9 @@ BAD_INPUT_MESSAGES = {
 # --- one spawned group per world size, shared by the test files --------------------------------------
 
 def scratch(prefix: str) -> Path:
-    """A temporary folder for this test worker's shared groups, removed when the worker exits (the groups are
-    cached for every test file the worker runs, so no one test's tmp_path outlives them all)."""
-    path = Path(tempfile.mkdtemp(prefix=prefix))
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
-    return path
+    """A temporary folder for this test worker's shared groups (cached for every test file the worker runs, so no
+    one test's tmp_path outlives them all): in the worker's own TMPDIR, removed when it exits (tests/conftest.py)."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=os.environ["TMPDIR"]))
 
 
 @functools.lru_cache(maxsize=None)
