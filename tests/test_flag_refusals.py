@@ -49,6 +49,15 @@ CASES = {
     "--cp-alltoall that does not divide cp": (FIVE, 4, ["--cp", "4", "--dp", "1", "--cp-attention", "alltoall+ring",
                                                          "--cp-alltoall", "3"], "--cp-alltoall 3 must divide --cp 4; "
                                                                                 "use a divisor of 4"),
+    "--pp-sends scatter-gather with SP and experts": (EXPERTS, 8, ["--dp", "2", "--ep", "2", "--tp", "2", "--pp", "2",
+                                                                   "--sequence-parallel", "--pp-sends",
+                                                                   "scatter-gather"],
+                                                      "--pp-sends scatter-gather splits each pipeline message over TP"),
+    "--pp-sends scatter-gather with CP, no TP": (FIVE, 4, ["--dp", "1", "--tp", "1", "--pp", "2", "--cp", "2",
+                                                           "--pp-sends", "scatter-gather"],
+                                                 "--pp-sends scatter-gather splits each pipeline message over TP"),
+    "--pp-sends of another kind": (FIVE, 4, ["--cp", "2", "--pp-sends", "halves"],
+                                   "argument --pp-sends: invalid choice: 'halves'"),
 }
 
 
